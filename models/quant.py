@@ -1,0 +1,100 @@
+"""int8 weights: ``QuantArray`` and the one einsum every matmul goes through.
+
+Contract:
+  * ``QuantArray(quant, scale)`` holds symmetric int8 values and float32 scales per output
+    channel. ``scale`` has the weight's shape with every contracted (input) axis set to 1, so one
+    description serves any weight whatever its rank.
+  * ``einsum(spec, x, w)`` multiplies activations by a float array or a ``QuantArray``; models call
+    nothing else for matmuls, so there is never a second, quantized copy of a layer.
+  * ``QuantArray.act_quant`` (static) picks how int8 weights are multiplied: ``False`` dequantizes
+    inside the dot (weight-only int8, the GPU/TPU policy); ``True`` also quantizes activations per
+    token to int8 and runs an int8 x int8 -> int32 dot (the XLA:CPU policy, where that is the only
+    fast int8 kernel; see BUILD_NOTES.md "compute policy").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class QuantArray:
+  quant: jax.Array  # int8, the weight's shape
+  scale: jax.Array  # float32, the weight's shape with contracted axes = 1
+  act_quant: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.quant.shape)
+
+  @property
+  def ndim(self) -> int:
+    return self.quant.ndim
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    return (self.quant.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+Weight = jax.Array | QuantArray
+
+
+def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool = False
+                   ) -> QuantArray:
+  """Symmetric per-output-channel int8: max |w| over the contracted axes maps to 127."""
+  w32 = w.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(w32), axis=tuple(contract_axes), keepdims=True)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  quant = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+  return QuantArray(quant=quant, scale=scale.astype(jnp.float32), act_quant=act_quant)
+
+
+def _parse(spec: str) -> tuple[str, str, str]:
+  inputs, out = spec.replace(" ", "").split("->")
+  x_letters, w_letters = inputs.split(",")
+  return x_letters, w_letters, out
+
+
+def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
+  """Lays ``a`` (axes named by ``letters``; axes absent from ``out`` have size 1) out for
+  broadcasting against an einsum result named by ``out``."""
+  kept = [c for c in letters if c in out]
+  a = a.reshape([a.shape[i] for i, c in enumerate(letters) if c in out])
+  order = sorted(range(len(kept)), key=lambda i: out.index(kept[i]))
+  a = jnp.transpose(a, order)
+  kept_sorted = [kept[i] for i in order]
+  shape = [a.shape[kept_sorted.index(c)] if c in kept_sorted else 1 for c in out]
+  return a.reshape(shape)
+
+
+def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
+  """``jnp.einsum(spec, x, w)`` with f32 accumulation; result in ``x.dtype``.
+
+  ``x`` is the activation (first operand), ``w`` the weight (second operand).
+  """
+  if not isinstance(w, QuantArray):
+    return jnp.einsum(spec, x, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+  x_letters, w_letters, out = _parse(spec)
+  w_scale = _to_output(w.scale, w_letters, out)
+  if not w.act_quant:
+    y = jnp.einsum(spec, x, w.quant.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w_scale).astype(x.dtype)
+  # Per-token dynamic int8 activations: amax over the contracted axes of x.
+  contracted = tuple(i for i, c in enumerate(x_letters) if c not in out)
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True)
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+  y = jnp.einsum(spec, xq, w.quant, preferred_element_type=jnp.int32).astype(jnp.float32)
+  return (y * _to_output(x_scale, x_letters, out) * w_scale).astype(x.dtype)
+
+
+def take_rows(table: Weight, ids: jax.Array, dtype) -> jax.Array:
+  """Embedding lookup ``table[ids]`` for a float or int8 ``[V, D]`` table."""
+  if isinstance(table, QuantArray):
+    return (table.quant[ids].astype(jnp.float32) * table.scale[ids]).astype(dtype)
+  return table[ids].astype(dtype)

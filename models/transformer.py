@@ -1,0 +1,127 @@
+"""The decoder-only transformer as pure functions: ``prefill`` a chunk, ``decode_step`` a batch.
+
+Contract:
+  * ``prefill(params, tokens_BT, cache, start_B, lens_B, cfg=..., attend_len=...)`` runs row b's
+    ``lens_B[b]`` tokens at absolute positions ``start_B[b] + t``, writes their K/V into the cache
+    and returns the logits of each row's last valid token (``all_logits=True``: every position).
+    ``start_B=None`` continues every row at ``cache.lengths`` (pass None rather than
+    ``cache.lengths`` itself, which the donated cache owns). Rows with ``lens_B[b] == 0`` are
+    untouched. Padding tokens (t >= lens_B[b]) write nothing.
+    Long prompts are fed as consecutive chunks; a cached prefix is continued by starting at its
+    length.
+  * ``decode_step(params, tokens_B, cache, cfg=..., attend_len=...)`` appends one token to every
+    active row, each at its own position ``cache.lengths[b]`` (ragged batch).
+  * ``attend_len`` (static) is how many cache positions attention reads: a padded bucket covering
+    every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
+    ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
+"""
+
+from __future__ import annotations
+
+
+
+import jax
+import jax.numpy as jnp
+
+from models import quant
+from models.attention import attend
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.layers import mlp, rms_norm, rope
+from models.weights import Params
+
+
+def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+  x = quant.take_rows(params["embed"], tokens, dtype)
+  if cfg.embed_scale:
+    x = x * jnp.asarray(cfg.embed_dim ** 0.5, dtype)
+  return x
+
+
+def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
+  x = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
+  if cfg.tie_embeddings:
+    logits = quant.einsum("btd,vd->btv", x, params["embed"])
+  else:
+    logits = quant.einsum("btd,dv->btv", x, params["unembed"])
+  return logits.astype(jnp.float32)
+
+
+def _block(x_BTD, layer, l, cache: KVCache, pos_BT, wpos_BT, cfg: ModelConfig, attend_len: int):
+  h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
+  q_BTNH = rope(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), pos_BT, cfg.rope_theta)
+  k_BTKH = rope(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), pos_BT, cfg.rope_theta)
+  v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
+  b_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+  # Scatter this chunk into the cache; out-of-range positions (padding) are dropped.
+  k_cache = cache.k.at[l, b_B1, :, wpos_BT, :].set(k_BTKH.astype(cache.k.dtype), mode="drop")
+  v_cache = cache.v.at[l, b_B1, :, wpos_BT, :].set(v_BTKH.astype(cache.v.dtype), mode="drop")
+  attn_BTNH = attend(q_BTNH, k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len], pos_BT)
+  attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
+  if cfg.parallel_block:
+    x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg)
+  else:
+    x_BTD = x_BTD + attn_BTD
+    x_BTD = x_BTD + mlp(rms_norm(x_BTD, layer["mlp_norm"], cfg.norm_eps, cfg.norm_plus_one),
+                        layer, cfg)
+  return x_BTD, cache.replace(k=k_cache, v=v_cache)
+
+
+def prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B: jax.Array | None,
+            lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
+            all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+  """Returns (logits [B, V] of each row's last valid token, or [B, T, V]; updated cache)."""
+  b, t = tokens_BT.shape
+  attend_len = attend_len or cache.max_len
+  start_B = cache.lengths if start_B is None else start_B  # None: continue each row
+  dtype = params["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
+  t_T = jnp.arange(t, dtype=jnp.int32)
+  pos_BT = start_B[:, None].astype(jnp.int32) + t_T[None, :]
+  valid_BT = t_T[None, :] < lens_B[:, None]
+  wpos_BT = jnp.where(valid_BT, pos_BT, cache.max_len)  # max_len = out of range -> dropped
+  x_BTD = _embed(params, tokens_BT, cfg, dtype)
+  for l, layer in enumerate(params["layers"]):
+    x_BTD, cache = _block(x_BTD, layer, l, cache, pos_BT, wpos_BT, cfg, attend_len)
+  if not all_logits:
+    last_B = jnp.clip(lens_B - 1, 0, t - 1)
+    x_BTD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
+  logits = _unembed(params, x_BTD, cfg)
+  lengths = jnp.where(lens_B > 0, start_B + lens_B, cache.lengths).astype(jnp.int32)
+  cache = cache.replace(lengths=lengths)
+  return (logits if all_logits else logits[:, 0]), cache
+
+
+def decode_step(params: Params, tokens_B: jax.Array, cache: KVCache, *, cfg: ModelConfig,
+                attend_len: int | None = None, active_B: jax.Array | None = None
+                ) -> tuple[jax.Array, KVCache]:
+  """One token per active row at position ``cache.lengths[b]``; returns (logits [B, V], cache)."""
+  ones = jnp.ones_like(cache.lengths) if active_B is None else active_B.astype(jnp.int32)
+  return prefill(params, tokens_B[:, None], cache, None, ones, cfg=cfg,
+                 attend_len=attend_len)
+
+
+jit_prefill = jax.jit(prefill, static_argnames=("cfg", "attend_len", "all_logits"),
+                      donate_argnames=("cache",))
+jit_decode_step = jax.jit(decode_step, static_argnames=("cfg", "attend_len"),
+                          donate_argnames=("cache",))
+
+
+def forward(params: Params, tokens_BT: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  """Full causal forward of unpadded sequences from position 0: logits [B, T, V] (reference)."""
+  from models.kv_cache import init_cache
+  b, t = tokens_BT.shape
+  dtype = params["final_norm"].dtype
+  cache = init_cache(cfg, b, t, dtype)
+  logits, _ = prefill(params, tokens_BT, cache, jnp.zeros((b,), jnp.int32),
+                      jnp.full((b,), t, jnp.int32), cfg=cfg, all_logits=True)
+  return logits
+
+
+def bucket(n: int, minimum: int = 16, maximum: int | None = None) -> int:
+  """Smallest power of two >= n (at least ``minimum``), capped at ``maximum``."""
+  size = max(minimum, 1 << max(0, (n - 1).bit_length()))
+  return min(size, maximum) if maximum else size
+
+
+__all__ = ["prefill", "decode_step", "jit_prefill", "jit_decode_step", "forward", "bucket"]
+

@@ -1,0 +1,1 @@
+"""phaseserve serving."""
