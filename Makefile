@@ -1,0 +1,43 @@
+# phaseserve: `make run` and `make test` do all set-up on a fresh machine.
+SHELL := /bin/bash
+VENV := .venv
+REF_VENV := .venv-ref
+PY := $(VENV)/bin/python
+REF_PY := $(REF_VENV)/bin/python
+
+# JAX 0.12 needs Python >= 3.12: use python3.12 if it runs, else pyenv's 3.12.
+PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
+  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+# The PyTorch reference side (tests only) runs in Python 3.11, where torch's CPU wheel is on disk.
+PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3; do \
+  $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+.PHONY: run test test-slow bench clean
+
+$(VENV)/.stamp: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+$(REF_VENV)/.stamp: tests/reference/requirements.txt
+	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (set PYTHON311=...)"; exit 1; }
+	$(PYTHON311) -m venv $(REF_VENV)
+	$(REF_PY) -m pip install -q -r tests/reference/requirements.txt
+	touch $@
+
+run: $(VENV)/.stamp
+	$(PY) -m launch.generate --model tiny --prompt "The two phases of inference" --max_tokens 48 --temperature 0.8 --top_k 40 --seed 0
+
+test: $(VENV)/.stamp $(REF_VENV)/.stamp
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.stamp $(REF_VENV)/.stamp
+	$(PY) -m pytest -q -m slow
+
+bench: $(VENV)/.stamp
+	$(PY) -m launch.bench_model --model small --json
+
+clean:
+	rm -rf $(VENV) $(REF_VENV) tests/_ref_artifacts

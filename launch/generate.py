@@ -1,0 +1,136 @@
+"""Generate text from one prompt, streaming tokens to stdout as they come.
+
+  python -m launch.generate --model tiny --prompt "Hello" --max_tokens 32
+  python -m launch.generate --model small --prompt_ids 1,2,3 --quantize int8 --json
+
+``--json`` prints one object: {"token_ids", "text", "ttft_ms", "tpot_ms", ...}. TTFT and TPOT are
+measured after compilation (reported separately as ``compile_s``). Bad flags exit with code 2 and
+a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", "tiny", "preset name (tiny, small) or checkpoint directory")
+_PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
+_PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "tokens to generate", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off", lower_bound=0)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass in (0, 1]")
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0)
+_PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for preset (random) weights")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
+_JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of streaming text")
+_STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 8, "decode steps per jitted call",
+                                       lower_bound=1)
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "do not stop at the end-of-sequence token")
+
+
+class CliError(Exception):
+  """A user error: printed as one line, exit code 2."""
+
+
+def _prompt_ids(tokenizer) -> list[int]:
+  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
+    raise CliError("give exactly one of --prompt or --prompt_ids")
+  if _PROMPT_IDS.value is not None:
+    try:
+      return [int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]
+    except ValueError:
+      raise CliError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}")
+  ids = tokenizer.encode(_PROMPT.value)
+  return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+def run() -> dict:
+  import jax.numpy as jnp
+  from models.loader import load_model
+  from models.tokenizer import StreamDecoder
+  from models.weights import quantize
+  from serving.generator import Generator
+  from serving.sampling import SamplingParams
+
+  try:
+    sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
+  except ValueError as e:
+    raise CliError(str(e))
+  dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
+  try:
+    cfg, params, tokenizer = load_model(_MODEL.value, dtype, _PARAM_SEED.value)
+  except (ValueError, FileNotFoundError) as e:
+    raise CliError(str(e))
+  prompt = _prompt_ids(tokenizer)
+  import jax
+  on_cpu = jax.default_backend() == "cpu"
+  if _QUANTIZE.value == "int8":
+    params = quantize(params, cfg, act_quant=on_cpu)
+  gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value,
+                  min_batch=8 if (on_cpu and _QUANTIZE.value == "int8") else 1)
+  try:
+    gen.check_lengths(len(prompt), _MAX_TOKENS.value)
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+      raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
+  except ValueError as e:
+    raise CliError(str(e))
+  stop = () if _IGNORE_EOS.value or tokenizer.eos_id is None else (tokenizer.eos_id,)
+
+  t0 = time.perf_counter()  # warm-up: compile every shape this request will use
+  for _ in gen.stream([prompt], _MAX_TOKENS.value, sampling, stop_ids=()):
+    pass
+  compile_s = time.perf_counter() - t0
+
+  decoder = StreamDecoder(tokenizer)
+  ids: list[int] = []
+  times: list[float] = []
+  start = time.perf_counter()
+  for step in gen.stream([prompt], _MAX_TOKENS.value, sampling, stop_ids=stop):
+    tok = int(step[0])
+    if tok < 0:
+      break
+    times.append(time.perf_counter())
+    ids.append(tok)
+    if not _JSON.value:
+      sys.stdout.write(decoder.push(tok))
+      sys.stdout.flush()
+  if not _JSON.value:
+    sys.stdout.write(decoder.flush() + "\n")
+  ttft_ms = (times[0] - start) * 1e3
+  tpot_ms = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
+  return {"token_ids": ids, "text": tokenizer.decode(ids), "ttft_ms": ttft_ms,
+          "tpot_ms": tpot_ms, "prompt_tokens": len(prompt), "compile_s": compile_s,
+          "model": cfg.name, "quantize": _QUANTIZE.value, "dtype": _DTYPE.value}
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  result = run()
+  if _JSON.value:
+    print(json.dumps(result))
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def entry() -> None:
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except CliError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  entry()
