@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _MODEL = flags.DEFINE_string("model", "tiny", "preset name (tiny, small) or checkpoint directory")
 _PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
@@ -109,6 +109,7 @@ def run() -> dict:
 
 
 def main(argv: list[str]) -> None:
+  logging.set_verbosity(logging.WARNING)  # keep stderr for errors (JAX logs backend probing)
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
   result = run()

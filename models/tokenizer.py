@@ -1,0 +1,280 @@
+"""Tokenizers: text <-> token ids for the serving loop, plus streaming (incremental) decode.
+
+Contract:
+  * ``Tokenizer`` (ABC): ``encode(text) -> list[int]`` never adds special tokens (callers prepend
+    ``bos_id`` when it is not None); ``decode(ids) -> str`` drops special ids and ids the
+    tokenizer does not know, and never raises on invalid UTF-8 (U+FFFD replaces bad bytes);
+    ``vocab_size`` counts the tokenizer's ids (a model's vocab may be larger: the sampler should
+    never produce ids >= ``vocab_size``); ``bos_id`` (the id to prepend, or None); ``eos_id``
+    and ``eos_ids`` (every id that ends generation, ``eos_id`` first).
+  * ``ByteTokenizer`` (the built-in presets): ids 0..255 are the UTF-8 bytes, then
+    ``BOS = 256``, ``EOS = 257``, ``PAD = 258``; ``vocab_size`` is 259 whatever the model's vocab
+    (the ``small`` preset's 32000-id vocab uses only the first 259).
+  * ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. Ids come from, in priority order,
+    ``generation_config.json``, ``config.json`` (``eos_token_id`` / ``bos_token_id``, int or
+    list) and ``tokenizer_config.json`` (``eos_token`` / ``bos_token`` strings) in the same
+    directory; eos falls back to a well-known token name and must be found. bos is used only if
+    ``tokenizer_config.json`` says ``add_bos_token: true`` or, when it is silent, the
+    tokenizer's own post-processor prepends a token.
+  * ``StreamDecoder(tokenizer)``: ``push(id) -> str`` returns only newly completed text (never a
+    partial UTF-8 character, which would print as U+FFFD), ``flush() -> str`` the rest. Decoding a
+    sliding window of ids keeps word-boundary spaces right for any tokenizer.
+  * ``load_tokenizer(name_or_path)``: a model preset name -> ``ByteTokenizer``; a directory with
+    ``tokenizer.json`` (or that file itself) -> ``HFTokenizer``; anything else -> ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from typing import Iterable, Iterator, Mapping
+
+import tokenizers
+
+from models.config import PRESET_NAMES, get_preset
+
+_REPLACEMENT = "\ufffd"
+# A UTF-8 character has at most 4 bytes, so at most 4 (byte-level) tokens; once more are pending
+# and the text still ends in U+FFFD, the bytes are invalid rather than incomplete.
+_MAX_PENDING = 4
+
+
+class Tokenizer(abc.ABC):
+  """Text <-> ids; see the module contract."""
+
+  @abc.abstractmethod
+  def encode(self, text: str) -> list[int]:
+    ...
+
+  @abc.abstractmethod
+  def decode(self, ids: Iterable[int]) -> str:
+    ...
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    ...
+
+  @property
+  @abc.abstractmethod
+  def bos_id(self) -> int | None:
+    ...
+
+  @property
+  @abc.abstractmethod
+  def eos_id(self) -> int:
+    ...
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes as ids 0..255, then bos / eos / pad."""
+
+  BOS = 256
+  EOS = 257
+  PAD = 258
+  VOCAB_SIZE = 259
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.VOCAB_SIZE
+
+  @property
+  def bos_id(self) -> int:
+    return self.BOS
+
+  @property
+  def eos_id(self) -> int:
+    return self.EOS
+
+  @property
+  def pad_id(self) -> int:
+    return self.PAD
+
+  def __repr__(self) -> str:
+    return "ByteTokenizer()"
+
+
+_JSON = Mapping[str, object]
+_EOS_NAMES = ("</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
+
+def _read_json(path: str) -> _JSON:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} is not a JSON object")
+  return data
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+  if isinstance(value, bool):
+    return ()
+  if isinstance(value, int):
+    return (value,)
+  if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                     for v in value):
+    return tuple(value)
+  return ()
+
+
+def _token_name(value: object) -> str | None:
+  if isinstance(value, str):
+    return value
+  if isinstance(value, dict) and isinstance(value.get("content"), str):
+    return str(value["content"])
+  return None
+
+
+class HFTokenizer(Tokenizer):
+  """A Hugging Face ``tokenizers`` tokenizer.json with eos / bos from the checkpoint's configs."""
+
+  def __init__(self, tokenizer_json: str | os.PathLike[str]):
+    path = os.fspath(tokenizer_json)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises plain Exception for unreadable / bad files
+      raise ValueError(f"cannot load tokenizer {path}: {e}") from None
+    self.path = path
+    directory = os.path.dirname(os.path.abspath(path))
+    configs = [_read_json(os.path.join(directory, name))
+               for name in ("generation_config.json", "config.json")]
+    tok_cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    self._eos_ids = self._find_ids("eos", configs, tok_cfg)
+    if not self._eos_ids:
+      self._eos_ids = tuple(i for i in map(self._tok.token_to_id, _EOS_NAMES) if i is not None)[:1]
+    if not self._eos_ids:
+      raise ValueError(f"{path}: no eos token in generation_config.json, config.json or "
+                       "tokenizer_config.json, and none of the usual names is in the vocab")
+    bos_ids = self._find_ids("bos", configs, tok_cfg)
+    added = self._prepended_ids()
+    add_bos = tok_cfg.get("add_bos_token")
+    if isinstance(add_bos, bool):
+      self._bos_id = (bos_ids or added or (None,))[0] if add_bos else None
+    else:
+      self._bos_id = added[0] if added else None
+
+  def _find_ids(self, kind: str, configs: list[_JSON], tok_cfg: _JSON) -> tuple[int, ...]:
+    for cfg in configs:
+      ids = _as_ids(cfg.get(f"{kind}_token_id"))
+      if ids:
+        return ids
+    name = _token_name(tok_cfg.get(f"{kind}_token"))
+    found = self._tok.token_to_id(name) if name is not None else None
+    return (found,) if found is not None else ()
+
+  def _prepended_ids(self) -> tuple[int, ...]:
+    """Ids the tokenizer's post-processor puts before a sequence (e.g. Llama's ``<s>``)."""
+    plain = self._tok.encode("a", add_special_tokens=False).ids
+    full = self._tok.encode("a", add_special_tokens=True).ids
+    n = len(full) - len(plain)
+    if n > 0 and full[n:n + len(plain)] == plain:
+      return tuple(full[:n])
+    return ()
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    size = self.vocab_size
+    return self._tok.decode([i for i in ids if 0 <= i < size], skip_special_tokens=True)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._bos_id
+
+  @property
+  def eos_id(self) -> int:
+    return self._eos_ids[0]
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    return self._eos_ids
+
+  def __repr__(self) -> str:
+    return f"HFTokenizer({self.path!r})"
+
+
+class StreamDecoder:
+  """Turns ids arriving one at a time into text, emitting only complete characters.
+
+  Keeps a small window: ids already emitted once (for context, so a tokenizer that drops a
+  leading space decodes the next word correctly) and ids not yet emitted.
+  """
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tok = tokenizer
+    self._ids: list[int] = []
+    self._prefix = 0  # start of the context window
+    self._read = 0  # ids before this have been emitted
+
+  def push(self, token_id: int) -> str:
+    """Adds one id; returns the text it completes ('' while a character is still partial)."""
+    self._ids.append(int(token_id))
+    prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+    text = self._tok.decode(self._ids[self._prefix:])
+    pending = len(self._ids) - self._read
+    if len(text) <= len(prefix_text):
+      return ""
+    if text.endswith(_REPLACEMENT) and pending < _MAX_PENDING:
+      return ""
+    del self._ids[:self._read]
+    self._prefix, self._read = 0, len(self._ids)
+    return text[len(prefix_text):]
+
+  def flush(self) -> str:
+    """Returns whatever is left (incomplete bytes as U+FFFD) and resets."""
+    prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+    text = self._tok.decode(self._ids[self._prefix:])
+    self._ids, self._prefix, self._read = [], 0, 0
+    return text[len(prefix_text):]
+
+
+def stream_decode(tokenizer: Tokenizer, ids: Iterable[int]) -> Iterator[str]:
+  """Yields non-empty text chunks as ``ids`` arrive; concatenated they equal ``decode(ids)``
+  (for any tokenizer whose decode of a sequence is the concatenation of its pieces)."""
+  decoder = StreamDecoder(tokenizer)
+  for i in ids:
+    chunk = decoder.push(i)
+    if chunk:
+      yield chunk
+  rest = decoder.flush()
+  if rest:
+    yield rest
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
+  """A preset name -> ``ByteTokenizer``; a tokenizer.json or a directory with one ->
+  ``HFTokenizer``."""
+  name = os.fspath(name_or_path)
+  if name in PRESET_NAMES:
+    vocab = get_preset(name).vocab_size
+    if vocab < ByteTokenizer.VOCAB_SIZE:
+      raise ValueError(f"preset {name!r} has vocab {vocab} < {ByteTokenizer.VOCAB_SIZE} byte ids")
+    return ByteTokenizer()
+  if os.path.isdir(name):
+    path = os.path.join(name, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise ValueError(f"{name} has no tokenizer.json (only Hugging Face tokenizer.json "
+                       "tokenizers are supported)")
+    return HFTokenizer(path)
+  if os.path.isfile(name) and name.endswith(".json"):
+    return HFTokenizer(name)
+  raise ValueError(f"{name!r} is neither a model preset ({', '.join(PRESET_NAMES)}) nor a "
+                   "directory containing tokenizer.json")
