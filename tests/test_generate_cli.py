@@ -86,3 +86,12 @@ def test_bad_flags_exit_2_with_one_line(args, needle):
   assert "Traceback" not in r.stderr
   lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
   assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_checkpoint_directory_gives_same_tokens_as_preset(tmp_path):
+  from models.checkpoint import save_params
+  cfg = get_preset("tiny")
+  save_params(str(tmp_path / "ckpt"), init_params(cfg, jax.random.key(0)), cfg)
+  args = ("--prompt_ids", "5,6,7,8", "--max_tokens", "6", "--ignore_eos")
+  from_ckpt = _json("--model", str(tmp_path / "ckpt"), *args)
+  assert from_ckpt["token_ids"] == _reference_greedy([5, 6, 7, 8], 6)
