@@ -1,0 +1,310 @@
+"""Analytic cost of one inference step of a partitioned decoder (Pope et al., MLSys 2023).
+
+Contract: ``step_cost(model, hw, layout, attention, mesh, phase, batch, context, weights)``
+returns a frozen ``StepCost`` (seconds, bytes, MFU) for one forward pass of the whole model, or
+raises ``ValueError`` for an invalid combination; ``check_layout`` (and its structural part
+``structural_reason``) returns the reason a combination is invalid (``None`` when valid).
+Pure arithmetic, no JAX.
+
+Layout names are a contract shared with the sharding code (use these exact strings):
+  feed-forward ``FFN_LAYOUTS``:  ws_1d, ws_2d, wg_x, wg_xy, wg_xyz
+  attention ``ATTENTION_LAYOUTS``: heads, batch_z, batch_yz, batch_xyz
+The mesh is ``(x, y, z)``, n = x*y*z chips. ``ws_1d`` uses one axis: mesh (n, 1, 1).
+
+Phases. ``prefill``: ``batch`` sequences of ``context`` prompt tokens in one pass; tokens
+T = batch*context; latency is the whole prompt pass. ``decode``: ``batch`` sequences, one new
+token each, attending to ``context`` cached tokens; T = batch; latency is one step.
+
+Notation: E = embed_dim, F = mlp_dim, L = num_layers, N/K/H = query heads / kv heads / head dim,
+a = 2 bytes per activation (bf16), w = 2 (bf16) or 1 (int8) bytes per weight, W = the
+interconnect bandwidth ``hw.network_bandwidth`` (paper App. A.1: an all-gather or reduce-scatter
+whose result / input is D bytes takes D/W; an all-to-all of D bytes takes D/(4W) on a torus).
+
+Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2:
+  ws_1d   weights sharded on F over all n chips; per layer one all-gather + one reduce-scatter of
+          the activations: 2*T*E*a / W  (does not shrink with n).
+  ws_2d   weights E_x F_yz; all-gather(yz) + reduce-scatter(x) on the way in, all-gather(x) +
+          reduce-scatter(yz) on the way out: 2*T*a*(E/X + F/YZ) / W. With X*YZ = n the minimum is
+          at X = sqrt(n*E/F) (d/dX [E/X + F*X/n] = 0), giving 4*T*a*sqrt(E*F/n)/W, i.e.
+          8*T*E*a/(sqrt(n)*W) for F = 4E: it shrinks as 1/sqrt(n) (``optimal_2d_x``).
+  wg_*    weights stored E_x F_yz as in ws_2d but all-gathered over the N chips of the named axes
+          (wg_x: N = X, wg_xy: N = XY, wg_xyz: N = n) before use, with the batch sharded N ways:
+          gathering a layer's weights costs W_layer*N/n / W (int8 halves it); the remaining n/N
+          chips run ws_1d on T/N tokens: 2*(T/N)*E*a / W (zero when N = n). With W_layer = 2EFw
+          this is the paper's 2EFwN/(nW) + 2TEa/(NW), minimal at N = sqrt(T*n*a/(F*w))
+          (``optimal_wg_chips``): ~sqrt(T) instead of ~T, so it wins at large T (prefill).
+  attention all-to-all: when the attention's batch axes differ from the FFN's (ws_* keep the
+          batch replicated, wg_* shard it over their gathered axes), Q (N*H), the new K/V (2*K*H)
+          and the output (N*H) are re-sharded with an all-to-all over the differing axes, a group
+          of g chips moving T*(2NH + 2KH)*a*g/n bytes (``Hardware.all_to_all_time``).
+  PaLM-style parallel blocks fuse attention's projections into the FFN collectives (Sec. 3.4);
+  for serial blocks the activation collectives are doubled.
+  Latency floor: every collective also pays ``hw.collective_step_latency_s`` per ring hop
+  (``Hardware.collective_steps(group)``); collectives per layer: ws_1d 2, ws_2d 4, wg 2 gathers
+  (+2 activation collectives if n/N > 1), attention all-to-all 2.
+
+Memory per chip and step: weight_mem_s = weight bytes read / HBM bandwidth (ws: the resident
+1/n shard; wg: the gathered W*N/n); kv_mem_s = KV-cache bytes read (decode) or written (prefill)
+per chip / HBM bandwidth. KV per chip: total KV = L*B*context*2*K*H*2 bytes (bf16 cache), split
+over the b batch-sharding chips and over the kv heads of the remaining n/b head-sharding chips:
+/ (b * min(n/b, K)) -- with multiquery (K = 1) and ``heads`` sharding every chip holds the whole
+cache (replicated), which is why decode wants batch-sharded attention (Sec. 3.3).
+
+Overlap model: like the paper's analysis, collectives are NOT overlapped with compute or memory
+(the paper's implementation does overlap them, Sec. 3.5 Looped CollectiveEinsum); compute and
+HBM traffic overlap perfectly (roofline):
+  latency = max(compute_s, weight_mem_s + kv_mem_s) + comm_s, comm_s including the floors.
+compute_s = model FLOPs / (n * bf16 peak) -- int8 here is weight-only (as in the paper, Sec. 3.6),
+so matmuls still run at the bf16 peak. Model FLOPs = T * (``flops_per_token(0)`` + attention
+4*L*N*H*c), c = context for decode and (context+1)/2 (causal mean) for prefill.
+mfu = FLOPs / (latency * n * bf16 peak); cost_chip_s_per_token = latency * n / T.
+HBM fit: resident weights (1/n) + KV per chip + one gathered layer (wg) + the residual stream in
+and out, 2*T*E*a/n, must fit in ``hw.hbm_bytes`` (no reserve is kept; FFN hidden activations and
+attention scores are assumed processed in token chunks, so they are not counted).
+Not modelled: embedding/unembedding collectives, head padding (PaLM 540B pads 48 -> 64 heads),
+kernel efficiency below peak; the model is therefore an optimistic lower bound on latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from models.config import ModelConfig
+from partitioning.hardware import Hardware
+
+Phase = Literal["prefill", "decode"]
+WeightsDtype = Literal["bf16", "int8"]
+FfnLayout = Literal["ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz"]
+AttentionLayout = Literal["heads", "batch_z", "batch_yz", "batch_xyz"]
+Mesh = tuple[int, int, int]
+
+FFN_LAYOUTS: tuple[FfnLayout, ...] = ("ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz")
+ATTENTION_LAYOUTS: tuple[AttentionLayout, ...] = ("heads", "batch_z", "batch_yz", "batch_xyz")
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+WEIGHT_BYTES: dict[str, int] = {"bf16": 2, "int8": 1}
+
+ACT_BYTES = 2  # bf16 activations and KV cache
+_AXES = "xyz"
+# Mesh axes the batch is sharded over, per FFN layout / attention layout.
+_FFN_BATCH_AXES: dict[str, str] = {
+    "ws_1d": "", "ws_2d": "", "wg_x": "x", "wg_xy": "xy", "wg_xyz": "xyz"}
+_ATTN_BATCH_AXES: dict[str, str] = {
+    "heads": "", "batch_z": "z", "batch_yz": "yz", "batch_xyz": "xyz"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """Predicted cost of one step (prefill: the whole prompt pass; decode: one token)."""
+
+  n_chips: int
+  tokens: int  # tokens produced/processed by the step: B*context (prefill) or B (decode)
+  flops: float  # model FLOPs of the step
+  compute_s: float
+  weight_mem_s: float
+  kv_mem_s: float
+  comm_s: float  # all collectives: bandwidth terms + latency floors
+  collective_floor_s: float  # the latency-floor part of comm_s
+  latency_s: float
+  mfu: float
+  cost_chip_s_per_token: float
+  weight_bytes_per_chip: float  # resident weights
+  kv_bytes_per_chip: float
+  hbm_bytes_per_chip: float  # everything resident: weights + KV + gather buffer + activations
+  fits: bool
+
+
+def _axes_size(mesh: Mesh, axes: str) -> int:
+  return math.prod(mesh[_AXES.index(a)] for a in axes)
+
+
+def ffn_batch_chips(layout: str, mesh: Mesh) -> int:
+  """Chips the FFN layout shards the batch over (1 for weight-stationary layouts)."""
+  return _axes_size(mesh, _FFN_BATCH_AXES[layout])
+
+
+def attention_batch_chips(attention: str, mesh: Mesh) -> int:
+  """Chips the attention layout shards the batch (and its KV cache) over."""
+  return _axes_size(mesh, _ATTN_BATCH_AXES[attention])
+
+
+def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
+  """Why ``(layout, attention, mesh)`` is not a distinct plan on that mesh, or None.
+
+  Covers unknown names, malformed meshes, and degenerate shapes that duplicate another layout
+  (``batch_z`` with z = 1 is ``heads``; ``wg_x`` with y*z = 1 is ``wg_xyz``; ...; ``wg_xyz``
+  itself is valid on any mesh of more than one chip), so a planner
+  enumerating every mesh can skip these silently and still see each plan once.
+  """
+  if layout not in FFN_LAYOUTS:
+    return f"unknown ffn layout {layout!r}"
+  if attention not in ATTENTION_LAYOUTS:
+    return f"unknown attention layout {attention!r}"
+  if len(mesh) != 3 or any(int(d) != d or d < 1 for d in mesh):
+    return f"mesh must be three positive ints, got {mesh!r}"
+  x, y, z = mesh
+  if layout == "ws_1d" and (y, z) != (1, 1):
+    return "ws_1d uses a single mesh axis: mesh must be (n, 1, 1)"
+  if x * y * z == 1:
+    if layout != "ws_1d" or attention != "heads":
+      return "one chip: only ws_1d with heads (no partitioning) applies"
+    return None
+  if layout == "ws_2d" and (x == 1 or y * z == 1):
+    return "ws_2d needs x > 1 and y*z > 1"
+  if layout in ("wg_x", "wg_xy"):  # wg_xyz (gather over every chip) applies to any mesh
+    gathered = _FFN_BATCH_AXES[layout]
+    if any(mesh[_AXES.index(a)] == 1 for a in gathered):
+      return f"{layout} needs every gathered axis ({gathered}) > 1"
+    rest = "".join(a for a in _AXES if a not in gathered)
+    if _axes_size(mesh, rest) == 1:
+      return f"{layout} with the remaining axes of size 1 is wg_xyz"
+  degenerate = {"batch_z": ("z", "heads"), "batch_yz": ("y", "batch_z"),
+                "batch_xyz": ("x", "batch_yz")}
+  if attention in degenerate:
+    axis, same_as = degenerate[attention]
+    if mesh[_AXES.index(axis)] == 1:
+      return f"{attention} with {axis} = 1 is {same_as}"
+  return None
+
+
+def check_layout(layout: str, attention: str, mesh: Mesh, batch: int) -> str | None:
+  """Why ``(layout, attention, mesh)`` is invalid for ``batch`` sequences, or None if valid.
+
+  ``structural_reason`` first, then divisibility: the batch must split evenly over the
+  weight-gathered chips (wg_*) and over the batch-sharded attention chips (batch_*).
+  """
+  reason = structural_reason(layout, attention, mesh)
+  if reason:
+    return reason
+  if batch < 1:
+    return f"batch must be >= 1, got {batch}"
+  chips = ffn_batch_chips(layout, mesh)
+  if batch % chips:
+    return f"batch {batch} is not divisible by the {chips} weight-gathered chips of {layout}"
+  chips = attention_batch_chips(attention, mesh)
+  if batch % chips:
+    return f"batch {batch} is not divisible by the {chips} batch-sharded chips of {attention}"
+  return None
+
+
+def optimal_2d_x(model: ModelConfig, n_chips: int) -> float:
+  """The paper's optimal E-axis size for ws_2d: X = sqrt(n*E/F) (0.5*sqrt(n) when F = 4E)."""
+  return math.sqrt(n_chips * model.embed_dim / model.mlp_dim)
+
+
+def optimal_wg_chips(model: ModelConfig, tokens: int, n_chips: int,
+                     weights: WeightsDtype = "bf16") -> float:
+  """Weight-gathered size N minimising 2EFwN/(nW) + 2TEa/(NW): N = sqrt(T*n*a/(F*w))."""
+  w = WEIGHT_BYTES[weights]
+  return math.sqrt(tokens * n_chips * ACT_BYTES / (model.mlp_dim * w))
+
+
+def _layer_params(model: ModelConfig) -> float:
+  # param_count(False) = L * per_layer + final norm (E); remove the final norm.
+  return (model.param_count(include_embedding=False) - model.embed_dim) / model.num_layers
+
+
+def step_flops(model: ModelConfig, phase: Phase, batch: int, context: int) -> float:
+  """Model FLOPs of one step (matmuls + attention scores/values), see module docstring."""
+  tokens = batch * context if phase == "prefill" else batch
+  mean_context = (context + 1) / 2 if phase == "prefill" else float(context)
+  attention = model.num_layers * 4.0 * model.num_heads * model.head_dim * mean_context
+  return tokens * (model.flops_per_token(0) + attention)
+
+
+def kv_cache_bytes(model: ModelConfig, batch: int, context: int) -> float:
+  """Total (unsharded) bf16 KV cache of ``batch`` sequences of ``context`` tokens."""
+  return (model.num_layers * batch * context * 2.0 * model.num_kv_heads * model.head_dim
+          * ACT_BYTES)
+
+
+def validate_workload(phase: str, batch: int, context: int, weights: str) -> None:
+  """Raises ValueError unless phase/batch/context/weights describe a valid step."""
+  if phase not in PHASES:
+    raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+  if weights not in WEIGHT_BYTES:
+    raise ValueError(f"weights must be one of {tuple(WEIGHT_BYTES)}, got {weights!r}")
+  if batch < 1:
+    raise ValueError(f"batch must be >= 1, got {batch}")
+  if context < (1 if phase == "prefill" else 0):
+    raise ValueError(f"context must be >= {1 if phase == 'prefill' else 0} for {phase}")
+
+
+def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: AttentionLayout,
+              mesh: Mesh, phase: Phase, batch: int, context: int,
+              weights: WeightsDtype = "bf16") -> StepCost:
+  """Predicted cost of one ``phase`` step; raises ValueError for invalid inputs."""
+  validate_workload(phase, batch, context, weights)
+  reason = check_layout(layout, attention, mesh, batch)
+  if reason:
+    raise ValueError(reason)
+  x, y, z = mesh
+  n = x * y * z
+  e, f = model.embed_dim, model.mlp_dim
+  w = WEIGHT_BYTES[weights]
+  a = ACT_BYTES
+  bw = hw.network_bandwidth
+  tokens = batch * context if phase == "prefill" else batch
+  serial = 1 if model.parallel_block else 2  # serial blocks: attention has its own collectives
+
+  layer_weight_bytes = _layer_params(model) * w
+  total_weight_bytes = model.param_count(include_embedding=True) * w
+  embed_weight_bytes = total_weight_bytes - model.num_layers * layer_weight_bytes
+
+  # --- Feed-forward (and fused attention projection) collectives, per layer.
+  comm = 0.0  # bytes/W seconds
+  steps = 0  # ring hops
+  gathered = 1  # N, chips the weights are all-gathered over
+  if layout == "ws_1d":
+    if n > 1:  # a single chip communicates nothing
+      comm += serial * 2 * tokens * e * a / bw
+    steps += serial * 2 * hw.collective_steps(n)
+  elif layout == "ws_2d":
+    comm += serial * 2 * tokens * a * (e / x + f / (y * z)) / bw
+    steps += serial * 2 * (hw.collective_steps(y * z) + hw.collective_steps(x))
+  else:
+    gathered = ffn_batch_chips(layout, mesh)
+    rest = n // gathered
+    comm += layer_weight_bytes * gathered / n / bw
+    steps += serial * 2 * hw.collective_steps(gathered)
+    if rest > 1:
+      comm += serial * 2 * (tokens / gathered) * e * a / bw
+      steps += serial * 2 * hw.collective_steps(rest)
+
+  # --- Attention re-sharding all-to-all, per layer.
+  ffn_axes, attn_axes = _FFN_BATCH_AXES[layout], _ATTN_BATCH_AXES[attention]
+  differing = "".join(ax for ax in _AXES if (ax in ffn_axes) != (ax in attn_axes))
+  a2a_group = _axes_size(mesh, differing)
+  if a2a_group > 1:
+    qkvo = tokens * (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim * a
+    comm += hw.all_to_all_time(qkvo * a2a_group / n, a2a_group)
+    steps += 2 * hw.collective_steps(a2a_group)
+
+  floor_s = model.num_layers * steps * hw.collective_step_latency_s
+  comm_s = model.num_layers * comm + floor_s
+
+  # --- Memory.
+  b_chips = attention_batch_chips(attention, mesh)
+  head_chips = n // b_chips
+  kv_heads_per_chip = math.ceil(model.num_kv_heads / min(head_chips, model.num_kv_heads))
+  kv_per_chip = (kv_cache_bytes(model, batch, context) / b_chips
+                 * kv_heads_per_chip / model.num_kv_heads)
+  resident_weights = total_weight_bytes / n
+  weights_read = (model.num_layers * layer_weight_bytes * gathered + embed_weight_bytes) / n
+  gather_buffer = layer_weight_bytes * gathered / n if gathered > 1 else 0.0
+  activations = tokens * 2 * e * a / n  # residual stream in + out; see module docstring
+  hbm_needed = resident_weights + kv_per_chip + gather_buffer + activations
+
+  flops = step_flops(model, phase, batch, context)
+  compute_s = flops / (n * hw.peak_flops_bf16)
+  weight_mem_s = weights_read / hw.hbm_bandwidth
+  kv_mem_s = kv_per_chip / hw.hbm_bandwidth
+  latency_s = max(compute_s, weight_mem_s + kv_mem_s) + comm_s
+  return StepCost(
+      n_chips=n, tokens=tokens, flops=flops, compute_s=compute_s, weight_mem_s=weight_mem_s,
+      kv_mem_s=kv_mem_s, comm_s=comm_s, collective_floor_s=floor_s, latency_s=latency_s,
+      mfu=flops / (latency_s * n * hw.peak_flops_bf16),
+      cost_chip_s_per_token=latency_s * n / tokens,
+      weight_bytes_per_chip=resident_weights, kv_bytes_per_chip=kv_per_chip,
+      hbm_bytes_per_chip=hbm_needed, fits=hbm_needed <= hw.hbm_bytes)

@@ -1,0 +1,211 @@
+"""Chooses a partitioning layout by enumerating the analytic cost model (Pope et al. 2023).
+
+Contract: ``plan(model, hardware, chips, phase, batch, context, weights, objective,
+latency_bound_s)`` evaluates every FFN layout x attention layout x mesh ``(x, y, z)`` with
+x*y*z = chips (every ordered factorisation; ws_1d only as (chips, 1, 1)). Shapes that only
+duplicate another layout are skipped (``cost_model.structural_reason``); what is invalid for the
+batch (not divisible by the weight-gathered or batch-sharded chips), does not fit in HBM or misses
+``latency_bound_s`` is dropped with a reason. Returns a frozen ``Plan``: the candidates sorted best
+first (meshes with identical predicted cost for the same layouts, e.g. y <-> z swaps, collapsed to
+the most cubic one) and the dropped combinations.
+
+Objectives: ``latency`` minimises step latency on exactly ``chips`` chips. ``cost`` minimises
+chip-seconds per token and may use a sub-slice: any divisor of ``chips`` (the remaining chips
+can serve another replica), so ``Plan.best.mesh`` may multiply to fewer than ``chips``.
+Ties (the model does not tell y from z) break on the other metric, then the most cubic mesh,
+then layout order. Raises ``ValueError`` for bad arguments
+and ``NoFeasiblePlan`` (a ValueError) when nothing is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from models.config import ModelConfig
+from partitioning import cost_model
+from partitioning.cost_model import (
+    ATTENTION_LAYOUTS, FFN_LAYOUTS, AttentionLayout, FfnLayout, Mesh, Phase, StepCost,
+    WeightsDtype)
+from partitioning.hardware import Hardware
+
+Objective = Literal["latency", "cost"]
+OBJECTIVES: tuple[Objective, ...] = ("latency", "cost")
+
+
+class NoFeasiblePlan(ValueError):
+  """No layout is valid, fits in HBM and meets the latency bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One evaluated (layout, attention, mesh) with its predicted cost."""
+
+  layout: FfnLayout
+  attention: AttentionLayout
+  mesh: Mesh
+  cost: StepCost
+
+  @property
+  def latency_s(self) -> float:
+    return self.cost.latency_s
+
+  @property
+  def mfu(self) -> float:
+    return self.cost.mfu
+
+  @property
+  def cost_chip_s_per_token(self) -> float:
+    return self.cost.cost_chip_s_per_token
+
+  @property
+  def fits(self) -> bool:
+    return self.cost.fits
+
+  def to_dict(self) -> dict[str, object]:
+    c = self.cost
+    return {
+        "layout": self.layout, "attention": self.attention, "mesh": list(self.mesh),
+        "n_chips": c.n_chips, "latency_s": c.latency_s, "mfu": c.mfu,
+        "cost_chip_s_per_token": c.cost_chip_s_per_token, "fits": c.fits,
+        "compute_s": c.compute_s, "weight_mem_s": c.weight_mem_s, "kv_mem_s": c.kv_mem_s,
+        "comm_s": c.comm_s, "collective_floor_s": c.collective_floor_s,
+        "hbm_bytes_per_chip": c.hbm_bytes_per_chip,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+  """A combination the planner rejected, and why."""
+
+  layout: str
+  attention: str
+  mesh: Mesh
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The planner's answer: ``best`` is ``candidates[0]``."""
+
+  objective: Objective
+  phase: Phase
+  batch: int
+  context: int
+  weights: WeightsDtype
+  candidates: tuple[Candidate, ...]
+  dropped: tuple[Dropped, ...]
+
+  @property
+  def best(self) -> Candidate:
+    return self.candidates[0]
+
+  def to_dict(self, top: int = 10) -> dict[str, object]:
+    best = self.best
+    return {
+        "layout": best.layout, "attention": best.attention, "mesh": list(best.mesh),
+        "n_chips": best.cost.n_chips, "latency_s": best.latency_s, "mfu": best.mfu,
+        "cost_chip_s_per_token": best.cost_chip_s_per_token, "objective": self.objective,
+        "phase": self.phase, "batch": self.batch, "context": self.context,
+        "weights": self.weights, "num_candidates": len(self.candidates),
+        "num_dropped": len(self.dropped),
+        "candidates": [c.to_dict() for c in self.candidates[:top]],
+    }
+
+
+def mesh_shapes(chips: int) -> tuple[Mesh, ...]:
+  """Every ordered factorisation ``(x, y, z)`` of ``chips``, sorted."""
+  shapes = []
+  for x in range(1, chips + 1):
+    if chips % x:
+      continue
+    rest = chips // x
+    for y in range(1, rest + 1):
+      if rest % y == 0:
+        shapes.append((x, y, rest // y))
+  return tuple(shapes)
+
+
+def _sort_key(objective: Objective,
+              cand: Candidate) -> tuple[float, float, tuple[int, ...], int, int, Mesh]:
+  """Objective, then the other metric, then the most cubic mesh, then layout order."""
+  primary, secondary = cand.latency_s, cand.cost_chip_s_per_token
+  if objective == "cost":
+    primary, secondary = secondary, primary
+  return (primary, secondary, tuple(sorted(cand.mesh, reverse=True)),
+          FFN_LAYOUTS.index(cand.layout), ATTENTION_LAYOUTS.index(cand.attention), cand.mesh)
+
+
+def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch: int,
+         context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
+         latency_bound_s: float | None = None) -> Plan:
+  """Best layout for the workload; see the module docstring."""
+  if chips < 1:
+    raise ValueError(f"chips must be >= 1, got {chips}")
+  if chips > hardware.max_chips:
+    raise ValueError(f"chips={chips} exceeds {hardware.name}'s interconnect domain "
+                     f"({hardware.max_chips} chips)")
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+  if latency_bound_s is not None and not latency_bound_s > 0:
+    raise ValueError(f"latency_bound_s must be > 0, got {latency_bound_s}")
+  cost_model.validate_workload(phase, batch, context, weights)
+
+  sizes = [chips] if objective == "latency" else [d for d in range(1, chips + 1) if chips % d == 0]
+  kept: list[Candidate] = []
+  dropped: list[Dropped] = []
+  for n in sizes:
+    for mesh in mesh_shapes(n):
+      for layout in FFN_LAYOUTS:
+        for attention in ATTENTION_LAYOUTS:
+          if cost_model.structural_reason(layout, attention, mesh):
+            continue  # not a distinct plan on this mesh (e.g. batch_z with z = 1 is heads)
+          reason = cost_model.check_layout(layout, attention, mesh, batch)
+          if reason is None:
+            cost = cost_model.step_cost(
+                model, hardware, layout, attention, mesh, phase, batch, context, weights)
+            if not cost.fits:
+              reason = (f"does not fit in HBM: {cost.hbm_bytes_per_chip / 2**30:.1f} GiB per "
+                        f"chip > {hardware.hbm_bytes / 2**30:.1f} GiB")
+            elif latency_bound_s is not None and cost.latency_s > latency_bound_s:
+              reason = f"latency {cost.latency_s:.4g} s > bound {latency_bound_s:.4g} s"
+            else:
+              kept.append(Candidate(layout, attention, mesh, cost))
+              continue
+          dropped.append(Dropped(layout, attention, mesh, reason))
+  if not kept:
+    raise NoFeasiblePlan(
+        f"no layout for {model.name} on {chips} x {hardware.name} ({phase}, batch {batch}, "
+        f"context {context}, {weights} weights): {_summarise(dropped)}")
+  kept.sort(key=lambda c: _sort_key(objective, c))
+  unique: list[Candidate] = []
+  seen: set[tuple[str, str, StepCost]] = set()
+  for cand in kept:  # meshes the model cannot tell apart (y <-> z, ...): keep the most cubic
+    key = (cand.layout, cand.attention, cand.cost)
+    if key not in seen:
+      seen.add(key)
+      unique.append(cand)
+  return Plan(objective=objective, phase=phase, batch=batch, context=context, weights=weights,
+              candidates=tuple(unique), dropped=tuple(dropped))
+
+
+def _summarise(dropped: list[Dropped]) -> str:
+  """One line: how many combinations were dropped for which reason, with an example each."""
+  groups: dict[str, list[Dropped]] = {}
+  for d in dropped:
+    kind = ("HBM" if d.reason.startswith("does not fit") else
+            "latency bound" if d.reason.startswith("latency") else "batch divisibility")
+    groups.setdefault(kind, []).append(d)
+  if not groups:
+    return "no layout applies to this mesh size"
+  parts = []
+  for kind, items in groups.items():
+    if kind == "HBM":
+      example = min(items, key=lambda d: float(d.reason.split(": ")[1].split(" GiB")[0]))
+    elif kind == "latency bound":
+      example = min(items, key=lambda d: float(d.reason.split()[1]))
+    else:
+      example = items[0]
+    parts.append(f"{len(items)} fail {kind} (best: {example.layout}/{example.attention} "
+                 f"{'x'.join(map(str, example.mesh))}: {example.reason})")
+  return "; ".join(parts)

@@ -1,0 +1,173 @@
+"""Tests for partitioning.hardware and partitioning.cost_model (hand-checked arithmetic)."""
+
+import dataclasses
+import math
+
+import pytest
+
+from models.config import ModelConfig, get_preset
+from partitioning import cost_model
+from partitioning.cost_model import check_layout, optimal_2d_x, step_cost, structural_reason
+from partitioning.hardware import HARDWARE_NAMES, Hardware, get_hardware
+
+# Toy model, small enough to check by hand:
+#   param_count(False) = L*(d*h*(2N+2K) + 3*d*F + d) + d = 2*(48 + 96 + 4) + 4 = 300
+#   param_count(True) = 300 + V*d (tied) = 340; per-layer params = 148
+#   flops_per_token(0) = 2*(L*(48 + 96) + V*d) = 656
+TOY = ModelConfig(name="toy", vocab_size=10, embed_dim=4, num_layers=2, num_heads=2,
+                  num_kv_heads=1, head_dim=2, mlp_dim=8, tie_embeddings=True,
+                  parallel_block=True)
+# Switched fabric: W = 10 B/s, recursive-doubling steps of 0.5 s.
+TOY_HW = Hardware(name="toy", peak_flops_bf16=1e3, peak_flops_int8=2e3, hbm_bandwidth=100.0,
+                  hbm_bytes=1e9, ici_bandwidth=10.0, torus_dims=0,
+                  collective_step_latency_s=0.5, max_chips=64)
+PALM = get_preset("palm-540b")
+V4 = get_hardware("tpu-v4")
+
+
+def test_toy_model_counts():
+  assert TOY.param_count(include_embedding=False) == 300
+  assert TOY.param_count() == 340
+  assert TOY.flops_per_token(0) == 656
+
+
+def test_decode_ws_1d_by_hand():
+  c = step_cost(TOY, TOY_HW, "ws_1d", "heads", (2, 1, 1), "decode", batch=4, context=3)
+  # FLOPs: 4 tokens * (656 + L*4*N*H*S = 2*4*2*2*3 = 96).
+  assert c.flops == 3008
+  assert c.compute_s == pytest.approx(3008 / 2e3)
+  # ws_1d: 2*T*E*a/W = 2*4*4*2/10 = 6.4 s per layer; 2 collectives x 1 step x 0.5 s per layer.
+  assert c.collective_floor_s == pytest.approx(2.0)
+  assert c.comm_s == pytest.approx(2 * 6.4 + 2.0)
+  # Weights: 340 params * 2 B / 2 chips. KV: L*B*S*2*K*H*2 B = 192, MQA + heads: replicated.
+  assert c.weight_bytes_per_chip == 340
+  assert c.weight_mem_s == pytest.approx(3.4)
+  assert c.kv_bytes_per_chip == 192
+  assert c.kv_mem_s == pytest.approx(1.92)
+  latency = 3.4 + 1.92 + 14.8  # memory-bound, comms not overlapped
+  assert c.latency_s == pytest.approx(latency)
+  assert c.mfu == pytest.approx(3008 / (latency * 2 * 1e3))
+  assert c.cost_chip_s_per_token == pytest.approx(latency * 2 / 4)
+  assert c.hbm_bytes_per_chip == pytest.approx(340 + 192 + 4 * 2 * 4 * 2 / 2)
+  assert c.fits and c.tokens == 4 and c.n_chips == 2
+
+
+def test_decode_ws_2d_batch_sharded_by_hand():
+  c = step_cost(TOY, TOY_HW, "ws_2d", "batch_yz", (2, 2, 1), "decode", batch=4, context=3)
+  # ws_2d: 2*T*a*(E/X + F/YZ)/W = 2*4*2*(2 + 4)/10 = 9.6 s per layer.
+  # all-to-all over yz (2 chips): T*(2N+2K)*H*a = 96 B globally, 48 B per group;
+  # switch: 48 * (1/2) / 2 / 10 = 1.2 s per layer. Steps per layer: 2*(1+1) + 2*1 = 6.
+  assert c.collective_floor_s == pytest.approx(2 * 6 * 0.5)
+  assert c.comm_s == pytest.approx(2 * (9.6 + 1.2) + 6.0)
+  assert c.kv_bytes_per_chip == 96  # split over the 2 batch shards
+  assert c.weight_mem_s == pytest.approx(680 / 4 / 100)
+  assert c.latency_s == pytest.approx(1.7 + 0.96 + 27.6)
+
+
+def test_prefill_weight_gathered_int8_by_hand():
+  c = step_cost(TOY, TOY_HW, "wg_xyz", "batch_xyz", (2, 1, 1), "prefill", batch=2, context=3,
+                weights="int8")
+  # 6 tokens, causal mean context (3+1)/2 = 2: attention 2*4*2*2*2 = 64 per token.
+  assert c.flops == 6 * (656 + 64)
+  # Gather a 148-byte layer over N = 2 of 2 chips: 148*2/2/10 = 14.8 s per layer; no activation
+  # collective (N = n) and no all-to-all (both shard the batch over xyz).
+  assert c.comm_s == pytest.approx(2 * 14.8 + 2 * 2 * 1 * 0.5)
+  # Gathered weights read: (L*148*2 + 44 embedding/norm bytes)/2 = 318 B.
+  assert c.weight_mem_s == pytest.approx(3.18)
+  assert c.kv_bytes_per_chip == 48
+  assert c.latency_s == pytest.approx(3.18 + 0.48 + 31.6)
+  assert c.hbm_bytes_per_chip == pytest.approx(170 + 48 + 148 + 6 * 8 * 2 / 2)
+
+
+def test_single_chip_has_no_communication():
+  c = step_cost(TOY, TOY_HW, "ws_1d", "heads", (1, 1, 1), "decode", 4, 3)
+  assert c.comm_s == 0 and c.collective_floor_s == 0
+  assert c.weight_bytes_per_chip == 680
+
+
+def test_serial_block_doubles_activation_collectives():
+  serial = dataclasses.replace(TOY, parallel_block=False)
+  a = step_cost(TOY, TOY_HW, "ws_1d", "heads", (4, 1, 1), "decode", 4, 3)
+  b = step_cost(serial, TOY_HW, "ws_1d", "heads", (4, 1, 1), "decode", 4, 3)
+  assert b.comm_s == pytest.approx(2 * a.comm_s)
+
+
+def test_paper_2d_formula_at_optimum():
+  """With F = 4E and X = sqrt(nE/F) = 0.5*sqrt(n): comm = 8*T*E*a/(sqrt(n)*W) per layer."""
+  hw = dataclasses.replace(V4, collective_step_latency_s=0.0)
+  assert optimal_2d_x(PALM, 64) == pytest.approx(4.0)
+  c = step_cost(PALM, hw, "ws_2d", "heads", (4, 4, 4), "decode", batch=512, context=2048)
+  e = PALM.embed_dim
+  expected = PALM.num_layers * 8 * 512 * e * 2 / (math.sqrt(64) * 270e9)
+  assert c.comm_s == pytest.approx(expected)
+  one_d = step_cost(PALM, hw, "ws_1d", "heads", (64, 1, 1), "decode", batch=512, context=2048)
+  assert one_d.comm_s == pytest.approx(PALM.num_layers * 2 * 512 * e * 2 / 270e9)
+
+
+def test_int8_halves_weight_memory_and_gather_time():
+  args = ("decode", 64, 2048)
+  bf16 = step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), *args, weights="bf16")
+  int8 = step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), *args, weights="int8")
+  assert int8.weight_mem_s == pytest.approx(bf16.weight_mem_s / 2)
+  assert int8.weight_bytes_per_chip == pytest.approx(bf16.weight_bytes_per_chip / 2)
+  assert int8.latency_s < bf16.latency_s
+  wg16 = step_cost(PALM, V4, "wg_xyz", "batch_xyz", (4, 4, 4), "prefill", 64, 2048, "bf16")
+  wg8 = step_cost(PALM, V4, "wg_xyz", "batch_xyz", (4, 4, 4), "prefill", 64, 2048, "int8")
+  assert wg8.comm_s - wg8.collective_floor_s == pytest.approx(
+      (wg16.comm_s - wg16.collective_floor_s) / 2)
+
+
+def test_batch_sharding_splits_multiquery_kv_cache():
+  heads = step_cost(PALM, V4, "ws_2d", "heads", (4, 4, 4), "decode", 64, 2048)
+  batch = step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), "decode", 64, 2048)
+  total = cost_model.kv_cache_bytes(PALM, 64, 2048)
+  assert heads.kv_bytes_per_chip == pytest.approx(total)  # K = 1: replicated on every chip
+  assert batch.kv_bytes_per_chip == pytest.approx(total / 64)
+
+
+def test_hbm_fit_rejection():
+  assert not step_cost(PALM, V4, "ws_2d", "batch_xyz", (2, 2, 2), "decode", 8, 2048).fits
+  # 512 x 2048 multiquery cache replicated per chip (~118 GiB) cannot fit in 32 GiB.
+  assert not step_cost(PALM, V4, "ws_2d", "heads", (4, 4, 4), "decode", 512, 2048).fits
+  assert step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), "decode", 512, 2048).fits
+
+
+def test_check_layout_reasons():
+  assert check_layout("ws_2d", "batch_xyz", (4, 4, 4), 64) is None
+  assert "divisible" in check_layout("ws_2d", "batch_xyz", (4, 4, 4), 32)
+  assert "divisible" in check_layout("wg_xyz", "heads", (4, 4, 4), 1)
+  assert structural_reason("ws_1d", "heads", (4, 4, 4))
+  assert structural_reason("ws_2d", "batch_z", (4, 16, 1))  # z = 1: is heads
+  assert structural_reason("wg_x", "heads", (8, 1, 1))
+  assert structural_reason("wg_xyz", "heads", (8, 1, 1)) is None
+  assert structural_reason("nope", "heads", (1, 1, 1))
+  with pytest.raises(ValueError):
+    step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), "decode", 32, 2048)
+  with pytest.raises(ValueError):
+    step_cost(PALM, V4, "ws_2d", "heads", (4, 4, 4), "train", 32, 2048)  # type: ignore[arg-type]
+
+
+def test_hardware_presets():
+  assert set(HARDWARE_NAMES) >= {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "h200",
+                                 "local"}
+  assert V4.network_bandwidth == pytest.approx(270e9)  # the paper's figure
+  assert V4.peak_flops_bf16 == 275e12 and V4.hbm_bandwidth == 1.2e12
+  h200 = get_hardware("h200")
+  assert h200.hbm_bytes == 141e9 and h200.network_bandwidth == 450e9
+  with pytest.raises(ValueError):
+    get_hardware("tpu-v9")
+  # A 64-chip 1D collective takes as many hops as a 16-chip plus a 4-chip one on a 4x4x4 torus.
+  assert [V4.collective_steps(g) for g in (1, 2, 4, 16, 64)] == [0, 1, 2, 4, 6]
+  assert V4.all_to_all_time(1e9, 64) == pytest.approx(1e9 / (4 * 270e9))
+  with pytest.raises(ValueError):
+    dataclasses.replace(V4, hbm_bandwidth=0.0)
+
+
+def test_measure_smoke():
+  from partitioning import hardware
+
+  assert hardware.measure_matmul_peak("bfloat16", 64, reps=1) > 0
+  assert hardware.measure_matmul_peak("int8", 32, reps=1) > 0
+  assert hardware.measure_read_bandwidth(1 << 20, reps=1) > 0
+  local = hardware.measure_local(matmul_size=64, read_bytes=1 << 20)
+  assert local.name == "local" and local.peak_flops_bf16 > 0 and local.hbm_bytes > 0
