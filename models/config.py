@@ -110,28 +110,60 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def from_hf_config(hf: Mapping[str, object], name: str = "hf") -> ModelConfig:
-  """Builds a ModelConfig from a Hugging Face ``config.json`` (Llama family or Gemma v1)."""
+  """Builds a ModelConfig from a Hugging Face ``config.json`` (Llama family or Gemma v1).
+
+  Reads both transformers 4.x (``rope_theta``, ``rope_scaling``, Gemma ``hidden_activation``) and
+  5.x (``rope_parameters``, Gemma ``hidden_act``) layouts. Keys missing from the file take the
+  defaults of the corresponding transformers config class, as ``from_pretrained`` would.
+  """
   model_type = str(hf.get("model_type", ""))
   arch = " ".join(hf.get("architectures", []) or [])  # type: ignore[arg-type]
   if model_type not in ("llama", "mistral", "gemma") and "Llama" not in arch:
     raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, gemma)")
-  if hf.get("rope_scaling"):
-    raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
+  gemma = model_type == "gemma"
+  # RoPE: 5.x nests the base in rope_parameters; 4.x has a top-level rope_theta and rope_scaling
+  # (null, or a dict whose "type"/"rope_type" names a scaling scheme).
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(rope, Mapping):
+    raise ValueError(f"rope_parameters {rope!r} is not a dict")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"RoPE type {rope_type!r} ({dict(rope)!r}) is not supported (only default)")
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)
+  if float(partial) != 1.0:  # type: ignore[arg-type]
+    raise ValueError("partial_rotary_factor != 1 is not supported")
+  theta = rope.get("rope_theta", hf.get("rope_theta") or 10_000.0)
+  rope_theta = float(theta)  # type: ignore[arg-type]
   for flag in ("attention_bias", "mlp_bias"):
     if hf.get(flag):
       raise ValueError(f"{flag}=True is not supported")
   d = int(hf["hidden_size"])  # type: ignore[arg-type]
   n = int(hf["num_attention_heads"])  # type: ignore[arg-type]
   k = int(hf.get("num_key_value_heads") or n)  # type: ignore[arg-type]
-  head_dim = int(hf.get("head_dim") or d // n)  # type: ignore[arg-type]
-  gemma = model_type == "gemma"
-  act_name = str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")
+  # GemmaConfig's head_dim defaults to 256 (not D / N: gemma-7b has 3072 / 16 != 256).
+  head_dim = int(hf.get("head_dim") or (256 if gemma else d // n))  # type: ignore[arg-type]
+  if gemma:
+    # Gemma v1 is tanh-approximate GELU whatever the file says: 4.x read hidden_activation
+    # (None -> gelu_pytorch_tanh), 5.x reads hidden_act and maps the legacy "gelu" to tanh.
+    act_name = str(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh")
+    tanh_gelus: tuple[str, ...] = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+  else:
+    act_name = str(hf.get("hidden_act") or "silu")
+    tanh_gelus = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # exact "gelu" is not ours
   if act_name in ("silu", "swish"):
     activation: Activation = "swiglu"
-  elif act_name.startswith("gelu"):
+  elif act_name in tanh_gelus:
     activation = "geglu"
   else:
-    raise ValueError(f"unsupported hidden activation {act_name!r}")
+    raise ValueError(f"unsupported hidden activation {act_name!r} (supported: silu, "
+                     f"{', '.join(tanh_gelus)})")
+  max_seq_len = int(
+      hf.get("max_position_embeddings") or (8192 if gemma else 2048))  # type: ignore[arg-type]
+  # Mistral's sliding window (MistralConfig default 4096) is not implemented: attention is exact
+  # only while the whole context fits in the window, so cap the context there.
+  window = hf.get("sliding_window", 4096 if model_type == "mistral" else None)
+  if window:
+    max_seq_len = min(max_seq_len, int(window))  # type: ignore[arg-type]
   return ModelConfig(
       name=name,
       vocab_size=int(hf["vocab_size"]),  # type: ignore[arg-type]
@@ -142,11 +174,11 @@ def from_hf_config(hf: Mapping[str, object], name: str = "hf") -> ModelConfig:
       head_dim=head_dim,
       mlp_dim=int(hf["intermediate_size"]),  # type: ignore[arg-type]
       activation=activation,
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),  # type: ignore[arg-type]
-      rope_theta=float(hf.get("rope_theta", 10_000.0)),  # type: ignore[arg-type]
+      norm_eps=float(hf.get("rms_norm_eps") or 1e-6),  # type: ignore[arg-type]
+      rope_theta=rope_theta,
       tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
       parallel_block=False,
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)),  # type: ignore[arg-type]
+      max_seq_len=max_seq_len,
       embed_scale=gemma,
       norm_plus_one=gemma,
   )
