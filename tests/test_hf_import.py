@@ -359,3 +359,25 @@ def test_from_hf_config_transformers_4x_layout():
       intermediate_size=24576, vocab_size=256000, hidden_act="gelu", hidden_activation=None))
   assert (gemma.activation, gemma.head_dim, gemma.tie_embeddings) == ("geglu", 256, True)
   assert (gemma.norm_eps, gemma.max_seq_len, gemma.embed_scale) == (1e-6, 8192, True)
+
+
+def test_generate_cli_on_hf_checkpoint(ref_dir):
+  """launch.generate --model <HF dir>: its tokenizer and weights, greedy tokens as a reference."""
+  import sys
+  from models import transformer as T
+  from models.hf_import import load_hf_checkpoint
+  from models.tokenizer import load_tokenizer
+  path = ref_dir / "llama_mqa"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", str(path), "--prompt",
+                      "hello world", "--max_tokens", "5", "--ignore_eos", "--json"],
+                     cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  cfg, params = load_hf_checkpoint(path)
+  tok = load_tokenizer(str(path))
+  ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode("hello world")
+  for _ in range(5):
+    ids.append(int(jnp.argmax(T.forward(params, jnp.asarray([ids]), cfg=cfg)[0, -1])))
+  assert out["token_ids"] == ids[-5:]
