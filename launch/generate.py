@@ -37,14 +37,22 @@ class CliError(Exception):
   """A user error: printed as one line, exit code 2."""
 
 
-def _prompt_ids(tokenizer) -> list[int]:
+def _given_prompt_ids() -> list[int] | None:
+  """Checks the prompt flags before any model loads; returns --prompt_ids if given."""
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
     raise CliError("give exactly one of --prompt or --prompt_ids")
-  if _PROMPT_IDS.value is not None:
-    try:
-      return [int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]
-    except ValueError:
-      raise CliError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}")
+  if _PROMPT_IDS.value is None:
+    return None
+  try:
+    return [int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]
+  except ValueError:
+    raise CliError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}")
+
+
+def _prompt_ids(tokenizer) -> list[int]:
+  given = _given_prompt_ids()
+  if given is not None:
+    return given
   ids = tokenizer.encode(_PROMPT.value)
   return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
 
@@ -61,6 +69,7 @@ def run() -> dict:
     sampling = SamplingParams(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
   except ValueError as e:
     raise CliError(str(e))
+  _given_prompt_ids()
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   try:
     cfg, params, tokenizer = load_model(_MODEL.value, dtype, _PARAM_SEED.value)
