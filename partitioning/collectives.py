@@ -1,0 +1,310 @@
+"""The transformer forward under a partitioning layout: ``shard_map`` with explicit collectives.
+
+Contract:
+  * ``make_sharded_step(cfg, mesh, ffn_layout, attn_layout, phase)`` returns a jitted step with the
+    call signature of ``models.transformer.jit_prefill`` (phase ``"prefill"``) or
+    ``jit_decode_step`` (``"decode"``), the same semantics (logits and KV cache) and the cache
+    donated. ``cfg=`` may still be passed and must equal the bound config. ``step.plan(batch)``
+    returns the ``layouts.StepPlan`` (effective axes and recorded fallbacks) it runs.
+  * Inputs may live anywhere (jit moves them), but to avoid per-call transfers place the params
+    with ``shard_params(params, cfg, mesh, layout)`` (the resident copy: ``ws_2d`` and every
+    ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
+    (ffn, attn) pair that will run on it.
+  * The model math is ``models``' own: ``layers.rms_norm/rope/mlp``, ``attention.attend``,
+    ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer._embed``. What is added is
+    communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
+    summed over the embed shards and the GLU between the FFN's reduce-scatter and all-gather.
+
+Per layer (paper Sec. 3.2-3.3; ``{a}`` = partial sums over mesh axes a; names as in StepPlan):
+  x [B.rb, T, E.re] --reshard--> [B.rb, T, E.we] -> norm -> Q [B.rb, T, N.wh, H]{we}
+  --RS(we) onto heads--> [B.rb, T, N.wh+we, H] --A2A(move)--> [B.ab, T, N, H] attends the cache
+  [L, B.ab, K, S, H] --A2A(move)--> --AG(we)--> [B.rb, T, N.wh, H] -> o -> [B.rb, T, E.we]{wh}
+  --RS(wh)--> [B.rb, T, E.re]; FFN: -> [B.rb, T, F.wf]{we} --RS(we)--> GLU --AG(we)--> down
+  -> [B.rb, T, E.we]{wf} --RS(wf)--> [B.rb, T, E.re]. Weight-gathered layouts first all-gather
+  each layer's weights from the stored E_x F_yz to the gathered spec.
+
+int8 with ``act_quant=True`` quantizes activations per token over the *local* contracted slice,
+so sharded contractions over E or F round differently from the unsharded model (weight-only
+int8, ``act_quant=False``, is exact up to summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from models import quant
+from models.attention import attend
+from models.config import ModelConfig
+from models.kv_cache import KVCache, init_cache
+from models.layers import mlp, rms_norm, rope
+from models.quant import QuantArray
+from models.transformer import _embed as embed_lookup
+from models.weights import Params
+from partitioning import comm
+from partitioning.layouts import (
+    AttnLayout, FfnLayout, Resolved, StepPlan, cache_sharding, cache_spec, get_attn_layout,
+    get_ffn_layout, make_plan, match_params, param_shardings, param_specs, spec_entry)
+
+Phase = Literal["prefill", "decode"]
+_PERMUTABLE = ("mlp", "heads")  # dims every user permutes alike; see comm.gather_weight
+
+
+def _shard_map(f, mesh: Mesh, in_specs, out_specs):
+  # Replication checking is off: its typing rules (all_gather's output type) differ between jax
+  # versions; correctness of every layout is checked numerically in tests/test_layouts.py.
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  from jax.experimental.shard_map import shard_map  # jax < 0.7
+  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _is_resolved(x) -> bool:
+  return isinstance(x, Resolved)
+
+
+def is_quantized(params: Params) -> bool:
+  return any(isinstance(w, QuantArray)
+             for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantArray)))
+
+
+def _gather(tree, stored, gathered):
+  """Per-layer weight all-gather: stored -> gathered spec, dimension by dimension."""
+  leaves, treedef = jax.tree.flatten(tree)
+  specs = zip(jax.tree.leaves(stored, is_leaf=_is_resolved),
+              jax.tree.leaves(gathered, is_leaf=_is_resolved))
+  out = []
+  for w, (rs, rg) in zip(leaves, specs, strict=True):
+    for d, (name, src, dst) in enumerate(zip(rs.logical, rs.axes, rg.axes)):
+      w = comm.gather_weight(w, d, src, dst, permute=name in _PERMUTABLE)
+    out.append(w)
+  return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local (per-chip) pieces, run inside shard_map.
+
+
+def _norm(x: jax.Array, w: jax.Array, cfg: ModelConfig, axes: comm.Axes) -> jax.Array:
+  """RMSNorm of ``x`` whose embed dimension is sharded over ``axes`` (mean square all-reduced)."""
+  if not axes:
+    return rms_norm(x, w, cfg.norm_eps, cfg.norm_plus_one)
+  x32 = x.astype(jnp.float32)
+  ms = comm.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), axes) / cfg.embed_dim
+  scale = w.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
+  return (x32 * jax.lax.rsqrt(ms + cfg.norm_eps) * scale).astype(x.dtype)
+
+
+def _glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+  """The nonlinearity of ``layers.mlp``, applied between the 2D FFN's collectives."""
+  g = gate.astype(jnp.float32)
+  act = jax.nn.silu(g) if cfg.activation == "swiglu" else jax.nn.gelu(g, approximate=True)
+  return (act * up.astype(jnp.float32)).astype(dtype)
+
+
+def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Array:
+  # table [V.wv, E.we]; tokens [B.rb, T]. Each chip looks up the rows of its vocab shard.
+  rows = table.shape[0]
+  local_BT = tokens_BT - comm.linear_index(plan.wv) * rows
+  x = embed_lookup({"embed": table}, jnp.clip(local_BT, 0, rows - 1), cfg, dtype)
+  if plan.wv:
+    x = x * ((local_BT >= 0) & (local_BT < rows))[..., None].astype(dtype)
+  # [B.rb, T, E.we]{wv} --RS(wv)--> [B.rb, T, E.re]
+  return comm.reduce(x, 2, plan.wv, plan.we, plan.re)
+
+
+def _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPlan,
+               cfg: ModelConfig, attend_len: int):
+  # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
+  q = quant.einsum("btd,dnh->btnh", h, layer["q"])  # [B.rb, T, N.wh, H]{we}
+  k = quant.einsum("btd,dkh->btkh", h, layer["k"])  # [B.rb, T, K, H]{we}
+  v = quant.einsum("btd,dkh->btkh", h, layer["v"])
+  q = comm.reduce(q, 2, plan.we, plan.wh, plan.wh + plan.q_scatter)  # [B.rb, T, N.wh+qs, H]
+  ids = comm.slice_chunk(ids, 0, plan.q_scatter)
+  k, v = comm.psum(k, plan.we), comm.psum(v, plan.we)  # [B.rb, T, K, H], same on head shards
+  pos_q = comm.slice_chunk(pos_BT, 0, plan.rb)
+  q = rope(q, pos_q, cfg.rope_theta)
+  k = rope(k, pos_q, cfg.rope_theta)
+  # Heads -> batch: [B.rb, T, N.qh, H] --A2A(move)--> [B.ab, T, N.(qh - move), H].
+  q = comm.all_to_all(q, plan.move, 0, 2)
+  ids = comm.all_gather(ids, 0, plan.move)
+  k, v = comm.slice_chunk(k, 0, plan.move), comm.slice_chunk(v, 0, plan.move)  # [B.ab, T, K, H]
+  pos_a = comm.slice_chunk(pos_BT, 0, plan.ab)
+  wpos_a = comm.slice_chunk(wpos_BT, 0, plan.ab)
+  b_B1 = jnp.arange(q.shape[0])[:, None]
+  # Cache [L, B.ab, K, S, H]: write this chunk (padding positions are dropped), then attend.
+  k_cache = k_cache.at[l, b_B1, :, wpos_a, :].set(k.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[l, b_B1, :, wpos_a, :].set(v.astype(v_cache.dtype), mode="drop")
+  k_att, v_att = k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len]
+  if cfg.num_kv_heads > 1 and (plan.wh or plan.q_scatter):
+    # GQA with sharded query heads: give each local query head its own kv head (K -> N.local).
+    kv_of_head = ids // cfg.q_per_kv
+    k_att, v_att = jnp.take(k_att, kv_of_head, axis=1), jnp.take(v_att, kv_of_head, axis=1)
+  out = attend(q, k_att, v_att, pos_a)  # [B.ab, T, N.(qh - move), H]
+  out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
+  out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
+  y = quant.einsum("btnh,nhd->btd", out, layer["o"])  # [B.rb, T, E.we]{wh}
+  return y, k_cache, v_cache
+
+
+def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
+  """[B.rb, T, E.we] -> [B.rb, T, E.we]{wf}."""
+  if not plan.we:  # E is whole on every chip: models.layers.mlp on the F shard as is.
+    return mlp(h, layer, cfg)
+  gate = quant.einsum("btd,df->btf", h, layer["gate"])  # [B.rb, T, F.wf]{we}
+  up = quant.einsum("btd,df->btf", h, layer["up"])
+  fs = plan.wf + plan.f_scatter
+  gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
+  up = comm.reduce(up, 2, plan.we, plan.wf, fs)
+  hid = comm.reshard(_glu(gate, up, cfg, h.dtype), 2, fs, plan.wf)  # --AG(we)--> [B.rb, T, F.wf]
+  return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
+
+
+def _block(x, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPlan,
+           cfg: ModelConfig, attend_len: int):
+  # x: [B.rb, T, E.re]
+  h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
+  attn, k_cache, v_cache = _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan,
+                                      cfg, attend_len)
+  if cfg.parallel_block:
+    ffn = _mlp(h, layer, plan, cfg)
+    if plan.wh == plan.wf:  # one reduce-scatter for both (PaLM's fused collective)
+      return x + comm.reduce(attn + ffn, 2, plan.wh, plan.we, plan.re), k_cache, v_cache
+    x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)
+    return x + comm.reduce(ffn, 2, plan.wf, plan.we, plan.re), k_cache, v_cache
+  x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)  # [B.rb, T, E.re]
+  h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["mlp_norm"], cfg, plan.we)
+  x = x + comm.reduce(_mlp(h, layer, plan, cfg), 2, plan.wf, plan.we, plan.re)
+  return x, k_cache, v_cache
+
+
+def _unembed(x, top, last_B, plan: StepPlan, cfg: ModelConfig, all_logits: bool) -> jax.Array:
+  # x: [B.rb, T, E.re] -> logits [B.ub, T, V.wv] (or [B.ub, V.wv]).
+  if not all_logits:
+    last = comm.slice_chunk(last_B, 0, plan.rb)
+    x = jnp.take_along_axis(x, last[:, None, None], axis=1)
+  h = _norm(comm.reshard(x, 2, plan.re, plan.we), top["final_norm"], cfg, plan.we)
+  if cfg.tie_embeddings:
+    logits = quant.einsum("btd,vd->btv", h, top["embed"])  # [B.rb, T, V.wv]{we}
+  else:
+    logits = quant.einsum("btd,dv->btv", h, top["unembed"])
+  logits = comm.reduce(logits, 0, plan.we, plan.rb, plan.ub).astype(jnp.float32)
+  return logits if all_logits else logits[:, 0]
+
+
+def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, k_cache, v_cache, *,
+                plan: StepPlan, cfg: ModelConfig, stored, gathered, attend_len: int,
+                all_logits: bool):
+  top_keys = [k for k in params if k != "layers"]
+  top = _gather({k: params[k] for k in top_keys}, {k: stored[k] for k in top_keys},
+                {k: gathered[k] for k in top_keys})
+  dtype = top["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
+  ids = comm.gather_weight(ids, 0, plan.sh, plan.wh, permute=True)
+  x = _embed(top["embed"], comm.slice_chunk(tokens_BT, 0, plan.rb), plan, cfg, dtype)
+  for l, layer in enumerate(params["layers"]):
+    layer = _gather(layer, stored["layers"][l], gathered["layers"][l])
+    x, k_cache, v_cache = _block(x, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan, cfg,
+                                 attend_len)
+  return _unembed(x, top, last_B, plan, cfg, all_logits), k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Global entry points.
+
+
+def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens_B, *,
+             cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
+             attend_len: int | None, all_logits: bool):
+  b, t = tokens_BT.shape
+  attend_len = attend_len or cache.max_len
+  start_B = cache.lengths if start_B is None else start_B
+  t_T = jnp.arange(t, dtype=jnp.int32)
+  pos_BT = start_B[:, None].astype(jnp.int32) + t_T[None, :]
+  wpos_BT = jnp.where(t_T[None, :] < lens_B[:, None], pos_BT, cache.max_len)
+  last_B = jnp.clip(lens_B - 1, 0, t - 1).astype(jnp.int32)
+  plan = make_plan(cfg, mesh, ffn, attn, b)
+  quantized = is_quantized(params)
+  stored = param_specs(cfg, mesh, ffn, quantized)
+  gathered = param_specs(cfg, mesh, ffn, quantized, gathered=True)
+  p_specs = jax.tree.map(lambda r: r.spec, match_params(stored, params), is_leaf=_is_resolved)
+  kv = cache_spec(plan)
+  ub, wv = spec_entry(plan.ub), spec_entry(plan.wv)
+  logits_spec = P(ub, None, wv) if all_logits else P(ub, wv)
+  local = functools.partial(_local_step, plan=plan, cfg=cfg, stored=stored, gathered=gathered,
+                            attend_len=attend_len, all_logits=all_logits)
+  step = _shard_map(local, mesh,
+                    in_specs=(p_specs, P(spec_entry(plan.sh)), P(), P(), P(), P(), kv, kv),
+                    out_specs=(logits_spec, kv, kv))
+  logits, k, v = step(params, jnp.arange(cfg.num_heads, dtype=jnp.int32), tokens_BT, pos_BT,
+                      wpos_BT, last_B, cache.k, cache.v)
+  lengths = jnp.where(lens_B > 0, start_B + lens_B, cache.lengths).astype(jnp.int32)
+  return logits, cache.replace(k=k, v=v, lengths=lengths)
+
+
+def _decode(params: Params, tokens_B: jax.Array, cache: KVCache, active_B, *, attend_len,
+            **bound):
+  ones = jnp.ones_like(cache.lengths) if active_B is None else active_B.astype(jnp.int32)
+  return _prefill(params, tokens_B[:, None], cache, None, ones, attend_len=attend_len,
+                  all_logits=False, **bound)
+
+
+def make_sharded_step(cfg: ModelConfig, mesh: Mesh, ffn_layout: str | FfnLayout,
+                      attn_layout: str | AttnLayout, phase: Phase) -> Callable:
+  """A jitted prefill or decode step under (ffn_layout, attn_layout) on ``mesh``."""
+  bound = dict(cfg=cfg, mesh=mesh, ffn=get_ffn_layout(ffn_layout),
+               attn=get_attn_layout(attn_layout))
+
+  def check(c):
+    if c is not None and c != cfg:
+      raise ValueError("cfg differs from the config this sharded step was built for")
+
+  if phase == "prefill":
+    jitted = jax.jit(functools.partial(_prefill, **bound),
+                     static_argnames=("attend_len", "all_logits"), donate_argnames=("cache",))
+
+    def step(params, tokens_BT, cache, start_B, lens_B, *, cfg=None, attend_len=None,
+             all_logits=False):
+      check(cfg)
+      return jitted(params, tokens_BT, cache, start_B, lens_B, attend_len=attend_len,
+                    all_logits=all_logits)
+  elif phase == "decode":
+    jitted = jax.jit(functools.partial(_decode, **bound), static_argnames=("attend_len",),
+                     donate_argnames=("cache",))
+
+    def step(params, tokens_B, cache, *, cfg=None, attend_len=None, active_B=None):
+      check(cfg)
+      return jitted(params, tokens_B, cache, active_B, attend_len=attend_len)
+  else:
+    raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
+  step.plan = lambda batch: make_plan(cfg, mesh, bound["ffn"], bound["attn"], batch)
+  step.jitted = jitted
+  return step
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh,
+                 layout: str | FfnLayout) -> Params:
+  """Places ``params`` in ``layout``'s resident (stored) sharding."""
+  shardings = match_params(param_shardings(cfg, mesh, layout, is_quantized(params)), params)
+  return jax.device_put(params, shardings)
+
+
+def shard_cache(cache: KVCache, cfg: ModelConfig, mesh: Mesh, ffn_layout: str | FfnLayout,
+                attn_layout: str | AttnLayout) -> KVCache:
+  """Places ``cache`` as the (ffn, attn) step expects it: ``[L, B.ab, K, S, H]``."""
+  return jax.device_put(cache, cache_sharding(cfg, mesh, ffn_layout, attn_layout, cache.batch))
+
+
+def init_sharded_cache(cfg: ModelConfig, batch: int, max_len: int | None, mesh: Mesh,
+                       ffn_layout: str | FfnLayout, attn_layout: str | AttnLayout,
+                       dtype=jnp.float32) -> KVCache:
+  """An empty cache created directly in its sharding (never whole on one device)."""
+  shardings = cache_sharding(cfg, mesh, ffn_layout, attn_layout, batch)
+  return jax.jit(lambda: init_cache(cfg, batch, max_len, dtype), out_shardings=shardings)()
+
+
+__all__ = ["make_sharded_step", "shard_params", "shard_cache", "init_sharded_cache",
+           "param_shardings", "is_quantized"]
