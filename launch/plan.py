@@ -6,8 +6,10 @@
 
 Contract: prints the best plan and the top ``--top`` candidates, as a table or (``--json``) as one
 JSON object with at least layout, attention, mesh, latency_s, mfu, cost_chip_s_per_token and
-candidates. Any bad flag, unknown model/hardware, or infeasible workload prints a single
-``error: ...`` line on stderr and exits with status 2 (no traceback).
+candidates (``attn_B`` / ``attention_batch_axes``: the mesh axes attention and the KV cache shard
+the batch over; weight-gathered layouts keep their gathered axes there). Any bad flag, unknown
+model/hardware, or infeasible workload prints a single ``error: ...`` line on stderr and exits
+with status 2 (no traceback).
 """
 
 from __future__ import annotations
@@ -52,14 +54,16 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _table(result: Plan, header: str, top: int) -> str:
-  lines = [header, f"{'#':>3} {'layout':<7} {'attention':<10} {'mesh':<12} {'latency_ms':>12} "
+  lines = [header, f"{'#':>3} {'layout':<7} {'attention':<10} {'attn_B':<6} {'mesh':<12} "
+           f"{'latency_ms':>12} "
            f"{'mfu':>6} {'chip_ms/tok':>12} {'compute_ms':>11} {'memory_ms':>10} "
            f"{'comm_ms':>10} {'hbm_GiB':>8}"]
   for i, c in enumerate(result.candidates[:top], 1):
     k = c.cost
     mesh = "x".join(str(d) for d in c.mesh)
     lines.append(
-        f"{i:>3} {c.layout:<7} {c.attention:<10} {mesh:<12} {k.latency_s * 1e3:>12.3f} "
+        f"{i:>3} {c.layout:<7} {c.attention:<10} {c.attention_batch_axes or '-':<6} {mesh:<12} "
+        f"{k.latency_s * 1e3:>12.3f} "
         f"{k.mfu:>6.1%} {k.cost_chip_s_per_token * 1e3:>12.4f} {k.compute_s * 1e3:>11.3f} "
         f"{(k.weight_mem_s + k.kv_mem_s) * 1e3:>10.3f} {k.comm_s * 1e3:>10.3f} "
         f"{k.hbm_bytes_per_chip / 2**30:>8.2f}")

@@ -14,9 +14,8 @@ Contract:
     chunk of ``seq`` tokens per row into an empty cache; ``decode``: one token per row attending to
     ``seq`` cached positions.
   * Predicted: ``partitioning.cost_model.step_cost(...).latency_s`` on ``hardware`` (``None``:
-    not predicted), with the mesh the cost model expects (``ws_1d`` as ``(n, 1, 1)``: it uses every
-    chip on one axis either way) and weights ``bf16`` or ``int8``; a combination the cost model
-    rejects gets ``predicted_s=None`` and the reason in ``note``.
+    not predicted), on the live mesh shape and weights ``bf16`` or ``int8``; a combination the
+    cost model rejects gets ``predicted_s=None`` and the reason in ``note``.
 """
 
 from __future__ import annotations
@@ -119,11 +118,8 @@ def predict(cfg: ModelConfig, hardware, ffn: str, attn: str, mesh: Mesh, phase: 
     from partitioning import cost_model
   except ImportError:
     return None, "cost model unavailable"
-  shape = mesh_shape(mesh)
-  if ffn == "ws_1d":
-    shape = (mesh.size, 1, 1)
   try:
-    cost = cost_model.step_cost(cfg, hardware, ffn, attn, shape, phase, batch, seq,
+    cost = cost_model.step_cost(cfg, hardware, ffn, attn, mesh_shape(mesh), phase, batch, seq,
                                 "int8" if quantized else "bf16")
   except ValueError as e:
     return None, f"cost model: {e}"

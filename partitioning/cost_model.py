@@ -9,7 +9,8 @@ Pure arithmetic, no JAX.
 Layout names are a contract shared with the sharding code (use these exact strings):
   feed-forward ``FFN_LAYOUTS``:  ws_1d, ws_2d, wg_x, wg_xy, wg_xyz
   attention ``ATTENTION_LAYOUTS``: heads, batch_z, batch_yz, batch_xyz
-The mesh is ``(x, y, z)``, n = x*y*z chips. ``ws_1d`` uses one axis: mesh (n, 1, 1).
+The mesh is ``(x, y, z)``, n = x*y*z chips. ``ws_1d`` runs on any mesh (its collectives span all
+n chips, as in ``partitioning/layouts.py``), so its FFN cost depends only on n.
 
 Phases. ``prefill``: ``batch`` sequences of ``context`` prompt tokens in one pass; tokens
 T = batch*context; latency is the whole prompt pass. ``decode``: ``batch`` sequences, one new
@@ -33,10 +34,14 @@ Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2:
           chips run ws_1d on T/N tokens: 2*(T/N)*E*a / W (zero when N = n). With W_layer = 2EFw
           this is the paper's 2EFwN/(nW) + 2TEa/(NW), minimal at N = sqrt(T*n*a/(F*w))
           (``optimal_wg_chips``): ~sqrt(T) instead of ~T, so it wins at large T (prefill).
-  attention all-to-all: when the attention's batch axes differ from the FFN's (ws_* keep the
-          batch replicated, wg_* shard it over their gathered axes), Q (N*H), the new K/V (2*K*H)
-          and the output (N*H) are re-sharded with an all-to-all over the differing axes, a group
-          of g chips moving T*(2NH + 2KH)*a*g/n bytes (``Hardware.all_to_all_time``).
+  attention all-to-all: the attention batch axes are the FFN's batch axes (ws_*: none; wg_*:
+          their gathered axes; never moved back to heads) plus the attention layout's named axes
+          (``attention_batch_axes``, = ``StepPlan.ab = rb + move`` of ``layouts.make_plan``).
+          Q (N*H) is moved heads -> batch over the named axes that are not already batch axes
+          (``all_to_all_axes`` = ``StepPlan.move``) and the output (N*H) back; the new K/V are
+          computed whole on every head shard and only sliced (no communication). A group of g
+          chips moves T*2NH*a*g/n bytes (``Hardware.all_to_all_time``). So wg_xyz + any attention
+          layout has no all-to-all, and wg_xy + batch_z/yz/xyz are one program.
   PaLM-style parallel blocks fuse attention's projections into the FFN collectives (Sec. 3.4);
   for serial blocks the activation collectives are doubled.
   Latency floor: every collective also pays ``hw.collective_step_latency_s`` per ring hop
@@ -46,9 +51,9 @@ Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2:
 Memory per chip and step: weight_mem_s = weight bytes read / HBM bandwidth (ws: the resident
 1/n shard; wg: the gathered W*N/n); kv_mem_s = KV-cache bytes read (decode) or written (prefill)
 per chip / HBM bandwidth. KV per chip: total KV = L*B*context*2*K*H*2 bytes (bf16 cache), split
-over the b batch-sharding chips and over the kv heads of the remaining n/b head-sharding chips:
-/ (b * min(n/b, K)) -- with multiquery (K = 1) and ``heads`` sharding every chip holds the whole
-cache (replicated), which is why decode wants batch-sharded attention (Sec. 3.3).
+over the b chips of the attention batch axes; kv heads are never sharded (the code's cache is
+``[L, B.ab, K, S, H]``), so it is replicated over the other n/b chips -- with ``ws_*`` + ``heads``
+every chip holds the whole cache, which is why decode wants batch-sharded attention (Sec. 3.3).
 
 Overlap model: like the paper's analysis, collectives are NOT overlapped with compute or memory
 (the paper's implementation does overlap them, Sec. 3.5 Looped CollectiveEinsum); compute and
@@ -87,7 +92,8 @@ WEIGHT_BYTES: dict[str, int] = {"bf16": 2, "int8": 1}
 
 ACT_BYTES = 2  # bf16 activations and KV cache
 _AXES = "xyz"
-# Mesh axes the batch is sharded over, per FFN layout / attention layout.
+# Mesh axes the batch is sharded over by each FFN layout (``layouts.FFN_LAYOUTS[...].residual``),
+# and the axes each attention layout names (``layouts.ATTN_LAYOUTS[...].batch_axes``).
 _FFN_BATCH_AXES: dict[str, str] = {
     "ws_1d": "", "ws_2d": "", "wg_x": "x", "wg_xy": "xy", "wg_xyz": "xyz"}
 _ATTN_BATCH_AXES: dict[str, str] = {
@@ -106,6 +112,7 @@ class StepCost:
   kv_mem_s: float
   comm_s: float  # all collectives: bandwidth terms + latency floors
   collective_floor_s: float  # the latency-floor part of comm_s
+  all_to_all_s: float  # the attention all-to-all part of comm_s (bandwidth + floor)
   latency_s: float
   mfu: float
   cost_chip_s_per_token: float
@@ -124,9 +131,33 @@ def ffn_batch_chips(layout: str, mesh: Mesh) -> int:
   return _axes_size(mesh, _FFN_BATCH_AXES[layout])
 
 
-def attention_batch_chips(attention: str, mesh: Mesh) -> int:
-  """Chips the attention layout shards the batch (and its KV cache) over."""
-  return _axes_size(mesh, _ATTN_BATCH_AXES[attention])
+# The attention batch axes re-derive ``layouts._make_plan`` (``rb``, ``move``, ``ab = rb + move``)
+# for the no-fallback case the cost model assumes (every sharded dimension divides; then every
+# mesh axis shards either the query heads or the residual batch, so no named axis is idle).
+# layouts.py imports JAX and needs a real Mesh, so it is not imported here;
+# tests/test_cost_model.py::test_attention_axes_agree_with_make_plan checks the agreement.
+
+
+def _live(mesh: Mesh, axes: str) -> str:
+  return "".join(a for a in axes if mesh[_AXES.index(a)] > 1)
+
+
+def all_to_all_axes(layout: str, attention: str, mesh: Mesh) -> str:
+  """Axes the attention all-to-all moves Q over (``StepPlan.move``): the attention layout's named
+  axes that are not already batch axes of the FFN layout (size-1 axes dropped)."""
+  rb = _FFN_BATCH_AXES[layout]
+  return "".join(a for a in _live(mesh, _ATTN_BATCH_AXES[attention]) if a not in rb)
+
+
+def attention_batch_axes(layout: str, attention: str, mesh: Mesh) -> str:
+  """Axes the attention core and the KV cache shard the batch over (``StepPlan.ab``): the FFN's
+  batch axes (kept: no layout moves the batch back to heads), then ``all_to_all_axes``."""
+  return _live(mesh, _FFN_BATCH_AXES[layout]) + all_to_all_axes(layout, attention, mesh)
+
+
+def attention_batch_chips(layout: str, attention: str, mesh: Mesh) -> int:
+  """Chips the attention core shards the batch (and the KV cache) over."""
+  return _axes_size(mesh, attention_batch_axes(layout, attention, mesh))
 
 
 def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
@@ -144,8 +175,6 @@ def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
   if len(mesh) != 3 or any(int(d) != d or d < 1 for d in mesh):
     return f"mesh must be three positive ints, got {mesh!r}"
   x, y, z = mesh
-  if layout == "ws_1d" and (y, z) != (1, 1):
-    return "ws_1d uses a single mesh axis: mesh must be (n, 1, 1)"
   if x * y * z == 1:
     if layout != "ws_1d" or attention != "heads":
       return "one chip: only ws_1d with heads (no partitioning) applies"
@@ -172,7 +201,7 @@ def check_layout(layout: str, attention: str, mesh: Mesh, batch: int) -> str | N
   """Why ``(layout, attention, mesh)`` is invalid for ``batch`` sequences, or None if valid.
 
   ``structural_reason`` first, then divisibility: the batch must split evenly over the
-  weight-gathered chips (wg_*) and over the batch-sharded attention chips (batch_*).
+  weight-gathered chips (wg_*) and over the attention batch chips (``attention_batch_chips``).
   """
   reason = structural_reason(layout, attention, mesh)
   if reason:
@@ -182,10 +211,26 @@ def check_layout(layout: str, attention: str, mesh: Mesh, batch: int) -> str | N
   chips = ffn_batch_chips(layout, mesh)
   if batch % chips:
     return f"batch {batch} is not divisible by the {chips} weight-gathered chips of {layout}"
-  chips = attention_batch_chips(attention, mesh)
+  chips = attention_batch_chips(layout, attention, mesh)
   if batch % chips:
-    return f"batch {batch} is not divisible by the {chips} batch-sharded chips of {attention}"
+    axes = attention_batch_axes(layout, attention, mesh)
+    return (f"batch {batch} is not divisible by the {chips} attention batch chips "
+            f"({axes}) of {layout}+{attention}")
   return None
+
+
+def canonical_attention(layout: str, attention: str, mesh: Mesh) -> str:
+  """The attention name of the program ``(layout, attention)`` runs on ``mesh``.
+
+  Pairs with the same attention batch axes run the same program (e.g. ``wg_xyz`` + any attention
+  layout; ``wg_xy`` + ``batch_z/yz/xyz``); among the structurally valid names the one naming the
+  most axes is canonical (its name then matches the attention batch axes: ``wg_xyz`` +
+  ``batch_xyz``). The planner reports each program once, under this name.
+  """
+  axes = set(attention_batch_axes(layout, attention, mesh))
+  same = [a for a in ATTENTION_LAYOUTS if not structural_reason(layout, a, mesh)
+          and set(attention_batch_axes(layout, a, mesh)) == axes]
+  return same[-1] if same else attention
 
 
 def optimal_2d_x(model: ModelConfig, n_chips: int) -> float:
@@ -272,24 +317,24 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
       comm += serial * 2 * (tokens / gathered) * e * a / bw
       steps += serial * 2 * hw.collective_steps(rest)
 
-  # --- Attention re-sharding all-to-all, per layer.
-  ffn_axes, attn_axes = _FFN_BATCH_AXES[layout], _ATTN_BATCH_AXES[attention]
-  differing = "".join(ax for ax in _AXES if (ax in ffn_axes) != (ax in attn_axes))
-  a2a_group = _axes_size(mesh, differing)
+  # --- Attention all-to-all, per layer: Q heads -> batch and the output back over
+  # all_to_all_axes (collectives._attention); K/V are sliced, not moved.
+  a2a_group = _axes_size(mesh, all_to_all_axes(layout, attention, mesh))
+  a2a = a2a_steps = 0.0
   if a2a_group > 1:
-    qkvo = tokens * (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim * a
-    comm += hw.all_to_all_time(qkvo * a2a_group / n, a2a_group)
-    steps += 2 * hw.collective_steps(a2a_group)
+    qo = tokens * 2 * model.num_heads * model.head_dim * a
+    a2a = hw.all_to_all_time(qo * a2a_group / n, a2a_group)
+    a2a_steps = 2 * hw.collective_steps(a2a_group)
 
-  floor_s = model.num_layers * steps * hw.collective_step_latency_s
-  comm_s = model.num_layers * comm + floor_s
+  step_s = hw.collective_step_latency_s
+  floor_s = model.num_layers * (steps + a2a_steps) * step_s
+  comm_s = model.num_layers * (comm + a2a) + floor_s
+  all_to_all_s = model.num_layers * (a2a + a2a_steps * step_s)
 
-  # --- Memory.
-  b_chips = attention_batch_chips(attention, mesh)
-  head_chips = n // b_chips
-  kv_heads_per_chip = math.ceil(model.num_kv_heads / min(head_chips, model.num_kv_heads))
-  kv_per_chip = (kv_cache_bytes(model, batch, context) / b_chips
-                 * kv_heads_per_chip / model.num_kv_heads)
+  # --- Memory. KV cache [L, B.ab, K, S, H]: batch-sharded over the attention batch axes,
+  # kv heads never sharded (replicated over the other chips).
+  kv_per_chip = (kv_cache_bytes(model, batch, context)
+                 / attention_batch_chips(layout, attention, mesh))
   resident_weights = total_weight_bytes / n
   weights_read = (model.num_layers * layer_weight_bytes * gathered + embed_weight_bytes) / n
   gather_buffer = layer_weight_bytes * gathered / n if gathered > 1 else 0.0
@@ -303,7 +348,8 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   latency_s = max(compute_s, weight_mem_s + kv_mem_s) + comm_s
   return StepCost(
       n_chips=n, tokens=tokens, flops=flops, compute_s=compute_s, weight_mem_s=weight_mem_s,
-      kv_mem_s=kv_mem_s, comm_s=comm_s, collective_floor_s=floor_s, latency_s=latency_s,
+      kv_mem_s=kv_mem_s, comm_s=comm_s, collective_floor_s=floor_s, all_to_all_s=all_to_all_s,
+      latency_s=latency_s,
       mfu=flops / (latency_s * n * hw.peak_flops_bf16),
       cost_chip_s_per_token=latency_s * n / tokens,
       weight_bytes_per_chip=resident_weights, kv_bytes_per_chip=kv_per_chip,

@@ -2,12 +2,15 @@
 
 Contract: ``plan(model, hardware, chips, phase, batch, context, weights, objective,
 latency_bound_s)`` evaluates every FFN layout x attention layout x mesh ``(x, y, z)`` with
-x*y*z = chips (every ordered factorisation; ws_1d only as (chips, 1, 1)). Shapes that only
-duplicate another layout are skipped (``cost_model.structural_reason``); what is invalid for the
-batch (not divisible by the weight-gathered or batch-sharded chips), does not fit in HBM or misses
+x*y*z = chips (every ordered factorisation, ws_1d included: it runs on any mesh). Shapes that only
+duplicate another layout are skipped (``cost_model.structural_reason``), and so are attention
+names that run the same program as another on that mesh (``cost_model.canonical_attention``:
+``wg_xyz`` is reported once, as ``batch_xyz``); what is invalid for the
+batch (not divisible by the weight-gathered or attention batch chips), does not fit in HBM or misses
 ``latency_bound_s`` is dropped with a reason. Returns a frozen ``Plan``: the candidates sorted best
 first (meshes with identical predicted cost for the same layouts, e.g. y <-> z swaps, collapsed to
-the most cubic one) and the dropped combinations.
+the most cubic one; ws_1d's cost depends only on the chip count, so its meshes collapse the same
+way) and the dropped combinations.
 
 Objectives: ``latency`` minimises step latency on exactly ``chips`` chips. ``cost`` minimises
 chip-seconds per token and may use a sub-slice: any divisor of ``chips`` (the remaining chips
@@ -62,14 +65,21 @@ class Candidate:
   def fits(self) -> bool:
     return self.cost.fits
 
+  @property
+  def attention_batch_axes(self) -> str:
+    """Mesh axes attention and the KV cache shard the batch over (wg_* keep theirs)."""
+    return cost_model.attention_batch_axes(self.layout, self.attention, self.mesh)
+
   def to_dict(self) -> dict[str, object]:
     c = self.cost
     return {
         "layout": self.layout, "attention": self.attention, "mesh": list(self.mesh),
-        "n_chips": c.n_chips, "latency_s": c.latency_s, "mfu": c.mfu,
+        "attention_batch_axes": self.attention_batch_axes, "n_chips": c.n_chips,
+        "latency_s": c.latency_s, "mfu": c.mfu,
         "cost_chip_s_per_token": c.cost_chip_s_per_token, "fits": c.fits,
         "compute_s": c.compute_s, "weight_mem_s": c.weight_mem_s, "kv_mem_s": c.kv_mem_s,
         "comm_s": c.comm_s, "collective_floor_s": c.collective_floor_s,
+        "all_to_all_s": c.all_to_all_s,
         "hbm_bytes_per_chip": c.hbm_bytes_per_chip,
     }
 
@@ -104,7 +114,8 @@ class Plan:
     best = self.best
     return {
         "layout": best.layout, "attention": best.attention, "mesh": list(best.mesh),
-        "n_chips": best.cost.n_chips, "latency_s": best.latency_s, "mfu": best.mfu,
+        "attention_batch_axes": best.attention_batch_axes, "n_chips": best.cost.n_chips,
+        "latency_s": best.latency_s, "mfu": best.mfu,
         "cost_chip_s_per_token": best.cost_chip_s_per_token, "objective": self.objective,
         "phase": self.phase, "batch": self.batch, "context": self.context,
         "weights": self.weights, "num_candidates": len(self.candidates),
@@ -158,7 +169,8 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
     for mesh in mesh_shapes(n):
       for layout in FFN_LAYOUTS:
         for attention in ATTENTION_LAYOUTS:
-          if cost_model.structural_reason(layout, attention, mesh):
+          if (cost_model.structural_reason(layout, attention, mesh)
+              or cost_model.canonical_attention(layout, attention, mesh) != attention):
             continue  # not a distinct plan on this mesh (e.g. batch_z with z = 1 is heads)
           reason = cost_model.check_layout(layout, attention, mesh, batch)
           if reason is None:

@@ -55,13 +55,15 @@ def test_decode_ws_1d_by_hand():
 def test_decode_ws_2d_batch_sharded_by_hand():
   c = step_cost(TOY, TOY_HW, "ws_2d", "batch_yz", (2, 2, 1), "decode", batch=4, context=3)
   # ws_2d: 2*T*a*(E/X + F/YZ)/W = 2*4*2*(2 + 4)/10 = 9.6 s per layer.
-  # all-to-all over yz (2 chips): T*(2N+2K)*H*a = 96 B globally, 48 B per group;
-  # switch: 48 * (1/2) / 2 / 10 = 1.2 s per layer. Steps per layer: 2*(1+1) + 2*1 = 6.
+  # all-to-all over yz (2 chips) of Q in and the output back (K/V are sliced, not moved):
+  # T*2N*H*a = 64 B globally, 32 B per group; switch: 32 * (1/2) / 2 / 10 = 0.8 s per layer.
+  # Steps per layer: 2*(1+1) + 2*1 = 6.
   assert c.collective_floor_s == pytest.approx(2 * 6 * 0.5)
-  assert c.comm_s == pytest.approx(2 * (9.6 + 1.2) + 6.0)
+  assert c.comm_s == pytest.approx(2 * (9.6 + 0.8) + 6.0)
+  assert c.all_to_all_s == pytest.approx(2 * (0.8 + 2 * 0.5))
   assert c.kv_bytes_per_chip == 96  # split over the 2 batch shards
   assert c.weight_mem_s == pytest.approx(680 / 4 / 100)
-  assert c.latency_s == pytest.approx(1.7 + 0.96 + 27.6)
+  assert c.latency_s == pytest.approx(1.7 + 0.96 + 26.8)
 
 
 def test_prefill_weight_gathered_int8_by_hand():
@@ -136,7 +138,8 @@ def test_check_layout_reasons():
   assert check_layout("ws_2d", "batch_xyz", (4, 4, 4), 64) is None
   assert "divisible" in check_layout("ws_2d", "batch_xyz", (4, 4, 4), 32)
   assert "divisible" in check_layout("wg_xyz", "heads", (4, 4, 4), 1)
-  assert structural_reason("ws_1d", "heads", (4, 4, 4))
+  assert structural_reason("ws_1d", "heads", (4, 4, 4)) is None  # ws_1d runs on any mesh
+  assert structural_reason("ws_1d", "batch_yz", (8, 1, 1))  # y = 1: is batch_z
   assert structural_reason("ws_2d", "batch_z", (4, 16, 1))  # z = 1: is heads
   assert structural_reason("wg_x", "heads", (8, 1, 1))
   assert structural_reason("wg_xyz", "heads", (8, 1, 1)) is None
@@ -145,6 +148,86 @@ def test_check_layout_reasons():
     step_cost(PALM, V4, "ws_2d", "batch_xyz", (4, 4, 4), "decode", 32, 2048)
   with pytest.raises(ValueError):
     step_cost(PALM, V4, "ws_2d", "heads", (4, 4, 4), "train", 32, 2048)  # type: ignore[arg-type]
+
+
+def test_ws_1d_cost_depends_only_on_the_chip_count():
+  ref = step_cost(PALM, V4, "ws_1d", "heads", (64, 1, 1), "decode", 64, 2048)
+  for mesh in [(4, 4, 4), (1, 8, 8), (2, 4, 8)]:
+    assert step_cost(PALM, V4, "ws_1d", "heads", mesh, "decode", 64, 2048) == ref
+  # Batch-sharded attention: only the all-to-all group (the named axes) depends on the shape.
+  a = step_cost(PALM, V4, "ws_1d", "batch_z", (4, 4, 4), "decode", 64, 2048)
+  b = step_cost(PALM, V4, "ws_1d", "batch_z", (16, 1, 4), "decode", 64, 2048)
+  assert a == b and a.all_to_all_s > 0 and a.kv_bytes_per_chip == ref.kv_bytes_per_chip / 4
+
+
+def test_weight_gathered_attention_keeps_the_ffn_batch_axes():
+  """As layouts.make_plan: the FFN's batch axes stay batch axes in attention; only the named
+  axes not already batch axes are moved by the all-to-all."""
+  mesh = (4, 4, 4)
+  assert cost_model.attention_batch_axes("wg_xyz", "heads", mesh) == "xyz"
+  assert cost_model.all_to_all_axes("wg_xyz", "batch_z", mesh) == ""
+  assert cost_model.attention_batch_axes("wg_x", "batch_z", mesh) == "xz"
+  assert cost_model.all_to_all_axes("wg_xy", "batch_xyz", mesh) == "z"
+  args = ("prefill", 64, 2048)
+  same = [step_cost(PALM, V4, "wg_xyz", a, mesh, *args) for a in cost_model.ATTENTION_LAYOUTS]
+  assert all(c == same[0] for c in same) and same[0].all_to_all_s == 0
+  zs = [step_cost(PALM, V4, "wg_xy", a, mesh, *args) for a in ("batch_z", "batch_yz", "batch_xyz")]
+  assert all(c == zs[0] for c in zs) and zs[0].all_to_all_s > 0
+  heads = step_cost(PALM, V4, "wg_xy", "heads", mesh, *args)
+  assert heads.all_to_all_s == 0
+  total = cost_model.kv_cache_bytes(PALM, 64, 2048)
+  assert heads.kv_bytes_per_chip == pytest.approx(total / 16)  # sharded over xy, not replicated
+  assert zs[0].kv_bytes_per_chip == pytest.approx(total / 64)
+  # The planner reports each program once, under the name that matches its batch axes.
+  assert cost_model.canonical_attention("wg_xyz", "heads", mesh) == "batch_xyz"
+  assert cost_model.canonical_attention("wg_xy", "batch_z", mesh) == "batch_xyz"
+  assert cost_model.canonical_attention("wg_xy", "heads", mesh) == "heads"
+  assert cost_model.canonical_attention("wg_x", "batch_z", mesh) == "batch_z"
+  assert cost_model.canonical_attention("wg_xyz", "heads", (8, 1, 1)) == "batch_xyz"
+  assert "attention batch chips" in check_layout("wg_x", "batch_z", mesh, 8)  # needs B % 16
+
+
+def _fake_mesh(shape):
+  from partitioning.mesh import make_mesh
+
+  return make_mesh(shape=shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (8, 1, 1)])
+def test_attention_axes_agree_with_make_plan(shape):
+  """The cost model's attention batch chips, all-to-all and KV shard count equal what the
+  sharding code (layouts.make_plan, followed by collectives.py) does, for every pair the cost
+  model accepts on the mesh, on a config where nothing falls back."""
+  from partitioning import layouts
+
+  cfg = get_preset("tiny").replace(num_heads=8, vocab_size=256, embed_dim=64, mlp_dim=128)
+  mesh = _fake_mesh(shape)
+  batch = 16
+  programs: dict[tuple[str, str], set] = {}
+  for ffn in cost_model.FFN_LAYOUTS:
+    for attn in cost_model.ATTENTION_LAYOUTS:
+      if structural_reason(ffn, attn, shape):
+        continue
+      plan = layouts.make_plan(cfg, mesh, ffn, attn, batch)
+      assert not plan.reasons, (ffn, attn, plan.reasons)
+      ab = set(cost_model.attention_batch_axes(ffn, attn, shape))
+      assert ab == set(plan.ab), (ffn, attn)
+      assert set(cost_model.all_to_all_axes(ffn, attn, shape)) == set(plan.move), (ffn, attn)
+      c = step_cost(cfg, TOY_HW, ffn, attn, shape, "decode", batch, 8)
+      chips = layouts.axes_size(mesh, plan.ab)
+      assert cost_model.attention_batch_chips(ffn, attn, shape) == chips
+      assert (c.all_to_all_s > 0) == bool(plan.move), (ffn, attn)
+      kv_shards = cost_model.kv_cache_bytes(cfg, batch, 8) / c.kv_bytes_per_chip
+      spec = layouts.cache_spec(plan)  # [L, B.ab, K, S, H]
+      code_shards = math.prod(layouts.axes_size(mesh, (e,) if isinstance(e, str) else e)
+                              for e in spec if e is not None)
+      assert kv_shards == pytest.approx(code_shards) and code_shards == chips, (ffn, attn)
+      # The planner's de-duplication: same canonical name <=> the code runs the same program.
+      programs.setdefault((ffn, cost_model.canonical_attention(ffn, attn, shape)),
+                          set()).add(plan.key())
+  assert sum(map(len, programs.values())) == len(programs)  # one program per canonical name
+  assert len({k for keys in programs.values() for k in keys}) == len(programs)
+  assert len(programs) == {(2, 2, 2): 14, (1, 2, 4): 4, (8, 1, 1): 3}[shape]
 
 
 def test_hardware_presets():

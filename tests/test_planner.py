@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from models.config import get_preset
+from partitioning import cost_model
 from partitioning.hardware import get_hardware
 from partitioning.planner import NoFeasiblePlan, mesh_shapes, plan
 
@@ -30,8 +31,14 @@ def test_paper_decode_is_2d_weight_stationary_batch_attention(batch, weights):
 
 def test_paper_large_batch_prefill_is_weight_gathered():
   result = plan(PALM, V4, 64, "prefill", 512, 2048)
-  assert result.best.layout.startswith("wg_")
-  assert result.best.attention.startswith("batch_")
+  best = result.best
+  assert best.layout.startswith("wg_")
+  # Batch-sharded attention. A weight-gathered layout keeps its batch axes in attention (as the
+  # sharding code does), so even its `heads` variant is batch-sharded over the gathered axes:
+  # the attention batch is split over more than one chip and the KV cache is not replicated.
+  assert cost_model.attention_batch_chips(best.layout, best.attention, best.mesh) > 1
+  total_kv = cost_model.kv_cache_bytes(PALM, 512, 2048)
+  assert best.cost.kv_bytes_per_chip <= total_kv / 16
   # The model is an optimistic bound: it must not predict less than the paper's measured 76%.
   assert result.best.mfu >= 0.76
 
@@ -59,8 +66,13 @@ def test_more_chips_lower_decode_latency_2d():
 def test_hbm_rejection_drops_replicated_kv():
   result = plan(PALM, V4, 64, "decode", 512, 2048)
   assert all(c.fits for c in result.candidates)
-  assert all(c.attention != "heads" for c in result.candidates)
-  assert any(d.attention == "heads" and "HBM" in d.reason for d in result.dropped)
+  # No candidate keeps the multiquery cache whole on every chip (ws_* + heads); wg_* + heads
+  # shards it over the gathered axes and may stay.
+  total_kv = cost_model.kv_cache_bytes(PALM, 512, 2048)
+  assert all(c.cost.kv_bytes_per_chip < total_kv for c in result.candidates)
+  assert all(c.attention != "heads" for c in result.candidates if c.layout.startswith("ws_"))
+  assert any(d.layout == "ws_2d" and d.attention == "heads" and "HBM" in d.reason
+             for d in result.dropped)
   with pytest.raises(NoFeasiblePlan, match="HBM"):
     plan(PALM, V4, 8, "decode", 64, 2048)
 
@@ -72,6 +84,12 @@ def test_candidates_sorted_valid_and_deduplicated():
   assert all(c.mesh[0] * c.mesh[1] * c.mesh[2] == 64 for c in result.candidates)
   keys = [(c.layout, c.attention, c.cost) for c in result.candidates]
   assert len(keys) == len(set(keys))
+  # ws_1d runs on any mesh and costs the same on each: reported once, on the most cubic mesh.
+  assert [c.mesh for c in result.candidates
+          if (c.layout, c.attention) == ("ws_1d", "heads")] in ([], [(4, 4, 4)])
+  # Attention names running the same program are reported once (wg_xyz: as batch_xyz).
+  assert all(cost_model.canonical_attention(c.layout, c.attention, c.mesh) == c.attention
+             for c in result.candidates)
   assert len(mesh_shapes(8)) == 10 and (2, 2, 2) in mesh_shapes(8)
 
 
