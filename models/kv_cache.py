@@ -42,3 +42,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
   shape = (cfg.num_layers, batch, cfg.num_kv_heads, s, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                  lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def write(k_cache: jax.Array, v_cache: jax.Array, layer: int, wpos_BT: jax.Array,
+          k_BTKH: jax.Array, v_BTKH: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Scatters a chunk's K/V into layer ``layer`` at positions ``wpos_BT`` (row b of the chunk to
+  slot b); positions ``>= max_len`` (padding) are dropped."""
+  b_B1 = jnp.arange(wpos_BT.shape[0])[:, None]
+  k_cache = k_cache.at[layer, b_B1, :, wpos_BT, :].set(k_BTKH.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[layer, b_B1, :, wpos_BT, :].set(v_BTKH.astype(v_cache.dtype), mode="drop")
+  return k_cache, v_cache

@@ -6,6 +6,8 @@ dtype.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -13,9 +15,17 @@ from models import quant
 from models.config import ModelConfig
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool,
+             psum: Callable[[jax.Array], jax.Array] | None = None, dim: int | None = None
+             ) -> jax.Array:
+  """RMSNorm over the last axis. When that axis is sharded (inside ``shard_map``), ``psum``
+  all-reduces the local sum of squares and ``dim`` is the full (unsharded) size."""
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if psum is None:
+    ms = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  else:
+    ms = psum(jnp.sum(x32 * x32, axis=-1, keepdims=True)) / (dim or x.shape[-1])
+  y = x32 * jax.lax.rsqrt(ms + eps)
   scale = w.astype(jnp.float32) + (1.0 if plus_one else 0.0)
   return (y * scale).astype(x.dtype)
 
@@ -32,12 +42,15 @@ def rope(x_BTnH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_BTnH.dtype)
 
 
+def glu(gate: jax.Array, up: jax.Array, activation: str, dtype) -> jax.Array:
+  """SwiGLU (silu) or GeGLU (tanh-approximate gelu, as Gemma) of the two up-projections."""
+  g = gate.astype(jnp.float32)
+  act = jax.nn.silu(g) if activation == "swiglu" else jax.nn.gelu(g, approximate=True)
+  return (act * up.astype(jnp.float32)).astype(dtype)
+
+
 def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
   gate_BTF = quant.einsum("btd,df->btf", x_BTD, layer["gate"])
   up_BTF = quant.einsum("btd,df->btf", x_BTD, layer["up"])
-  if cfg.activation == "swiglu":
-    act = jax.nn.silu(gate_BTF.astype(jnp.float32))
-  else:  # geglu, tanh-approximate gelu as Gemma
-    act = jax.nn.gelu(gate_BTF.astype(jnp.float32), approximate=True)
-  h_BTF = (act * up_BTF.astype(jnp.float32)).astype(x_BTD.dtype)
+  h_BTF = glu(gate_BTF, up_BTF, cfg.activation, x_BTD.dtype)
   return quant.einsum("btf,fd->btd", h_BTF, layer["down"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models import quant
+from models import kv_cache, quant
 from models.attention import attend
 from models.config import ModelConfig
 from models.kv_cache import KVCache
@@ -31,7 +31,8 @@ from models.layers import mlp, rms_norm, rope
 from models.weights import Params
 
 
-def _embed(params: Params, tokens: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
+  """Token embeddings (Gemma: scaled by sqrt(D)); ``params`` needs only ``embed``."""
   x = quant.take_rows(params["embed"], tokens, dtype)
   if cfg.embed_scale:
     x = x * jnp.asarray(cfg.embed_dim ** 0.5, dtype)
@@ -52,10 +53,7 @@ def _block(x_BTD, layer, l, cache: KVCache, pos_BT, wpos_BT, cfg: ModelConfig, a
   q_BTNH = rope(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), pos_BT, cfg.rope_theta)
   k_BTKH = rope(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), pos_BT, cfg.rope_theta)
   v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
-  b_B1 = jnp.arange(x_BTD.shape[0])[:, None]
-  # Scatter this chunk into the cache; out-of-range positions (padding) are dropped.
-  k_cache = cache.k.at[l, b_B1, :, wpos_BT, :].set(k_BTKH.astype(cache.k.dtype), mode="drop")
-  v_cache = cache.v.at[l, b_B1, :, wpos_BT, :].set(v_BTKH.astype(cache.v.dtype), mode="drop")
+  k_cache, v_cache = kv_cache.write(cache.k, cache.v, l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = attend(q_BTNH, k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len], pos_BT)
   attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
   if cfg.parallel_block:
@@ -79,7 +77,7 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B: jax.A
   pos_BT = start_B[:, None].astype(jnp.int32) + t_T[None, :]
   valid_BT = t_T[None, :] < lens_B[:, None]
   wpos_BT = jnp.where(valid_BT, pos_BT, cache.max_len)  # max_len = out of range -> dropped
-  x_BTD = _embed(params, tokens_BT, cfg, dtype)
+  x_BTD = embed(params, tokens_BT, cfg, dtype)
   for l, layer in enumerate(params["layers"]):
     x_BTD, cache = _block(x_BTD, layer, l, cache, pos_BT, wpos_BT, cfg, attend_len)
   if not all_logits:
@@ -123,5 +121,6 @@ def bucket(n: int, minimum: int = 16, maximum: int | None = None) -> int:
   return min(size, maximum) if maximum else size
 
 
-__all__ = ["prefill", "decode_step", "jit_prefill", "jit_decode_step", "forward", "bucket"]
+__all__ = ["prefill", "decode_step", "jit_prefill", "jit_decode_step", "forward", "bucket",
+           "embed"]
 

@@ -11,7 +11,7 @@ Contract:
     ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
     (ffn, attn) pair that will run on it.
   * The model math is ``models``' own: ``layers.rms_norm/rope/mlp``, ``attention.attend``,
-    ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer._embed``. What is added is
+    ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer.embed``. What is added is
     communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
     summed over the embed shards and the GLU between the FFN's reduce-scatter and all-gather.
 
@@ -40,10 +40,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 from models import quant
 from models.attention import attend
 from models.config import ModelConfig
+from models import kv_cache
 from models.kv_cache import KVCache, init_cache
-from models.layers import mlp, rms_norm, rope
+from models.layers import glu, mlp, rms_norm, rope
 from models.quant import QuantArray
-from models.transformer import _embed as embed_lookup
+from models.transformer import embed as embed_lookup
 from models.weights import Params
 from partitioning import comm
 from partitioning.layouts import (
@@ -91,19 +92,8 @@ def _gather(tree, stored, gathered):
 
 def _norm(x: jax.Array, w: jax.Array, cfg: ModelConfig, axes: comm.Axes) -> jax.Array:
   """RMSNorm of ``x`` whose embed dimension is sharded over ``axes`` (mean square all-reduced)."""
-  if not axes:
-    return rms_norm(x, w, cfg.norm_eps, cfg.norm_plus_one)
-  x32 = x.astype(jnp.float32)
-  ms = comm.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), axes) / cfg.embed_dim
-  scale = w.astype(jnp.float32) + (1.0 if cfg.norm_plus_one else 0.0)
-  return (x32 * jax.lax.rsqrt(ms + cfg.norm_eps) * scale).astype(x.dtype)
-
-
-def _glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
-  """The nonlinearity of ``layers.mlp``, applied between the 2D FFN's collectives."""
-  g = gate.astype(jnp.float32)
-  act = jax.nn.silu(g) if cfg.activation == "swiglu" else jax.nn.gelu(g, approximate=True)
-  return (act * up.astype(jnp.float32)).astype(dtype)
+  psum = (lambda v: comm.psum(v, axes)) if axes else None
+  return rms_norm(x, w, cfg.norm_eps, cfg.norm_plus_one, psum=psum, dim=cfg.embed_dim)
 
 
 def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Array:
@@ -135,10 +125,8 @@ def _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPl
   k, v = comm.slice_chunk(k, 0, plan.move), comm.slice_chunk(v, 0, plan.move)  # [B.ab, T, K, H]
   pos_a = comm.slice_chunk(pos_BT, 0, plan.ab)
   wpos_a = comm.slice_chunk(wpos_BT, 0, plan.ab)
-  b_B1 = jnp.arange(q.shape[0])[:, None]
   # Cache [L, B.ab, K, S, H]: write this chunk (padding positions are dropped), then attend.
-  k_cache = k_cache.at[l, b_B1, :, wpos_a, :].set(k.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[l, b_B1, :, wpos_a, :].set(v.astype(v_cache.dtype), mode="drop")
+  k_cache, v_cache = kv_cache.write(k_cache, v_cache, l, wpos_a, k, v)
   k_att, v_att = k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len]
   if cfg.num_kv_heads > 1 and (plan.wh or plan.q_scatter):
     # GQA with sharded query heads: give each local query head its own kv head (K -> N.local).
@@ -160,7 +148,7 @@ def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
   fs = plan.wf + plan.f_scatter
   gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
   up = comm.reduce(up, 2, plan.we, plan.wf, fs)
-  hid = comm.reshard(_glu(gate, up, cfg, h.dtype), 2, fs, plan.wf)  # --AG(we)--> [B.rb, T, F.wf]
+  hid = comm.reshard(glu(gate, up, cfg.activation, h.dtype), 2, fs, plan.wf)  # --AG(we)--> [B.rb, T, F.wf]
   return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
 
 
