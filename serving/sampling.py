@@ -66,10 +66,20 @@ def _sample_row(logits_V, key, temperature, top_k, top_p):
   return order_V[choice]
 
 
+def argmax(logits_BV: jax.Array) -> jax.Array:
+  """First index of the row maximum, int32 [B]. Two plain reductions: XLA:CPU lowers
+  ``jnp.argmax`` to a variadic reduce that is ~9x slower (0.15 vs 0.02 ms at B=1, V=32000)."""
+  v = logits_BV.shape[-1]
+  m_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+  iota = jnp.arange(v, dtype=jnp.int32)
+  idx_B = jnp.min(jnp.where(logits_BV == m_B1, iota, v), axis=-1)
+  return jnp.minimum(idx_B, v - 1).astype(jnp.int32)  # an all-NaN row gives v - 1, not v
+
+
 def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_only: bool
            ) -> jax.Array:
   """Next tokens [B] int32. ``greedy_only`` (static) skips the sort when no row samples."""
-  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  greedy_B = argmax(logits_BV)
   if greedy_only:
     return greedy_B
   keys = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
