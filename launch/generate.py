@@ -80,8 +80,7 @@ def run() -> dict:
   on_cpu = jax.default_backend() == "cpu"
   if _QUANTIZE.value == "int8":
     params = quantize(params, cfg, act_quant=on_cpu)
-  gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value,
-                  min_batch=8 if (on_cpu and _QUANTIZE.value == "int8") else 1)
+  gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value)
   try:
     gen.check_lengths(len(prompt), _MAX_TOKENS.value)
     if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:

@@ -9,16 +9,47 @@ Contract:
   * ``QuantArray.act_quant`` (static) picks how int8 weights are multiplied: ``False`` dequantizes
     inside the dot (weight-only int8, the GPU/TPU policy); ``True`` also quantizes activations per
     token to int8 and runs an int8 x int8 -> int32 dot (the XLA:CPU policy, where that is the only
-    fast int8 kernel; see BUILD_NOTES.md "compute policy").
+    fast int8 kernel; see "Compute policy" below).
+
+Compute policy (how ``einsum`` lowers; results are those of the plain einsum up to rounding):
+  * Every weight einsum becomes ONE 2D ``dot_general`` ``[M, K] x [K, N]`` (or ``[N, K]`` when the
+    weight's contracted axes are trailing, e.g. a tied ``[V, D]`` embedding): the weight is only
+    reshaped (a bitcast), never transposed, and the activation is laid out as ``[M, K]``. Left to
+    itself XLA may transpose a multi-axis weight such as ``o [N, H, D]`` into a copy on every call
+    (measured on XLA:CPU: 6 ms per decode step of the 121M model, a quarter of the step).
+  * Float weights: operands in the activation dtype, f32 accumulation (``preferred_element_type``),
+    result in the activation dtype. So f32 params compute in f32 and bf16 params in bf16 (prefill:
+    XLA:CPU's YNNPACK bf16 kernels, about twice the f32 FLOP/s). On XLA:CPU, up to
+    ``NATIVE_FLOAT_MAX_ROWS`` rows (decode) go to the native kernel of ``models.cpu_kernels``
+    (same products and f32 accumulation; it reads bf16 weights at memory bandwidth, where XLA's
+    bf16 dot reaches about half, and f32 weights a little faster than XLA's f32 matrix-vector).
+  * int8, ``act_quant=False``: the weight is converted to the activation dtype inside the dot and
+    the per-channel scale applied to the result (weight-only int8; GPU/TPU fuse the convert).
+  * int8, ``act_quant=True`` (W8A8 dynamic, like llama.cpp's Q8_0 dot): each row of the activation
+    is quantized to int8 with its own scale (amax / 127), the dot is int8 x int8 -> int32 (exact),
+    and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to ``NATIVE_INT8_MAX_ROWS``
+    rows (decode) go to the native kernel of ``models.cpu_kernels`` when it is available (the same
+    quantization, int32 sums and scaling in one call; it reads the int8 weight at memory
+    bandwidth, XLA's int8 dot does not); otherwise the rows are padded
+    with zeros to a multiple of ``INT8_ROW_MULTIPLE``, since with fewer rows XLA:CPU picks a much
+    slower int8 kernel. Both give the same int32 sums; padding rows quantize to zero and are
+    sliced off.
+  * Without the native kernels, bf16 operands with fewer than ``BF16_MIN_ROWS`` rows are padded
+    the same way on XLA:CPU, which otherwise converts the whole bf16 weight to f32 in memory
+    before a matrix-vector dot.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from models import cpu_kernels
 
 
 @flax.struct.dataclass
@@ -40,6 +71,12 @@ class QuantArray:
 
 
 Weight = jax.Array | QuantArray
+
+# XLA:CPU knobs (see "Compute policy"); measured with launch/bench_model.py.
+INT8_ROW_MULTIPLE = 8
+BF16_MIN_ROWS = 2
+NATIVE_INT8_MAX_ROWS = 16
+NATIVE_FLOAT_MAX_ROWS = 16
 
 
 def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool = False
@@ -70,11 +107,102 @@ def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
   return a.reshape(shape)
 
 
+def _matmul_plan(x_letters: str, w_letters: str, out: str):
+  """(contracted letters in weight order, weight-is-[K, N]) when ``spec`` is a plain matmul whose
+  contracted weight axes are a leading or trailing block; else None (generic einsum)."""
+  contract = [c for c in w_letters if c in x_letters and c not in out]
+  free_w = [c for c in w_letters if c not in contract]
+  free_x = [c for c in x_letters if c not in contract]
+  if (not contract or any(c not in out for c in free_w + free_x)
+      or len(set(x_letters)) != len(x_letters) or len(set(w_letters)) != len(w_letters)
+      or any(c in x_letters for c in free_w) or sorted(out) != sorted(free_x + free_w)):
+    return None
+  nc = len(contract)
+  if list(w_letters[:nc]) == contract:
+    return "".join(contract), True
+  if list(w_letters[-nc:]) == contract:
+    return "".join(contract), False
+  return None
+
+
+def _pad_rows(x2: jax.Array, multiple: int) -> jax.Array:
+  m = x2.shape[0]
+  pad = -m % multiple
+  return jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
+
+
+def _on_cpu() -> bool:
+  # The backend the computation is being traced for; jit on CPU is what the policy is for.
+  return jax.default_backend() == "cpu"
+
+
 def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
   """``jnp.einsum(spec, x, w)`` with f32 accumulation; result in ``x.dtype``.
 
   ``x`` is the activation (first operand), ``w`` the weight (second operand).
   """
+  x_letters, w_letters, out = _parse(spec)
+  plan = _matmul_plan(x_letters, w_letters, out)
+  if plan is None:
+    return _einsum_generic(spec, x, w)
+  contract, w_kn = plan
+  free_x = [c for c in x_letters if c not in contract]
+  free_w = [c for c in w_letters if c not in contract]
+  sizes = dict(zip(x_letters, x.shape))
+  sizes.update(zip(w_letters, w.shape))
+  k = math.prod(sizes[c] for c in contract)
+  n = math.prod(sizes[c] for c in free_w)
+  m = math.prod(sizes[c] for c in free_x)
+  # Activation -> [M, K] (a bitcast when its contracted axes are already trailing, in order).
+  perm = [x_letters.index(c) for c in free_x + list(contract)]
+  x2 = (x if perm == sorted(perm) else jnp.transpose(x, perm)).reshape(m, k)
+  # Weight -> [K, N] or [N, K]: a reshape of contiguous axes, never a transpose.
+  wshape = (k, n) if w_kn else (n, k)
+  dims = (((1,), (0 if w_kn else 1,)), ((), ()))
+  cpu = _on_cpu()
+
+  if not isinstance(w, QuantArray):
+    # The native kernel multiplies in f32: exact for w's own dtype when the einsum would compute
+    # in w's dtype anyway (x.dtype == w.dtype) or cast w up to f32 (x is f32).
+    if (cpu and w_kn and m <= NATIVE_FLOAT_MAX_ROWS
+        and w.dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+        and (x.dtype == w.dtype or x.dtype == jnp.float32) and cpu_kernels.available()):
+      y2 = cpu_kernels.matmul_float(x2.astype(jnp.float32), w.reshape(wshape))
+    else:
+      w2 = w.reshape(wshape).astype(x.dtype)
+      xp = x2
+      if cpu and x.dtype == jnp.bfloat16 and m < BF16_MIN_ROWS:
+        xp = _pad_rows(x2, BF16_MIN_ROWS)
+      y2 = lax.dot_general(xp, w2, dims, preferred_element_type=jnp.float32)[:m]
+  else:
+    w_scale = w.scale.reshape(1, n)
+    wq = w.quant.reshape(wshape)
+    if not w.act_quant:
+      y2 = lax.dot_general(x2, wq.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+      y2 = y2 * w_scale
+    else:
+      x32 = x2.astype(jnp.float32)
+      if cpu and w_kn and m <= NATIVE_INT8_MAX_ROWS and cpu_kernels.available():
+        # The same quantization, int32 dot and scaling, in one native call.
+        y2 = cpu_kernels.matmul_w8a8(x32, wq, w.scale.reshape(n))
+      else:
+        # Per-row (per-token) dynamic int8 activations: amax over the contracted axes.
+        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
+        x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+        xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+        if cpu:
+          xq = _pad_rows(xq, INT8_ROW_MULTIPLE)
+        acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.int32)[:m]
+        y2 = acc.astype(jnp.float32) * x_scale * w_scale
+  y = y2.astype(x.dtype).reshape([sizes[c] for c in free_x + free_w])
+  got = "".join(free_x + free_w)
+  if got != out:
+    y = jnp.transpose(y, [got.index(c) for c in out])
+  return y
+
+
+def _einsum_generic(spec: str, x: jax.Array, w: Weight) -> jax.Array:
+  """Any einsum (batch axes, odd weight layouts): the straightforward lowering."""
   if not isinstance(w, QuantArray):
     return jnp.einsum(spec, x, w.astype(x.dtype),
                       preferred_element_type=jnp.float32).astype(x.dtype)
@@ -83,7 +211,6 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
   if not w.act_quant:
     y = jnp.einsum(spec, x, w.quant.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(x.dtype)
-  # Per-token dynamic int8 activations: amax over the contracted axes of x.
   contracted = tuple(i for i, c in enumerate(x_letters) if c not in out)
   x32 = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True)

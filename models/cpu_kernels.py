@@ -1,0 +1,575 @@
+"""Native XLA:CPU kernels for the few-row matmuls of decode: int8 x int8 -> int32 (alone or with
+the W8A8 activation quantization fused in), and f32 x (f32 | bf16) -> f32.
+
+Contract:
+  * ``available()`` says whether the kernels can be used in this process: the default backend is
+    CPU, the CPU has AVX-512 BW + VBMI + VNNI, ``PHASESERVE_NATIVE_KERNELS`` is not ``0``, and the
+    C++ source below compiled (``c++`` / ``g++``) against ``jax.ffi.include_dir()`` and registered
+    as the XLA FFI targets ``phaseserve_int8_matmul``, ``phaseserve_w8a8_matmul`` and
+    ``phaseserve_float_matmul``. The shared library is cached under ``$PHASESERVE_CACHE_DIR``
+    (default ``~/.cache/phaseserve``), keyed by the source, jax version and compiler flags; any
+    failure means ``False`` (callers fall back to XLA's own dot) and is logged once.
+  * ``matmul_s8(x_MK, w_KN)`` returns ``x @ w`` as int32 ``[M, N]``: exact integer arithmetic,
+    bit-identical to ``lax.dot_general(..., preferred_element_type=jnp.int32)``.
+  * ``matmul_w8a8(x_MK, w_KN, w_scale_N)``: f32 ``[M, N]``, bit-identical to the W8A8 formula of
+    ``models.quant.einsum`` (per-row amax / 127 scale, round-half-even, clip to +-127, int32 dot,
+    ``* row_scale * w_scale``), in one call.
+  * ``matmul_float(x_MK, w_KN)``: f32 ``x`` times an f32 or bf16 ``w``, f32 products and f32
+    accumulation (what XLA computes for ``preferred_element_type=f32``; bf16 x bf16 products are
+    exact in f32), up to summation order.
+  Callers: ``models.quant.einsum`` only, for at most ``quant.NATIVE_*_MAX_ROWS`` rows.
+
+Why: XLA:CPU reads decode-shaped (few-row) weights at a fraction of memory bandwidth except for
+f32 with exactly one row. Its int8 and bf16 dots (YNNPACK) repack the weight on every call (about
+3x slower than these kernels for int8 at batch 1 on the 2-core dev machine; see
+launch/bench_model.py and the perf notes), and f32 with 2..16 rows is about half as fast as one
+row. These kernels stream the ``[K, N]`` row-major weight as stored (no repacking, no transposed
+copy; ``weights.py`` layouts unchanged) in blocks of 16 (int8) or 8 (float) rows, prefetching
+the next block into L2 (short rows starve the hardware prefetchers), over tiles of 32 columns x
+up to 8 activation rows held in registers. int8: per 4 rows x 16 columns one ``vpermb`` makes
+the dot-product groups and AVX-512 VNNI ``vpdpbusd`` accumulates ``(w + 128) . x`` (the
+``128 * sum(x)`` excess is subtracted at the end). Float: bf16 is widened to f32 in registers,
+then FMA. The K range is split over XLA's intra-op thread pool (each part streams a contiguous
+slab; partial sums are added at the end). For many rows (prefill) XLA's dots are faster.
+Inside ``shard_map`` the kernels run on each shard's local block like any op; under automatic
+(GSPMD) partitioning a custom call is not partitioned, so sharded weights would be gathered: the
+``partitioning`` layouts use ``shard_map``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+_TARGET = "phaseserve_int8_matmul"
+_FLOAT_TARGET = "phaseserve_float_matmul"
+_W8A8_TARGET = "phaseserve_w8a8_matmul"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+_SOURCE = r"""
+// int8 x int8 -> int32 matmul for few rows (decode): y[M, N] = x[M, K] . w[K, N], w row-major.
+// Exact integer arithmetic (same result as XLA's s8 x s8 -> s32 dot).
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTileN = 32;  // columns per register tile: 2 zmm of int32 per row
+constexpr int64_t kMaxM = 8;    // rows per register block
+constexpr int64_t kBlockK = 16; // weight rows per pass over the columns (multiple of 4)
+
+// One pass of `kb` weight rows (rows beyond kb read as zero) over the columns [n0, n1) for `M`
+// rows of x. Per 4 weight rows and 16 columns: four 16-byte row loads form one zmm, vpermb
+// transposes it to 16 lanes of (w[k..k+3][c]) bytes, xor 0x80 makes them unsigned (w + 128), and
+// vpdpbusd accumulates (w + 128) . x per lane; the 128 * sum(x) excess is removed by the caller.
+template <int M>
+static void pass(const int32_t* __restrict xq, int64_t xq_stride, const int8_t* __restrict w,
+                 int64_t N, int64_t kb, int64_t n0, int64_t n1, int32_t* __restrict y,
+                 int64_t ldy, bool first, const int8_t* pf, int64_t pf_bytes) {
+  // Software prefetch of the next block of weight rows (contiguous), spread over this pass's
+  // column tiles: with short rows the hardware prefetchers do not ramp up.
+  const int64_t tiles = (n1 - n0) / kTileN;
+  const int64_t pf_per_tile = tiles > 0 ? (pf_bytes / 64 + tiles - 1) / tiles : 0;
+  const int8_t* pf_end = pf + pf_bytes;
+  alignas(64) static const uint8_t kIdx[64] = {
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51,
+      4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54, 7, 23, 39, 55,
+      8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const __m128i zero = _mm_setzero_si128();
+  for (int64_t n = n0; n < n1; n += kTileN) {
+    for (int64_t i = 0; i < pf_per_tile && pf < pf_end; ++i, pf += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+    __m512i acc[M][2];
+    for (int m = 0; m < M; ++m) {
+      if (first) {
+        acc[m][0] = _mm512_setzero_si512();
+        acc[m][1] = _mm512_setzero_si512();
+      } else {
+        acc[m][0] = _mm512_loadu_si512(y + m * ldy + n);
+        acc[m][1] = _mm512_loadu_si512(y + m * ldy + n + 16);
+      }
+    }
+    for (int64_t k = 0; k < kb; k += 4) {
+      const int8_t* wk = w + k * N + n;
+      __m512i t[2];
+      for (int s = 0; s < 2; ++s) {
+        const int8_t* p = wk + 16 * s;
+        __m128i r0 = _mm_loadu_si128((const __m128i*)p);
+        __m128i r1 = k + 1 < kb ? _mm_loadu_si128((const __m128i*)(p + N)) : zero;
+        __m128i r2 = k + 2 < kb ? _mm_loadu_si128((const __m128i*)(p + 2 * N)) : zero;
+        __m128i r3 = k + 3 < kb ? _mm_loadu_si128((const __m128i*)(p + 3 * N)) : zero;
+        __m512i v = _mm512_castsi128_si512(r0);
+        v = _mm512_inserti32x4(v, r1, 1);
+        v = _mm512_inserti32x4(v, r2, 2);
+        v = _mm512_inserti32x4(v, r3, 3);
+        t[s] = _mm512_xor_si512(_mm512_permutexvar_epi8(idx, v), flip);
+      }
+      const int32_t* xk = xq + k / 4;
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_set1_epi32(xk[m * xq_stride]);
+        acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], t[0], xv);
+        acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], t[1], xv);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      _mm512_storeu_si512(y + m * ldy + n, acc[m][0]);
+      _mm512_storeu_si512(y + m * ldy + n + 16, acc[m][1]);
+    }
+  }
+}
+
+using PassFn = void (*)(const int32_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int64_t,
+                        int32_t*, int64_t, bool, const int8_t*, int64_t);
+const PassFn kPass[kMaxM + 1] = {nullptr, pass<1>, pass<2>, pass<3>, pass<4>,
+                                 pass<5>, pass<6>, pass<7>, pass<8>};
+
+// Rows [k0, k1) of w (k0 even) into y (ldy = N), columns [0, nv) (nv a multiple of kTileN).
+void partial(const int32_t* xp, int64_t kp, const int8_t* w, int64_t M, int64_t N, int64_t nv,
+             int64_t k0, int64_t k1, int32_t* y) {
+  // k outer: a block of kBlockK weight rows is read from memory once and stays in cache while
+  // every block of kMaxM x rows passes over it.
+  for (int64_t k = k0; k < k1; k += kBlockK) {
+    const int64_t kb = std::min<int64_t>(kBlockK, k1 - k);
+    // Prefetch the next block during the first x block's pass (later ones hit the cache).
+    const int64_t next = std::min<int64_t>(kBlockK, k1 - k - kb);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const int64_t mb = std::min<int64_t>(kMaxM, M - m0);
+      kPass[mb](xp + m0 * kp + k / 4, kp, w + k * N, N, kb, 0, nv, y + m0 * N, N, k == k0,
+                w + (k + kb) * N, m0 == 0 && next > 0 ? next * N : 0);
+    }
+  }
+}
+
+struct Job {
+  const int32_t* xp; const int8_t* w; int64_t M, K, N, nv, kp, parts;
+  std::vector<int32_t*> out;  // per part: [M, N] (part 0 = the result buffer)
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(const std::shared_ptr<Job>& j) {
+  while (true) {
+    const int64_t p = j->next.fetch_add(1);
+    if (p >= j->parts) return;
+    // Split K into `parts` ranges aligned to kBlockK.
+    const int64_t blocks = (j->K + kBlockK - 1) / kBlockK;
+    const int64_t k0 = kBlockK * (blocks * p / j->parts);
+    const int64_t k1 = std::min(j->K, kBlockK * (blocks * (p + 1) / j->parts));
+    if (k1 > k0) {
+      partial(j->xp, j->kp, j->w, j->M, j->N, j->nv, k0, k1, j->out[p]);
+    } else {
+      for (int64_t m = 0; m < j->M; ++m) std::memset(j->out[p] + m * j->N, 0, j->nv * 4);
+    }
+    j->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// ys[M, N] = xs[M, K] . ws[K, N] in int32.
+void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int32_t* ys,
+                 int64_t M, int64_t K, int64_t N) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) { std::memset(ys, 0, M * N * 4); return; }
+  // x as quads of int8 (x[k..k+3], zero beyond K) in one int32: [M, ceil(K / 4)]; and the
+  // 128 * sum(x) excess that the unsigned (w + 128) weights add to every column.
+  const int64_t kp = (K + 3) / 4;
+  std::vector<int32_t> xp(M * kp, 0);
+  std::vector<int32_t> excess(M);
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(reinterpret_cast<int8_t*>(xp.data() + m * kp), xs + m * K, K);
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += xs[m * K + k];
+    excess[m] = 128 * sum;
+  }
+  const int64_t nv = (N / kTileN) * kTileN;
+  for (int64_t n = nv; n < N; ++n)  // scalar tail columns
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += int32_t(xs[m * K + k]) * int32_t(ws[k * N + n]);
+      ys[m * N + n] = s;
+    }
+  if (nv == 0) return;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Split K over threads only when each part streams enough weight bytes to pay for a task.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (K * nv) / (128 * 1024)));
+  auto job = std::make_shared<Job>();
+  job->xp = xp.data(); job->w = ws; job->M = M; job->K = K; job->N = N; job->nv = nv;
+  job->kp = kp; job->parts = parts;
+  std::vector<int32_t> scratch((parts - 1) * M * N);
+  job->out.push_back(ys);
+  for (int64_t p = 1; p < parts; ++p) job->out.push_back(scratch.data() + (p - 1) * M * N);
+  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { work(job); });
+  work(job);
+  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t* dst = ys + m * N;
+    for (int64_t p = 1; p < parts; ++p) {
+      const int32_t* src = job->out[p] + m * N;
+      for (int64_t n = 0; n < nv; ++n) dst[n] += src[n];
+    }
+    for (int64_t n = 0; n < nv; ++n) dst[n] -= excess[m];
+  }
+}
+
+
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
+                          ffi::ResultBuffer<ffi::S32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("phaseserve_int8_matmul: want x [M, K], w [K, N]");
+  int8_matmul(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[1]);
+  return ffi::Error::Success();
+}
+
+// W8A8 with the activation quantization fused in, exactly as models/quant.py writes it in XLA:
+// per row, scale = amax / 127 (1 where amax == 0), q = clip(round_half_even(x / scale), +-127);
+// y = float(q . w) * scale * w_scale[n].
+ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || w_scale.element_count() != wd[1])
+    return ffi::Error::InvalidArgument(
+        "phaseserve_w8a8_matmul: want x [M, K], w [K, N], w_scale [N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  const float* xs = x.typed_data();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> row_scale(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xs + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
+    row_scale[m] = scale;
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = std::nearbyint(xr[k] / scale);
+      xq[m * K + k] = int8_t(std::min(127.f, std::max(-127.f, q)));
+    }
+  }
+  std::vector<int32_t> acc(M * N);
+  int8_matmul(pool, xq.data(), w.typed_data(), acc.data(), M, K, N);
+  const float* ws = w_scale.typed_data();
+  float* ys = y->typed_data();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      ys[m * N + n] = float(acc[m * N + n]) * row_scale[m] * ws[n];
+  return ffi::Error::Success();
+}
+
+// ---- float: y[M, N] (f32) = x[M, K] (f32) . w[K, N] (f32 or bf16), f32 accumulation ----------
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the bits, shifted up 16
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Columns [0, nv) (multiple of kTileN), weight rows [0, kb) of this block, M rows of x.
+template <int M, typename W>
+static void fpass(const float* __restrict x, int64_t ldx, const W* __restrict w, int64_t N,
+                  int64_t kb, int64_t nv, float* __restrict y, int64_t ldy, bool first,
+                  const char* pf, int64_t pf_bytes) {
+  const int64_t tiles = nv / kTileN;
+  const int64_t pf_per_tile = tiles > 0 ? (pf_bytes / 64 + tiles - 1) / tiles : 0;
+  const char* pf_end = pf + pf_bytes;
+  for (int64_t n = 0; n < nv; n += kTileN) {
+    for (int64_t i = 0; i < pf_per_tile && pf < pf_end; ++i, pf += 64)
+      _mm_prefetch(pf, _MM_HINT_T1);
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) {
+      if (first) {
+        acc[m][0] = _mm512_setzero_ps();
+        acc[m][1] = _mm512_setzero_ps();
+      } else {
+        acc[m][0] = _mm512_loadu_ps(y + m * ldy + n);
+        acc[m][1] = _mm512_loadu_ps(y + m * ldy + n + 16);
+      }
+    }
+    for (int64_t k = 0; k < kb; ++k) {
+      const __m512 w0 = load16(w + k * N + n);
+      const __m512 w1 = load16(w + k * N + n + 16);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+        acc[m][0] = _mm512_fmadd_ps(w0, xv, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(w1, xv, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      _mm512_storeu_ps(y + m * ldy + n, acc[m][0]);
+      _mm512_storeu_ps(y + m * ldy + n + 16, acc[m][1]);
+    }
+  }
+}
+
+template <typename W>
+using FPassFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, int64_t, float*,
+                         int64_t, bool, const char*, int64_t);
+template <typename W>
+const FPassFn<W> kFPass[kMaxM + 1] = {nullptr, fpass<1, W>, fpass<2, W>, fpass<3, W>,
+                                      fpass<4, W>, fpass<5, W>, fpass<6, W>, fpass<7, W>,
+                                      fpass<8, W>};
+
+// Float weight rows are 2-4x longer in bytes than int8 ones: fewer rows per pass keep the number
+// of pages streamed at once (and the y traffic per row) in balance.
+constexpr int64_t kFBlockK = 8;
+
+template <typename W>
+void fpartial(const float* x, const W* w, int64_t M, int64_t K, int64_t N, int64_t nv,
+              int64_t k0, int64_t k1, float* y) {
+  for (int64_t k = k0; k < k1; k += kFBlockK) {
+    const int64_t kb = std::min<int64_t>(kFBlockK, k1 - k);
+    const int64_t next = std::min<int64_t>(kFBlockK, k1 - k - kb);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const int64_t mb = std::min<int64_t>(kMaxM, M - m0);
+      kFPass<W>[mb](x + m0 * K + k, K, w + k * N, N, kb, nv, y + m0 * N, N, k == k0,
+                    reinterpret_cast<const char*>(w + (k + kb) * N),
+                    m0 == 0 && next > 0 ? next * N * int64_t(sizeof(W)) : 0);
+    }
+  }
+}
+
+template <typename W>
+struct FJob {
+  const float* x; const W* w; int64_t M, K, N, nv, parts;
+  std::vector<float*> out;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename W>
+void fwork(const std::shared_ptr<FJob<W>>& j) {
+  while (true) {
+    const int64_t p = j->next.fetch_add(1);
+    if (p >= j->parts) return;
+    const int64_t blocks = (j->K + kFBlockK - 1) / kFBlockK;
+    const int64_t k0 = kFBlockK * (blocks * p / j->parts);
+    const int64_t k1 = std::min(j->K, kFBlockK * (blocks * (p + 1) / j->parts));
+    if (k1 > k0) {
+      fpartial<W>(j->x, j->w, j->M, j->K, j->N, j->nv, k0, k1, j->out[p]);
+    } else {
+      for (int64_t m = 0; m < j->M; ++m) std::memset(j->out[p] + m * j->N, 0, j->nv * 4);
+    }
+    j->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename W>
+void float_matmul(ffi::ThreadPool& pool, const float* xs, const W* ws, float* ys, int64_t M,
+                  int64_t K, int64_t N) {
+  const int64_t nv = (N / kTileN) * kTileN;
+  for (int64_t n = nv; n < N; ++n)  // scalar tail columns
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        float wv;
+        if constexpr (sizeof(W) == 2) {
+          uint32_t bits = uint32_t(ws[k * N + n]) << 16;
+          std::memcpy(&wv, &bits, 4);
+        } else {
+          wv = ws[k * N + n];
+        }
+        s += xs[m * K + k] * wv;
+      }
+      ys[m * N + n] = s;
+    }
+  if (nv == 0) return;
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(ys + m * N, 0, nv * 4);
+    return;
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t bytes = K * nv * int64_t(sizeof(W));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
+  auto job = std::make_shared<FJob<W>>();
+  job->x = xs; job->w = ws; job->M = M; job->K = K; job->N = N; job->nv = nv;
+  job->parts = parts;
+  std::vector<float> scratch((parts - 1) * M * N);
+  job->out.push_back(ys);
+  for (int64_t p = 1; p < parts; ++p) job->out.push_back(scratch.data() + (p - 1) * M * N);
+  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { fwork<W>(job); });
+  fwork<W>(job);
+  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  for (int64_t p = 1; p < parts; ++p)
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = ys + m * N;
+      const float* src = job->out[p] + m * N;
+      for (int64_t n = 0; n < nv; ++n) dst[n] += src[n];
+    }
+}
+
+ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("phaseserve_float_matmul: want x [M, K], w [K, N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (w.element_type() == ffi::F32) {
+    float_matmul<float>(pool, x.typed_data(), w.typed_data<float>(), y->typed_data(), M, K, N);
+  } else if (w.element_type() == ffi::BF16) {
+    float_matmul<uint16_t>(pool, x.typed_data(),
+                           reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(),
+                           M, K, N);
+  } else {
+    return ffi::Error::InvalidArgument("phaseserve_float_matmul: w must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8Matmul, W8A8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatMatmul, FloatMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def _cpu_flags() -> set[str]:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return set()
+
+
+def _build() -> str:
+  """Compiles the kernels (once per source / jax version / flags); returns the library path."""
+  compiler = shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (c++ / g++) on PATH")
+  include = jax.ffi.include_dir()
+  flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx2", "-mfma", "-mavx512f",
+           "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]
+  key = hashlib.sha256("\n".join([_SOURCE, jax.__version__, include, *flags]).encode()
+                       ).hexdigest()[:16]
+  cache = os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "phaseserve")
+  os.makedirs(cache, exist_ok=True)
+  lib = os.path.join(cache, f"matmul_kernels_{key}.so")
+  if os.path.exists(lib):
+    return lib
+  with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    src = os.path.join(tmp, "matmul_kernels.cc")
+    with open(src, "w") as f:
+      f.write(_SOURCE)
+    out = os.path.join(tmp, "lib.so")
+    cmd = [compiler, *flags, f"-I{include}", src, "-o", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+      raise RuntimeError(f"compiling the CPU kernels failed: {proc.stderr[-2000:]}")
+    os.replace(out, lib)  # atomic: concurrent builders race benignly
+  return lib
+
+
+def available() -> bool:
+  """True when the kernels may be used (see the module contract); builds on first call."""
+  if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0":
+    return False
+  if jax.default_backend() != "cpu":
+    return False
+  with _lock:
+    if "ok" not in _state:
+      try:
+        need = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
+        missing = need - _cpu_flags()
+        if missing:
+          raise RuntimeError(f"CPU lacks {sorted(missing)}")
+        lib = ctypes.cdll.LoadLibrary(_build())
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseserveInt8Matmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_FLOAT_TARGET, jax.ffi.pycapsule(lib.PhaseserveFloatMatmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_W8A8_TARGET, jax.ffi.pycapsule(lib.PhaseserveW8A8Matmul),
+                                    platform="cpu")
+        _state["lib"] = lib
+        _state["ok"] = True
+      except Exception as e:  # noqa: BLE001 - any failure means "use XLA's dot"
+        logging.getLogger(__name__).warning("native CPU kernels unavailable: %s", e)
+        _state["ok"] = False
+    return bool(_state["ok"])
+
+
+def matmul_s8(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
+  """int32 ``x_MK @ w_KN`` for int8 operands (call only when ``available()``)."""
+  m, k = x_MK.shape
+  k2, n = w_KN.shape
+  if k != k2 or x_MK.dtype != jnp.int8 or w_KN.dtype != jnp.int8:
+    raise ValueError(f"matmul_s8 wants int8 [M, K] x [K, N], got {x_MK.shape} {x_MK.dtype} "
+                     f"and {w_KN.shape} {w_KN.dtype}")
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((m, n), jnp.int32),
+                          vmap_method="sequential")
+  return call(x_MK, w_KN)
+
+
+def matmul_float(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
+  """f32 ``x_MK @ w_KN`` for f32 ``x`` and f32 or bf16 ``w`` (call only when ``available()``)."""
+  m, k = x_MK.shape
+  k2, n = w_KN.shape
+  if (k != k2 or x_MK.dtype != jnp.float32
+      or w_KN.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))):
+    raise ValueError(f"matmul_float wants f32 [M, K] x f32|bf16 [K, N], got {x_MK.shape} "
+                     f"{x_MK.dtype} and {w_KN.shape} {w_KN.dtype}")
+  call = jax.ffi.ffi_call(_FLOAT_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_KN)
+
+
+def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array) -> jax.Array:
+  """f32 ``[M, N]``: per-row int8 quantization of f32 ``x`` fused with ``matmul_s8`` and both
+  scales, computing exactly what ``models.quant.einsum`` computes for ``act_quant=True``
+  (call only when ``available()``)."""
+  m, k = x_MK.shape
+  k2, n = w_KN.shape
+  if (k != k2 or x_MK.dtype != jnp.float32 or w_KN.dtype != jnp.int8
+      or w_scale_N.shape != (n,) or w_scale_N.dtype != jnp.float32):
+    raise ValueError(f"matmul_w8a8 wants f32 [M, K], int8 [K, N], f32 [N]; got {x_MK.shape} "
+                     f"{x_MK.dtype}, {w_KN.shape} {w_KN.dtype}, {w_scale_N.shape} "
+                     f"{w_scale_N.dtype}")
+  call = jax.ffi.ffi_call(_W8A8_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_KN, w_scale_N)
