@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from typing import NoReturn
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset: tiny or small")
 _PHASE = flags.DEFINE_enum("phase", "decode", ["prefill", "decode"], "phase to tune")
@@ -42,11 +42,6 @@ _FAKE_DEVICES = flags.DEFINE_integer("fake_devices", None,
 _JSON = flags.DEFINE_bool("json", False, "print JSON")
 
 
-def _fail(message: str) -> NoReturn:
-  print(f"error: {message}".replace("\n", " "), file=sys.stderr)
-  sys.exit(2)
-
-
 def _table(result) -> str:
   def ms(s):
     return "-" if s is None else f"{s * 1e3:9.3f}"
@@ -64,7 +59,7 @@ def _table(result) -> str:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}")
+    cli.fail(f"unexpected arguments {argv[1:]}")
   if _FAKE_DEVICES.value:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
@@ -75,7 +70,7 @@ def main(argv: list[str]) -> None:
   from partitioning.mesh import make_mesh
 
   if _MODEL.value not in ("tiny", "small"):
-    _fail(f"--model must be tiny or small, got {_MODEL.value!r}")
+    cli.fail(f"--model must be tiny or small, got {_MODEL.value!r}")
   cfg = get_preset(_MODEL.value)
   try:
     shape = ([int(s) for s in _MESH_SHAPE.value.split(",")] if _MESH_SHAPE.value else None)
@@ -92,7 +87,7 @@ def main(argv: list[str]) -> None:
       from partitioning.hardware import get_hardware
       hardware = get_hardware(_HARDWARE.value)
   except ValueError as e:
-    _fail(str(e))
+    cli.fail(str(e))
   result = at.autotune(cfg, mesh, _PHASE.value, _BATCH.value, _SEQ.value,
                        quantized=_QUANTIZE.value == "int8", candidates=candidates,
                        cache_dir=_CACHE_DIR.value, hardware=hardware, reps=_REPS.value,
@@ -105,12 +100,5 @@ def main(argv: list[str]) -> None:
     print(_table(result))
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(str(e))
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

@@ -48,7 +48,10 @@ import statistics
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from launch import cli
+from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "small", "model preset name")
 _DTYPE = flags.DEFINE_list("dtype", ["float32", "bfloat16"],
@@ -73,9 +76,6 @@ _BANDWIDTH_MB = flags.DEFINE_integer("bandwidth_mb", 512, "MiB read for the band
 _PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for the random weights")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
-
-class CliError(Exception):
-  """A user error: printed as one line, exit code 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,21 +391,5 @@ def main(argv: list[str]) -> None:
   print(json.dumps(result) if _JSON.value else _table(result))
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
-def entry() -> None:
-  try:
-    app.run(main, flags_parser=_parse_flags)
-  except CliError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  entry()
+  cli.run(main)

@@ -14,7 +14,10 @@ import json
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from launch import cli
+from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "tiny", "preset name (tiny, small) or checkpoint directory")
 _PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
@@ -32,9 +35,6 @@ _STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 8, "decode steps per ji
                                        lower_bound=1)
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "do not stop at the end-of-sequence token")
 
-
-class CliError(Exception):
-  """A user error: printed as one line, exit code 2."""
 
 
 def _given_prompt_ids() -> list[int] | None:
@@ -125,21 +125,5 @@ def main(argv: list[str]) -> None:
     print(json.dumps(result))
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
-def entry() -> None:
-  try:
-    app.run(main, flags_parser=_parse_flags)
-  except CliError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  entry()
+  cli.run(main)

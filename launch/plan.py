@@ -15,10 +15,10 @@ with status 2 (no traceback).
 from __future__ import annotations
 
 import json
-import sys
-from typing import NoReturn
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 from models.config import PRESET_NAMES, get_preset
 from partitioning.hardware import HARDWARE_NAMES, get_hardware
@@ -41,18 +41,6 @@ _TOP = flags.DEFINE_integer("top", 10, "Candidates to print.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
-def _fail(message: str) -> NoReturn:
-  print(f"error: {message}".replace("\n", " "), file=sys.stderr)
-  sys.exit(2)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(str(e))
-
-
 def _table(result: Plan, header: str, top: int) -> str:
   lines = [header, f"{'#':>3} {'layout':<7} {'attention':<10} {'attn_B':<6} {'mesh':<12} "
            f"{'latency_ms':>12} "
@@ -73,7 +61,7 @@ def _table(result: Plan, header: str, top: int) -> str:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
     model = get_preset(_MODEL.value)
     hardware = get_hardware(_HARDWARE.value)
@@ -88,7 +76,7 @@ def main(argv: list[str]) -> None:
                   objective=_OBJECTIVE.value,  # type: ignore[arg-type]
                   latency_bound_s=bound)
   except ValueError as e:
-    _fail(str(e))
+    cli.fail(str(e))
   if _JSON.value:
     out = {"model": model.name, "hardware": hardware.name, "chips": _CHIPS.value}
     out.update(result.to_dict(top=_TOP.value))
@@ -101,4 +89,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)
