@@ -231,8 +231,6 @@ def test_tokenizer_json_loads(ref_dir):
 
 
 def test_tokenizer_roundtrip_via_models_tokenizer(ref_dir, loaded):
-  if not (REPO / "models" / "tokenizer.py").is_file():
-    pytest.skip("models/tokenizer.py not written yet")  # covered by test_tokenizer_json_loads
   from models.tokenizer import load_tokenizer
   from tokenizers import Tokenizer
   for case in ("llama_gqa", "gemma_mqa"):

@@ -248,7 +248,7 @@ def test_wrong_spec_and_missing_psum_fail_the_check(mesh8, monkeypatch):
 
 
 def test_orbax_restore_straight_into_a_layout(mesh8, tmp_path):
-  checkpoint = pytest.importorskip("models.checkpoint")
+  from models import checkpoint
   params = quantize(init_params(CFG, jax.random.key(0)), CFG)
   checkpoint.save_params(tmp_path / "ckpt", params, CFG)
   shardings = L.param_shardings(CFG, mesh8, "ws_2d", quantized=True)
