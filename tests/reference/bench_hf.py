@@ -1,0 +1,67 @@
+"""Hugging Face transformers (PyTorch CPU) on the same shape, for side-by-side comparison with
+``launch.bench_model``. Runs in the Python 3.11 reference env (``.venv-ref``), never in the project.
+
+  .venv-ref/bin/python tests/reference/bench_hf.py --dtype bfloat16 --json
+
+Prints one JSON object: prefill tokens/s per batch and decode ms/token per batch (greedy,
+``generate`` with the KV cache), random weights of the ``small`` Llama shape by default.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  ap.add_argument("--hidden", type=int, default=768)
+  ap.add_argument("--layers", type=int, default=12)
+  ap.add_argument("--heads", type=int, default=12)
+  ap.add_argument("--kv_heads", type=int, default=1)
+  ap.add_argument("--ffn", type=int, default=2048)
+  ap.add_argument("--vocab", type=int, default=32000)
+  ap.add_argument("--prompt", type=int, default=128)
+  ap.add_argument("--new_tokens", type=int, default=32)
+  ap.add_argument("--batches", default="1,8")
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--json", action="store_true")
+  a = ap.parse_args()
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(
+      vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, intermediate_size=a.ffn,
+      rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=2048)
+  dtype = getattr(torch, a.dtype)
+  model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+  out = {"engine": f"transformers {transformers.__version__} / torch {torch.__version__}",
+         "dtype": a.dtype, "threads": torch.get_num_threads(), "prefill": [], "decode": []}
+  with torch.inference_mode():
+    for b in [int(x) for x in a.batches.split(",")]:
+      ids = torch.randint(0, a.vocab, (b, a.prompt))
+      mask = torch.ones_like(ids)
+      model(ids)  # warm-up
+      times = []
+      for _ in range(a.repeats):
+        t = time.perf_counter()
+        model(ids, use_cache=True)
+        times.append(time.perf_counter() - t)
+      pf = statistics.median(times)
+      out["prefill"].append({"batch": b, "tokens": a.prompt, "tok_per_s": b * a.prompt / pf})
+      gen = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)  # warm-up
+      model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
+                     do_sample=False)  # warm-up
+      t = time.perf_counter()
+      model.generate(ids, attention_mask=mask, **gen)
+      total = time.perf_counter() - t
+      ms = (total - pf) / max(1, a.new_tokens - 1) * 1e3
+      out["decode"].append({"batch": b, "ms_per_token": ms, "tok_per_s": b * 1e3 / ms})
+  print(json.dumps(out) if a.json else json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()
