@@ -89,6 +89,13 @@ def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool =
   return QuantArray(quant=quant, scale=scale.astype(jnp.float32), act_quant=act_quant)
 
 
+def _quantize_activations(x32: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """Dynamic symmetric int8 per token: amax over the contracted ``axes`` maps to 127."""
+  amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8), x_scale
+
+
 def _parse(spec: str) -> tuple[str, str, str]:
   inputs, out = spec.replace(" ", "").split("->")
   x_letters, w_letters = inputs.split(",")
@@ -186,10 +193,7 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
         # The same quantization, int32 dot and scaling, in one native call.
         y2 = cpu_kernels.matmul_w8a8(x32, wq, w.scale.reshape(n))
       else:
-        # Per-row (per-token) dynamic int8 activations: amax over the contracted axes.
-        amax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
-        x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-        xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+        xq, x_scale = _quantize_activations(x32, (1,))
         if cpu:
           xq = _pad_rows(xq, INT8_ROW_MULTIPLE)
         acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.int32)[:m]
@@ -212,10 +216,7 @@ def _einsum_generic(spec: str, x: jax.Array, w: Weight) -> jax.Array:
     y = jnp.einsum(spec, x, w.quant.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(x.dtype)
   contracted = tuple(i for i, c in enumerate(x_letters) if c not in out)
-  x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32), axis=contracted, keepdims=True)
-  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+  xq, x_scale = _quantize_activations(x.astype(jnp.float32), contracted)
   y = jnp.einsum(spec, xq, w.quant, preferred_element_type=jnp.int32).astype(jnp.float32)
   return (y * _to_output(x_scale, x_letters, out) * w_scale).astype(x.dtype)
 
