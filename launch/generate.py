@@ -80,14 +80,15 @@ def run() -> dict:
   on_cpu = jax.default_backend() == "cpu"
   if _QUANTIZE.value == "int8":
     params = quantize(params, cfg, act_quant=on_cpu)
-  gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value)
+  gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value,
+                  valid_vocab=tokenizer.vocab_size)
   try:
     gen.check_lengths(len(prompt), _MAX_TOKENS.value)
     if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
       raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
   except ValueError as e:
     raise CliError(str(e))
-  stop = () if _IGNORE_EOS.value or tokenizer.eos_id is None else (tokenizer.eos_id,)
+  stop = () if _IGNORE_EOS.value else tuple(tokenizer.eos_ids)
 
   t0 = time.perf_counter()  # warm-up: compile every shape this request will use
   for _ in gen.stream([prompt], _MAX_TOKENS.value, sampling, stop_ids=()):

@@ -110,6 +110,17 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def from_hf_config(hf: Mapping[str, object], name: str = "hf") -> ModelConfig:
+  """Builds a ModelConfig from a Hugging Face ``config.json``; a missing or malformed required
+  field is a ``ValueError`` naming it."""
+  try:
+    return _from_hf_config(hf, name)
+  except KeyError as e:
+    raise ValueError(f"config.json: missing required field {e}") from None
+  except (TypeError, AttributeError) as e:
+    raise ValueError(f"config.json: malformed field ({e})") from None
+
+
+def _from_hf_config(hf: Mapping[str, object], name: str) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face ``config.json`` (Llama family or Gemma v1).
 
   Reads both transformers 4.x (``rope_theta``, ``rope_scaling``, Gemma ``hidden_activation``) and

@@ -26,27 +26,28 @@ from models.weights import Params
 from serving.sampling import SamplingArrays, SamplingParams, sample
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend_len", "greedy_only"),
+@functools.partial(jax.jit, static_argnames=("cfg", "attend_len", "greedy_only", "valid_vocab"),
                    donate_argnames=("cache",))
 def prefill_and_sample(params: Params, tokens_BT: jax.Array, cache: KVCache, lens_B: jax.Array,
                        s: SamplingArrays, *, cfg: ModelConfig, attend_len: int,
-                       greedy_only: bool) -> tuple[jax.Array, KVCache]:
+                       greedy_only: bool, valid_vocab: int) -> tuple[jax.Array, KVCache]:
   """Prefills one chunk (continuing each row at its cache length); samples the next token."""
   logits_BV, cache = prefill(params, tokens_BT, cache, None, lens_B, cfg=cfg,
                              attend_len=attend_len)
-  return sample(logits_BV, cache.lengths, s, greedy_only), cache
+  return sample(logits_BV[:, :valid_vocab], cache.lengths, s, greedy_only), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n", "attend_len", "greedy_only"),
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "n", "attend_len", "greedy_only", "valid_vocab"),
                    donate_argnames=("cache",))
 def decode_n(params: Params, tokens_B: jax.Array, cache: KVCache, s: SamplingArrays, *,
-             cfg: ModelConfig, n: int, attend_len: int, greedy_only: bool
+             cfg: ModelConfig, n: int, attend_len: int, greedy_only: bool, valid_vocab: int
              ) -> tuple[jax.Array, KVCache]:
   """``n`` decode steps in one call; returns (tokens [n, B], cache)."""
   def body(i, carry):
     tok_B, cache, out_NB = carry
     logits_BV, cache = decode_step(params, tok_B, cache, cfg=cfg, attend_len=attend_len)
-    nxt_B = sample(logits_BV, cache.lengths, s, greedy_only)
+    nxt_B = sample(logits_BV[:, :valid_vocab], cache.lengths, s, greedy_only)
     return nxt_B, cache, out_NB.at[i].set(nxt_B)
 
   out_NB = jnp.zeros((n, tokens_B.shape[0]), jnp.int32)
@@ -58,8 +59,14 @@ class Generator:
   """Generates for a fixed batch of prompts with one model."""
 
   def __init__(self, cfg: ModelConfig, params: Params, *, max_len: int | None = None,
-               prefill_chunk: int = 512, steps_per_call: int = 8, min_batch: int = 1):
+               prefill_chunk: int = 512, steps_per_call: int = 8, min_batch: int = 1,
+               valid_vocab: int | None = None):
+    """``steps_per_call`` is rounded down to a power of two per call (few compiled variants);
+    ``valid_vocab`` limits sampling to ids below it (a tokenizer smaller than the embedding)."""
+    if prefill_chunk < 1 or steps_per_call < 1 or min_batch < 1:
+      raise ValueError("prefill_chunk, steps_per_call and min_batch must be >= 1")
     self.cfg = cfg
+    self.valid_vocab = min(valid_vocab or cfg.vocab_size, cfg.vocab_size)
     self.params = params
     self.max_len = max_len or cfg.max_seq_len
     self.prefill_chunk = prefill_chunk
@@ -78,7 +85,11 @@ class Generator:
              sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
              stop_ids: Sequence[int] = ()) -> Iterator[np.ndarray]:
     n_rows = len(prompts)
+    if n_rows < 1 or max_tokens < 1:
+      raise ValueError("need at least one prompt and max_tokens >= 1")
     rows = [sampling] * n_rows if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(rows) != n_rows:
+      raise ValueError(f"{len(rows)} sampling params for {n_rows} prompts")
     longest = max(len(p) for p in prompts)
     for p in prompts:
       self.check_lengths(len(p), max_tokens)
@@ -103,7 +114,7 @@ class Generator:
       tok_B, cache = prefill_and_sample(
           self.params, jnp.asarray(toks), cache, jnp.asarray(chunk_lens, jnp.int32), s,
           cfg=self.cfg, attend_len=min(cache_len, bucket(start + t, maximum=cache_len)),
-          greedy_only=greedy_only)
+          greedy_only=greedy_only, valid_vocab=self.valid_vocab)
       # Rows whose prompt ended in this chunk sampled their first token here.
       ended = (lens > start) & (lens <= start + t)
       first = tok_B if first is None else jnp.where(jnp.asarray(ended), tok_B, first)
@@ -127,6 +138,7 @@ class Generator:
       cur = longest + emitted  # longest row's length after feeding tok_B
       attend_len = min(cache_len, bucket(cur + n, maximum=cache_len))
       out_NB, cache = decode_n(self.params, tok_B, cache, s, cfg=self.cfg, n=n,
-                               attend_len=attend_len, greedy_only=greedy_only)
+                               attend_len=attend_len, greedy_only=greedy_only,
+                               valid_vocab=self.valid_vocab)
       step_tokens = np.asarray(out_NB)
       tok_B = out_NB[-1]

@@ -23,12 +23,14 @@ class SamplingParams:
   seed: int = 0
 
   def __post_init__(self):
-    if self.temperature < 0:
+    if not self.temperature >= 0:  # also rejects NaN
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
   @property
   def greedy(self) -> bool:

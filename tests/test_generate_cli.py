@@ -78,6 +78,7 @@ def test_streaming_text_mode():
     (("--model", "tiny", "--prompt", "x", "--top_p", "0"), "top_p"),
     (("--model", "tiny", "--prompt", "x", "--no_such_flag"), "no_such_flag"),
     (("--model", "tiny", "--prompt", "x", "--max_tokens", "0"), "max_tokens"),
+    (("--model", "tiny", "--prompt", "x", "--seed", "4294967296"), "seed"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, needle):
   r = _run(*args, timeout=120)

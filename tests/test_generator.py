@@ -61,3 +61,19 @@ def test_no_retrace_within_bucket():
   for n in (17, 21, 24):  # same prompt bucket (32) and cache bucket (n + 8 <= 32)
     list(g.stream([[2] * n], 8))
   assert (G.prefill_and_sample._cache_size(), G.decode_n._cache_size()) == sizes
+
+
+def test_bad_arguments_raise_value_error():
+  import pytest
+  g = G.Generator(CFG, PARAMS)
+  for args in [([], 4), ([[1]], 0), ([[1], [2]], 2, [SamplingParams(1.0)])]:
+    with pytest.raises(ValueError):
+      list(g.stream(*args))
+  with pytest.raises(ValueError):
+    G.Generator(CFG, PARAMS, steps_per_call=0)
+
+
+def test_valid_vocab_limits_sampled_ids():
+  g = G.Generator(CFG, PARAMS, valid_vocab=10)
+  out = np.stack(list(g.stream([[1, 2, 3]], 12, SamplingParams(temperature=1.0, seed=4))))
+  assert out.max() < 10

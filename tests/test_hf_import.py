@@ -379,3 +379,9 @@ def test_generate_cli_on_hf_checkpoint(ref_dir):
   for _ in range(5):
     ids.append(int(jnp.argmax(T.forward(params, jnp.asarray([ids]), cfg=cfg)[0, -1])))
   assert out["token_ids"] == ids[-5:]
+
+
+def test_config_missing_required_field_is_value_error():
+  from models.config import from_hf_config
+  with pytest.raises(ValueError, match="hidden_size"):
+    from_hf_config({"model_type": "llama"})

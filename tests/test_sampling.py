@@ -47,3 +47,11 @@ def test_greedy_rows_and_seeds():
 def test_invalid_params_raise(bad):
   with pytest.raises(ValueError):
     SamplingParams(**bad)
+
+
+def test_nan_temperature_and_out_of_range_seed_raise():
+  with pytest.raises(ValueError):
+    SamplingParams(temperature=float("nan"))
+  for seed in (-1, 2**32):
+    with pytest.raises(ValueError):
+      SamplingParams(seed=seed)
