@@ -26,7 +26,7 @@ def main() -> None:
   ap.add_argument("--ffn", type=int, default=2048)
   ap.add_argument("--vocab", type=int, default=32000)
   ap.add_argument("--prompt", type=int, default=128)
-  ap.add_argument("--new_tokens", type=int, default=32)
+  ap.add_argument("--new_tokens", type=int, default=32, help=">= 2")
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--json", action="store_true")
@@ -52,13 +52,19 @@ def main() -> None:
         times.append(time.perf_counter() - t)
       pf = statistics.median(times)
       out["prefill"].append({"batch": b, "tokens": a.prompt, "tok_per_s": b * a.prompt / pf})
-      gen = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)  # warm-up
-      model.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
-                     do_sample=False)  # warm-up
-      t = time.perf_counter()
-      model.generate(ids, attention_mask=mask, **gen)
-      total = time.perf_counter() - t
-      ms = (total - pf) / max(1, a.new_tokens - 1) * 1e3
+
+      def timed_generate(n: int) -> float:
+        times = []
+        for _ in range(a.repeats):
+          t = time.perf_counter()
+          model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)
+          times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+      timed_generate(2)  # warm-up
+      # Decode time per token: (N tokens - 1 token) / (N - 1), so prefill cancels out.
+      ms = (timed_generate(a.new_tokens) - timed_generate(1)) / (a.new_tokens - 1) * 1e3
       out["decode"].append({"batch": b, "ms_per_token": ms, "tok_per_s": b * 1e3 / ms})
   print(json.dumps(out) if a.json else json.dumps(out, indent=1))
 
