@@ -30,7 +30,8 @@ from serving.sampling import SamplingArrays, SamplingParams, sample
                    donate_argnames=("cache",))
 def prefill_and_sample(params: Params, tokens_BT: jax.Array, cache: KVCache, lens_B: jax.Array,
                        s: SamplingArrays, *, cfg: ModelConfig, attend_len: int,
-                       greedy_only: bool, valid_vocab: int) -> tuple[jax.Array, KVCache]:
+                       greedy_only: bool, valid_vocab: int | None = None
+                       ) -> tuple[jax.Array, KVCache]:
   """Prefills one chunk (continuing each row at its cache length); samples the next token."""
   logits_BV, cache = prefill(params, tokens_BT, cache, None, lens_B, cfg=cfg,
                              attend_len=attend_len)
@@ -41,7 +42,8 @@ def prefill_and_sample(params: Params, tokens_BT: jax.Array, cache: KVCache, len
                    static_argnames=("cfg", "n", "attend_len", "greedy_only", "valid_vocab"),
                    donate_argnames=("cache",))
 def decode_n(params: Params, tokens_B: jax.Array, cache: KVCache, s: SamplingArrays, *,
-             cfg: ModelConfig, n: int, attend_len: int, greedy_only: bool, valid_vocab: int
+             cfg: ModelConfig, n: int, attend_len: int, greedy_only: bool,
+             valid_vocab: int | None = None
              ) -> tuple[jax.Array, KVCache]:
   """``n`` decode steps in one call; returns (tokens [n, B], cache)."""
   def body(i, carry):
