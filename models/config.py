@@ -83,6 +83,13 @@ _PRESETS: dict[str, ModelConfig] = {
         name="small", vocab_size=32000, embed_dim=768, num_layers=12, num_heads=12,
         num_kv_heads=1, head_dim=64, mlp_dim=2048, norm_eps=1e-5, rope_theta=10_000.0,
         tie_embeddings=False, max_seq_len=2048),
+    # Hugging Face's SmolLM2-135M-Instruct (Llama, GQA 9/3, tied embeddings). The name resolves to
+    # the trained weights of the installed GGUF file (``models.loader``); the shape alone serves
+    # benchmarks and the cost model.
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, mlp_dim=1536, norm_eps=1e-5, rope_theta=100_000.0,
+        tie_embeddings=True, max_seq_len=8192),
     # PaLM shapes (Chowdhery et al. 2022, Table 1): multiquery, parallel block, SwiGLU, shared
     # embeddings, head dim 256. Used by the cost model; never instantiated.
     "palm-8b": ModelConfig(
