@@ -18,7 +18,23 @@ VARIANTS = {
     "mha_parallel_geglu": TINY.replace(num_kv_heads=4, parallel_block=True, activation="geglu",
                                        tie_embeddings=True, embed_scale=True, norm_plus_one=True),
 }
-ATOL = 2e-5  # f32, logits of O(1): accumulation-order differences only
+# f32 tolerances, relative to the values' magnitude: |got - ref| <= c * max(1, max|ref|). Only
+# summation order differs between the compared paths (chunked vs one-shot, XLA:CPU kernels with or
+# without AMX / YNNPACK / native decode kernels), so c is a few hundred f32 ulps of the largest
+# value; stated per comparison below.
+C_LOGITS = 2e-5  # logits (chunked prefill / decode vs one-shot forward)
+C_CACHE = 1e-5  # K/V cache entries (one-shot vs chunked prefill)
+C_SAME = 1e-6  # values that only masked (zero-weight) inputs could change
+
+
+def assert_close(got, ref, c: float) -> None:
+  """``max|got - ref| <= c * max(1, max|ref|)`` (an absolute bound scaled by the magnitude)."""
+  got = np.asarray(got, np.float64)
+  ref = np.asarray(ref, np.float64)
+  assert got.shape == ref.shape, (got.shape, ref.shape)
+  err = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+  bound = c * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+  assert err <= bound, f"max |diff| {err:.3g} > {c:g} * max(1, max|ref|) = {bound:.3g}"
 
 
 def _setup(cfg, b=2, t=24, seed=0):
@@ -40,10 +56,10 @@ def test_chunked_prefill_and_decode_match_full_forward(name):
     chunk = jnp.zeros((2, pad), jnp.int32).at[:, :hi - lo].set(toks[:, lo:hi])
     logits, cache = T.jit_prefill(params, chunk, cache, None, jnp.full((2,), hi - lo, jnp.int32),
                                   cfg=cfg, attend_len=32)
-    np.testing.assert_allclose(logits, full[:, hi - 1], atol=ATOL)
+    assert_close(logits, full[:, hi - 1], C_LOGITS)
   for t in range(16, 24):
     logits, cache = T.jit_decode_step(params, toks[:, t], cache, cfg=cfg, attend_len=32)
-    np.testing.assert_allclose(logits, full[:, t], atol=ATOL)
+    assert_close(logits, full[:, t], C_LOGITS)
   np.testing.assert_array_equal(cache.lengths, [24, 24])
 
 
@@ -55,8 +71,8 @@ def test_one_shot_prefill_cache_equals_chunked_cache():
   c2 = init_cache(cfg, 2, 32)
   for lo in range(0, 24, 8):
     _, c2 = T.prefill(params, toks[:, lo:lo + 8], c2, None, jnp.full((2,), 8, jnp.int32), cfg=cfg)
-  np.testing.assert_allclose(c1.k, c2.k, atol=1e-6)
-  np.testing.assert_allclose(c1.v, c2.v, atol=1e-6)
+  assert_close(c2.k, c1.k, C_CACHE)
+  assert_close(c2.v, c1.v, C_CACHE)
 
 
 def test_causality():
@@ -64,7 +80,7 @@ def test_causality():
   params, toks = _setup(cfg, b=1, t=16)
   changed = toks.at[0, 10].set((toks[0, 10] + 1) % cfg.vocab_size)
   a, b = T.forward(params, toks, cfg=cfg), T.forward(params, changed, cfg=cfg)
-  np.testing.assert_allclose(a[:, :10], b[:, :10], atol=1e-6)
+  assert_close(b[:, :10], a[:, :10], C_SAME)
   assert np.abs(np.asarray(a[:, 10:] - b[:, 10:])).max() > 1e-3  # the change is visible later
 
 
@@ -79,7 +95,7 @@ def test_ragged_batch_rows_are_independent():
   logits, cache = T.decode_step(params, nxt, cache, cfg=cfg)
   for row, n in enumerate([7, 13]):
     alone = T.forward(params, toks[row:row + 1, :n + 1], cfg=cfg)
-    np.testing.assert_allclose(logits[row], alone[0, n], atol=ATOL)
+    assert_close(logits[row], alone[0, n], C_LOGITS)
   np.testing.assert_array_equal(cache.lengths, [8, 14])
 
 
