@@ -22,8 +22,6 @@ of tanh GELU ~9e-4, RMSNorm eps 1e-6 instead of the file's 1e-3 ~4e-3.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -38,11 +36,10 @@ from models.config import from_hf_config
 from models.hf_import import load_hf_checkpoint
 from models.kv_cache import init_cache
 from models.transformer import forward, jit_decode_step, jit_prefill
+from tests import refenv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = refenv.REPO
 GENERATOR = REPO / "tests" / "reference" / "make_hf_reference.py"
-ARTIFACTS = REPO / "tests" / "_ref_artifacts" / "hf"
-REF_PYTHON_ENV = "PHASESERVE_REF_PYTHON"
 CASES = ("llama_mqa", "llama_gqa", "llama_mha_tied", "mistral_gqa", "gemma_mqa")
 ATOL = RTOL = 1e-4
 GEN_TIMEOUT_S = 300
@@ -60,69 +57,19 @@ EXPECTED_CFG = {  # field -> value read from each generated config.json
 }
 
 
-def _ref_python() -> Path:
-  override = os.environ.get(REF_PYTHON_ENV)
-  py = Path(override) if override else REPO / ".venv-ref" / "bin" / "python"
-  if not (py.is_file() and os.access(py, os.X_OK)):
-    source = f"${REF_PYTHON_ENV}" if override else "the default location"
-    pytest.fail(
-        f"HF reference interpreter not found at {py} ({source}). These tests need a Python 3.11 "
-        "env with torch (CPU), transformers, tokenizers, safetensors and numpy: `make test` "
-        "builds <repo>/.venv-ref, or point $PHASESERVE_REF_PYTHON at such an interpreter.",
-        pytrace=False)
-  return py
-
-
-def _generator_sha() -> str:
-  return hashlib.sha256(GENERATOR.read_bytes()).hexdigest()
-
-
-def _cached_ok(sha: str) -> bool:
+def _complete(d: Path) -> bool:
   try:
-    manifest = json.loads((ARTIFACTS / "manifest.json").read_text())
+    manifest = json.loads((d / "manifest.json").read_text())
   except (OSError, json.JSONDecodeError):
     return False
-  return (manifest.get("generator_sha256") == sha and tuple(manifest.get("cases", ())) == CASES
-          and all((ARTIFACTS / c / "logits_decode.npy").is_file() for c in CASES))
-
-
-def _generate(py: Path, sha: str) -> None:
-  tmp = ARTIFACTS.with_name(f"hf.tmp-{os.getpid()}")
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")}
-  env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-             OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-  try:
-    proc = subprocess.run([str(py), str(GENERATOR), str(tmp)], env=env, capture_output=True,
-                          text=True, timeout=GEN_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    shutil.rmtree(tmp, ignore_errors=True)
-    pytest.fail(f"{GENERATOR.name} took over {GEN_TIMEOUT_S}s under {py}", pytrace=False)
-  if proc.returncode != 0:
-    shutil.rmtree(tmp, ignore_errors=True)
-    pytest.fail(f"{GENERATOR.name} failed under {py} (rc {proc.returncode}):\n"
-                f"{(proc.stdout + proc.stderr)[-4000:]}", pytrace=False)
-  shutil.rmtree(ARTIFACTS, ignore_errors=True)
-  os.replace(tmp, ARTIFACTS)
-  if not _cached_ok(sha):
-    pytest.fail(f"{GENERATOR.name} ran under {py} but left {ARTIFACTS} incomplete", pytrace=False)
+  return (tuple(manifest.get("cases", ())) == CASES
+          and all((d / c / "logits_decode.npy").is_file() for c in CASES))
 
 
 @pytest.fixture(scope="session")
 def ref_dir() -> Path:
-  """The reference artifacts, (re)generated when missing or when the generator changed.
-
-  The reference interpreter is required even when the cache is valid, so a tree without it
-  never passes. A file lock serializes concurrent pytest sessions sharing this tree.
-  """
-  py = _ref_python()
-  sha = _generator_sha()
-  ARTIFACTS.parent.mkdir(parents=True, exist_ok=True)
-  with open(ARTIFACTS.parent / ".hf.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not _cached_ok(sha):
-      _generate(py, sha)
-  return ARTIFACTS
+  """The reference artifacts, (re)generated when missing or when the generator changed."""
+  return refenv.cached_artifacts("hf", GENERATOR, [], _complete, timeout_s=GEN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
