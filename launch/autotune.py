@@ -22,7 +22,9 @@ from absl import flags
 
 from launch import cli
 
-_MODEL = flags.DEFINE_string("model", "tiny", "model preset: tiny or small")
+_MODEL = flags.DEFINE_string(
+    "model", "tiny", "model preset (tiny, small, smollm2-135m), a .gguf file or a checkpoint "
+    "directory: its shape, with random weights (autotune measures speed)")
 _PHASE = flags.DEFINE_enum("phase", "decode", ["prefill", "decode"], "phase to tune")
 _BATCH = flags.DEFINE_integer("batch", 8, "sequences per step", lower_bound=1)
 _SEQ = flags.DEFINE_integer("seq", 64, "prompt length (prefill) or cached context (decode)",
@@ -64,15 +66,15 @@ def main(argv: list[str]) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from models.config import get_preset
+  from models.loader import load_config
   from partitioning import autotune as at
   from partitioning import layouts
   from partitioning.mesh import make_mesh
 
-  if _MODEL.value not in ("tiny", "small"):
-    cli.fail(f"--model must be tiny or small, got {_MODEL.value!r}")
-  cfg = get_preset(_MODEL.value)
   try:
+    cfg = load_config(_MODEL.value)
+    if cfg.name.startswith("palm"):
+      raise ValueError(f"preset {cfg.name!r} is for the cost model only; too large to instantiate")
     shape = ([int(s) for s in _MESH_SHAPE.value.split(",")] if _MESH_SHAPE.value else None)
     mesh = make_mesh(shape=shape)
     candidates = None
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> None:
     if _HARDWARE.value != "none":
       from partitioning.hardware import get_hardware
       hardware = get_hardware(_HARDWARE.value)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
   result = at.autotune(cfg, mesh, _PHASE.value, _BATCH.value, _SEQ.value,
                        quantized=_QUANTIZE.value == "int8", candidates=candidates,

@@ -20,11 +20,14 @@ from absl import flags
 
 from launch import cli
 
-from models.config import PRESET_NAMES, get_preset
+from models.config import PRESET_NAMES
+from models.loader import load_config
 from partitioning.hardware import HARDWARE_NAMES, get_hardware
 from partitioning.planner import Plan, plan
 
-_MODEL = flags.DEFINE_string("model", "palm-540b", f"Model preset: {', '.join(PRESET_NAMES)}.")
+_MODEL = flags.DEFINE_string(
+    "model", "palm-540b",
+    f"Model preset ({', '.join(PRESET_NAMES)}), a .gguf file or a checkpoint directory.")
 _HARDWARE = flags.DEFINE_string(
     "hardware", "tpu-v4", f"Hardware preset: {', '.join(HARDWARE_NAMES)} ('local' measures).")
 _CHIPS = flags.DEFINE_integer("chips", 64, "Number of chips (slice size).")
@@ -63,7 +66,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
   try:
-    model = get_preset(_MODEL.value)
+    model = load_config(_MODEL.value)
     hardware = get_hardware(_HARDWARE.value)
     bound = None if _LATENCY_BOUND_MS.value is None else _LATENCY_BOUND_MS.value / 1e3
     if _TOP.value < 1:
@@ -75,7 +78,7 @@ def main(argv: list[str]) -> None:
                   weights=_WEIGHTS.value,  # type: ignore[arg-type]
                   objective=_OBJECTIVE.value,  # type: ignore[arg-type]
                   latency_bound_s=bound)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
   if _JSON.value:
     out = {"model": model.name, "hardware": hardware.name, "chips": _CHIPS.value}
