@@ -1,0 +1,164 @@
+"""Every request's lifecycle on one monotonic clock: events, derived latencies, metrics, traces.
+
+Contract:
+  * ``RequestTrace(request_id, clock)`` records ``Event(kind, t, detail)``s, ``t`` in seconds of
+    ``clock`` (default ``time.monotonic``; the engine, scheduler and servicer share one).
+    Kinds: ``arrival`` (received, before tokenization), ``queued``, ``prefill_start`` /
+    ``prefill_end`` (one pair per chunk), ``kv_transfer_start`` / ``kv_transfer_end``,
+    ``first_token`` (the first generated id exists, even if its text is held back), ``token``
+    (each later id), ``preempted``, ``resumed``, ``paused`` / ``resume`` (multi-turn), ``finished``
+    (detail: the finish reason).
+  * Definitions used everywhere in the project: TTFT = first_token - arrival; TPOT =
+    (e2e - TTFT) / (tokens - 1); e2e = finished - arrival; queue = first prefill_start - arrival;
+    inter-token latencies = gaps between consecutive generated ids (bursty under multi-step
+    decode, hence reported separately from TPOT).
+  * ``chrome_trace(traces)`` is Chrome-trace JSON (opens in Perfetto): one process per request,
+    one track (thread) per phase: queue, prefill, transfer, decode; instant events for tokens,
+    preemption and the end.
+  * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue) and
+    gauges (queue length, running sequences, KV pages used / free) in the given registry; no
+    global state. ``observe(trace)`` records a finished request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterable
+
+import prometheus_client as prom
+
+EVENT_KINDS = ("arrival", "queued", "prefill_start", "prefill_end", "kv_transfer_start",
+               "kv_transfer_end", "first_token", "token", "preempted", "resumed", "paused",
+               "resume", "finished")
+_TRACKS = {"queue": 1, "prefill": 2, "transfer": 3, "decode": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  kind: str
+  t: float
+  detail: str = ""
+
+
+class RequestTrace:
+  """The events of one request, in order of recording."""
+
+  def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic):
+    self.request_id = request_id
+    self._clock = clock
+    self.events: list[Event] = []
+
+  def record(self, kind: str, detail: str = "", t: float | None = None) -> float:
+    if kind not in EVENT_KINDS:
+      raise ValueError(f"unknown lifecycle event {kind!r}")
+    t = self._clock() if t is None else t
+    self.events.append(Event(kind, t, detail))
+    return t
+
+  def _first(self, kind: str) -> float | None:
+    return next((e.t for e in self.events if e.kind == kind), None)
+
+  def token_times(self) -> list[float]:
+    return [e.t for e in self.events if e.kind in ("first_token", "token")]
+
+  @property
+  def finish_reason(self) -> str | None:
+    return next((e.detail for e in reversed(self.events) if e.kind == "finished"), None)
+
+  def timings(self) -> dict[str, float | None]:
+    """queue_s, ttft_s, tpot_s, e2e_s (None where the request never got there)."""
+    arrival = self._first("arrival")
+    start = self._first("prefill_start")
+    end = self._first("finished")
+    toks = self.token_times()
+    if arrival is None:
+      return {"queue_s": None, "ttft_s": None, "tpot_s": None, "e2e_s": None}
+    ttft = toks[0] - arrival if toks else None
+    e2e = end - arrival if end is not None else None
+    tpot = None
+    if ttft is not None and e2e is not None and len(toks) > 1:
+      tpot = (e2e - ttft) / (len(toks) - 1)
+    return {"queue_s": None if start is None else start - arrival, "ttft_s": ttft,
+            "tpot_s": tpot, "e2e_s": e2e}
+
+  def inter_token_s(self) -> list[float]:
+    toks = self.token_times()
+    return [b - a for a, b in zip(toks, toks[1:])]
+
+
+def _spans(trace: RequestTrace) -> Iterable[tuple[str, str, float, float]]:
+  """(track, name, start, end) spans of one trace."""
+  ev = trace.events
+  arrival = trace._first("arrival")
+  start = trace._first("prefill_start")
+  if arrival is not None and start is not None:
+    yield "queue", "queue", arrival, start
+  open_at: dict[str, float] = {}
+  for e in ev:
+    for base, track in (("prefill", "prefill"), ("kv_transfer", "transfer")):
+      if e.kind == f"{base}_start":
+        open_at[base] = e.t
+      elif e.kind == f"{base}_end" and base in open_at:
+        yield track, base, open_at.pop(base), e.t
+  first, end = trace._first("first_token"), trace._first("finished")
+  if first is not None:
+    yield "decode", "decode", first, end if end is not None else trace.token_times()[-1]
+
+
+def chrome_trace(traces: Iterable[RequestTrace]) -> dict[str, list[dict[str, object]]]:
+  events: list[dict[str, object]] = []
+  for pid, tr in enumerate(traces, start=1):
+    events.append({"name": "process_name", "ph": "M", "pid": pid,
+                   "args": {"name": f"request {tr.request_id}"}})
+    for track, tid in _TRACKS.items():
+      events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                     "args": {"name": track}})
+    for track, name, a, b in _spans(tr):
+      events.append({"name": name, "ph": "X", "pid": pid, "tid": _TRACKS[track],
+                     "ts": a * 1e6, "dur": max(0.0, b - a) * 1e6})
+    for e in tr.events:
+      if e.kind in ("first_token", "token", "preempted", "resumed", "paused", "resume",
+                    "finished"):
+        events.append({"name": e.kind, "ph": "i", "s": "t", "pid": pid,
+                       "tid": _TRACKS["decode"], "ts": e.t * 1e6,
+                       "args": {"detail": e.detail} if e.detail else {}})
+  return {"traceEvents": events}
+
+
+_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                    30.0, 60.0)
+
+
+class Metrics:
+  """The serving metrics, registered in ``registry`` (one per engine or server)."""
+
+  def __init__(self, registry: prom.CollectorRegistry):
+    self.registry = registry
+    hist = lambda name, doc: prom.Histogram(name, doc, buckets=_LATENCY_BUCKETS,
+                                            registry=registry)
+    self.ttft = hist("phaseserve_ttft_seconds", "arrival to the first generated token id")
+    self.tpot = hist("phaseserve_tpot_seconds", "(e2e - TTFT) / (tokens - 1) per request")
+    self.e2e = hist("phaseserve_e2e_seconds", "arrival to the end of the request")
+    self.queue = hist("phaseserve_queue_seconds", "arrival to the first prefill chunk")
+    self.itl = hist("phaseserve_inter_token_seconds", "gaps between consecutive token ids")
+    self.queue_length = prom.Gauge("phaseserve_queue_length", "requests waiting",
+                                   registry=registry)
+    self.running = prom.Gauge("phaseserve_running_sequences", "sequences holding KV",
+                              registry=registry)
+    self.kv_pages_used = prom.Gauge("phaseserve_kv_pages_used", "KV pages in use",
+                                    registry=registry)
+    self.kv_pages_free = prom.Gauge("phaseserve_kv_pages_free", "KV pages free",
+                                    registry=registry)
+    self.finished = prom.Counter("phaseserve_requests_finished", "finished requests by reason",
+                                 ["reason"], registry=registry)
+
+  def observe(self, trace: RequestTrace) -> None:
+    t = trace.timings()
+    for hist, key in ((self.ttft, "ttft_s"), (self.tpot, "tpot_s"), (self.e2e, "e2e_s"),
+                      (self.queue, "queue_s")):
+      if t[key] is not None:
+        hist.observe(t[key])
+    for gap in trace.inter_token_s():
+      self.itl.observe(gap)
+    self.finished.labels(reason=trace.finish_reason or "unknown").inc()

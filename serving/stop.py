@@ -1,0 +1,104 @@
+"""When a sequence stops, and what text it has produced so far.
+
+Contract: ``StopChecker(tokenizer, StopCriteria(...))`` sees a sequence's generated ids one at a
+time; ``push(token_id) -> StopStep(text, finish)`` returns the newly releasable text and, when
+the sequence is finished, its ``FinishReason``:
+  * ``stop``: a stop id (the tokenizer's end ids unless ``ignore_eos``, plus ``stop_ids``) or a
+    stop string (matched on the detokenized text, across token boundaries);
+  * ``length``: ``max_tokens`` generated.
+Stop ids and strings are ignored until ``min_tokens`` ids have been generated.
+Output accounting (as JetStream and vLLM): ``token_ids`` include the id that ended the sequence
+(``all_ids``); the text excludes a stop id's text and everything from a matched stop string on.
+Text is released only once it can no longer be the start of a stop string, and never with a
+partial UTF-8 character (``models.tokenizer.StreamDecoder``). The concatenated ``text`` of every
+step is the final text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+from models.tokenizer import StreamDecoder, Tokenizer
+
+
+class FinishReason(str, enum.Enum):
+  STOP = "stop"
+  LENGTH = "length"
+  CANCELLED = "cancelled"
+  REJECTED = "rejected"
+  ERROR = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class StopCriteria:
+  max_tokens: int
+  stop_ids: tuple[int, ...] = ()
+  stop_strings: tuple[str, ...] = ()
+  min_tokens: int = 0
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    if not 0 <= self.min_tokens <= self.max_tokens:
+      raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+    if any(not s for s in self.stop_strings):
+      raise ValueError("stop strings must be non-empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopStep:
+  text: str
+  finish: FinishReason | None = None
+
+
+def _held_suffix(text: str, stops: Sequence[str]) -> int:
+  """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+  best = 0
+  for s in stops:
+    for n in range(min(len(s) - 1, len(text)), best, -1):
+      if text.endswith(s[:n]):
+        best = n
+        break
+  return best
+
+
+class StopChecker:
+  """Per-sequence stop logic and text streaming; see the module contract."""
+
+  def __init__(self, tokenizer: Tokenizer, criteria: StopCriteria):
+    self.criteria = criteria
+    ends = () if criteria.ignore_eos else tuple(tokenizer.eos_ids)
+    self._stop_ids = frozenset(ends + tuple(criteria.stop_ids))
+    self._decoder = StreamDecoder(tokenizer)
+    self._pending = ""  # decoded text not yet released (may start a stop string)
+    self.all_ids: list[int] = []
+    self.finish: FinishReason | None = None
+
+  def push(self, token_id: int) -> StopStep:
+    if self.finish is not None:
+      raise RuntimeError("push() after the sequence finished")
+    self.all_ids.append(int(token_id))
+    n = len(self.all_ids)
+    armed = n > self.criteria.min_tokens
+    if armed and int(token_id) in self._stop_ids:
+      return self._end(FinishReason.STOP, self._pending + self._decoder.flush())
+    self._pending += self._decoder.push(token_id)
+    if armed and self.criteria.stop_strings:
+      cut = min((i for i in (self._pending.find(s) for s in self.criteria.stop_strings)
+                 if i >= 0), default=-1)
+      if cut >= 0:
+        return self._end(FinishReason.STOP, self._pending[:cut])
+    if n >= self.criteria.max_tokens:
+      return self._end(FinishReason.LENGTH, self._pending + self._decoder.flush())
+    hold = _held_suffix(self._pending, self.criteria.stop_strings) if armed else 0
+    out, self._pending = self._pending[:len(self._pending) - hold], self._pending[
+        len(self._pending) - hold:]
+    return StopStep(out)
+
+  def _end(self, reason: FinishReason, text: str) -> StopStep:
+    self.finish = reason
+    self._pending = ""
+    return StopStep(text, reason)
