@@ -53,6 +53,7 @@ import jax.numpy as jnp
 _TARGET = "phaseserve_int8_matmul"
 _FLOAT_TARGET = "phaseserve_float_matmul"
 _W8A8_TARGET = "phaseserve_w8a8_matmul"
+_W8A8_NK_TARGET = "phaseserve_w8a8_nk_matmul"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -244,6 +245,24 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// The W8A8 activation quantization, exactly as XLA compiles models/quant.py's formula: per row,
+// scale = amax * (1 / 127) (1 where amax == 0), q = clip(round_half_even(x / scale), +-127).
+void quantize_rows(const float* xs, int64_t M, int64_t K, int8_t* xq, float* row_scale) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xs + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    // amax * (1 / 127), not amax / 127: XLA's simplifier rewrites a division by a constant
+    // into a multiplication by its reciprocal (they differ in the last bit for some amax).
+    const float scale = amax > 0.f ? amax * (1.0f / 127.0f) : 1.0f;
+    row_scale[m] = scale;
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = std::nearbyint(xr[k] / scale);
+      xq[m * K + k] = int8_t(std::min(127.f, std::max(-127.f, q)));
+    }
+  }
+}
+
 // W8A8 with the activation quantization fused in, exactly as models/quant.py writes it in XLA:
 // per row, scale = amax / 127 (1 where amax == 0), q = clip(round_half_even(x / scale), +-127);
 // y = float(q . w) * scale * w_scale[n].
@@ -255,20 +274,9 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     return ffi::Error::InvalidArgument(
         "phaseserve_w8a8_matmul: want x [M, K], w [K, N], w_scale [N]");
   const int64_t M = xd[0], K = xd[1], N = wd[1];
-  const float* xs = x.typed_data();
   std::vector<int8_t> xq(M * K);
   std::vector<float> row_scale(M);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = xs + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
-    row_scale[m] = scale;
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = std::nearbyint(xr[k] / scale);
-      xq[m * K + k] = int8_t(std::min(127.f, std::max(-127.f, q)));
-    }
-  }
+  quantize_rows(x.typed_data(), M, K, xq.data(), row_scale.data());
   std::vector<int32_t> acc(M * N);
   int8_matmul(pool, xq.data(), w.typed_data(), acc.data(), M, K, N);
   const float* ws = w_scale.typed_data();
@@ -276,6 +284,132 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = 0; n < N; ++n)
       ys[m * N + n] = float(acc[m * N + n]) * row_scale[m] * ws[n];
+  return ffi::Error::Success();
+}
+
+// ---- W8A8 with the weight laid out [N, K] (a tied [V, D] embedding used as the unembedding):
+// y[m, n] = float(sum_k xq[m, k] * w[n, k]) * row_scale[m] * w_scale[n]. Each weight row is
+// contiguous: a block of 16 rows (16 * K bytes) is streamed from memory once and every activation
+// row passes over it from L1. Per 64 bytes of K: vpdpbusd of (w + 128) (unsigned) with x (signed)
+// into one accumulator per weight row; at the end a transpose-reduce turns the 16 accumulators
+// into one vector of 16 row sums, minus 128 * sum(x[m]).
+constexpr int64_t kNKBlock = 16;
+
+// 16 vectors of 16 int32 -> one vector whose lane i is the sum of v[i]'s lanes.
+static inline __m512i hsum16(const __m512i* v) {
+  __m512i t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                            _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]),
+                            _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
+  for (int l = 0; l < 2; ++l)
+    w[l] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * l], u[2 * l + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(u[2 * l], u[2 * l + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Weight rows [n0, n1) for all M activation rows.
+void nk_rows(const int8_t* __restrict xq, const int32_t* excess, const float* row_scale,
+             const int8_t* __restrict w, const float* ws, int64_t M, int64_t K, int64_t N,
+             int64_t n0, int64_t n1, float* __restrict y) {
+  const int64_t kv = (K / 64) * 64;
+  const int64_t rem = K - kv;
+  const __mmask64 tail = rem ? (~0ULL >> (64 - rem)) : 0;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t n = n0; n < n1; n += kNKBlock) {
+    const int64_t nb = std::min<int64_t>(kNKBlock, n1 - n);
+    const __mmask16 out_mask = __mmask16((1u << nb) - 1);
+    // Rows past the end repeat the last row (their sums are computed and dropped by the mask).
+    const int8_t* rows[kNKBlock];
+    for (int64_t i = 0; i < kNKBlock; ++i) rows[i] = w + std::min(n + i, n1 - 1) * K;
+    // Prefetch of the next block into L2, spread over the first activation row's pass.
+    const char* pf = reinterpret_cast<const char*>(w + (n + nb) * K);
+    const int64_t pf_bytes = n + nb < n1 ? std::min<int64_t>(kNKBlock, n1 - n - nb) * K : 0;
+    const int64_t steps = std::max<int64_t>(1, kv / 64);
+    const int64_t pf_per_step = (pf_bytes / 64 + steps - 1) / steps;
+    const char* pf_end = pf + pf_bytes;
+    const __m512 wsv = _mm512_maskz_loadu_ps(out_mask, ws + n);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq + m * K;
+      __m512i acc[kNKBlock];
+      for (int i = 0; i < kNKBlock; ++i) acc[i] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < kv; k += 64) {
+        if (m == 0)
+          for (int64_t i = 0; i < pf_per_step && pf < pf_end; ++i, pf += 64)
+            _mm_prefetch(pf, _MM_HINT_T1);
+        const __m512i xv = _mm512_loadu_si512(xr + k);
+        for (int i = 0; i < kNKBlock; ++i) {
+          const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(rows[i] + k), flip);
+          acc[i] = _mm512_dpbusd_epi32(acc[i], wv, xv);
+        }
+      }
+      if (rem) {
+        const __m512i xv = _mm512_maskz_loadu_epi8(tail, xr + kv);
+        for (int i = 0; i < kNKBlock; ++i) {
+          const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(tail, rows[i] + kv), flip);
+          acc[i] = _mm512_dpbusd_epi32(acc[i], wv, xv);
+        }
+      }
+      const __m512i sums = _mm512_sub_epi32(hsum16(acc), _mm512_set1_epi32(excess[m]));
+      // (float(acc) * row_scale) * w_scale: the XLA formula's order, no FMA.
+      const __m512 f = _mm512_mul_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(row_scale[m])), wsv);
+      _mm512_mask_storeu_ps(y + m * N + n, out_mask, f);
+    }
+  }
+}
+
+struct NKJob {
+  const int8_t* xq; const int32_t* excess; const float* row_scale; const int8_t* w;
+  const float* ws; float* y; int64_t M, K, N, parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void nk_work(const std::shared_ptr<NKJob>& j) {
+  while (true) {
+    const int64_t p = j->next.fetch_add(1);
+    if (p >= j->parts) return;
+    const int64_t blocks = (j->N + kNKBlock - 1) / kNKBlock;
+    const int64_t n0 = kNKBlock * (blocks * p / j->parts);
+    const int64_t n1 = std::min(j->N, kNKBlock * (blocks * (p + 1) / j->parts));
+    if (n1 > n0)
+      nk_rows(j->xq, j->excess, j->row_scale, j->w, j->ws, j->M, j->K, j->N, n0, n1, j->y);
+    j->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error W8A8NKMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || w_scale.element_count() != wd[0])
+    return ffi::Error::InvalidArgument(
+        "phaseserve_w8a8_nk_matmul: want x [M, K], w [N, K], w_scale [N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> row_scale(M);
+  quantize_rows(x.typed_data(), M, K, xq.data(), row_scale.data());
+  std::vector<int32_t> excess(M);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += xq[m * K + k];
+    excess[m] = 128 * sum;
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (N * K) / (128 * 1024)));
+  auto job = std::make_shared<NKJob>();
+  job->xq = xq.data(); job->excess = excess.data(); job->row_scale = row_scale.data();
+  job->w = w.typed_data(); job->ws = w_scale.typed_data(); job->y = y->typed_data();
+  job->M = M; job->K = K; job->N = N; job->parts = parts;
+  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { nk_work(job); });
+  nk_work(job);
+  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
   return ffi::Error::Success();
 }
 
@@ -457,6 +591,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8Matmul, W8A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8NKMatmul, W8A8NKMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatMatmul, FloatMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -526,6 +668,9 @@ def available() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(_W8A8_TARGET, jax.ffi.pycapsule(lib.PhaseserveW8A8Matmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_W8A8_NK_TARGET,
+                                    jax.ffi.pycapsule(lib.PhaseserveW8A8NKMatmul),
+                                    platform="cpu")
         _state["lib"] = lib
         _state["ok"] = True
       except Exception as e:  # noqa: BLE001 - any failure means "use XLA's dot"
@@ -573,3 +718,20 @@ def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array) -> jax.A
   call = jax.ffi.ffi_call(_W8A8_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_KN, w_scale_N)
+
+
+def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> jax.Array:
+  """``matmul_w8a8`` for a weight laid out ``[N, K]`` (each output's K weights contiguous, e.g.
+  a tied ``[V, D]`` embedding as the unembedding): f32 ``[M, N]``, bit-identical to the W8A8
+  formula of ``models.quant.einsum`` contracting ``w``'s trailing axis (call only when
+  ``available()``)."""
+  m, k = x_MK.shape
+  n, k2 = w_NK.shape
+  if (k != k2 or x_MK.dtype != jnp.float32 or w_NK.dtype != jnp.int8
+      or w_scale_N.shape != (n,) or w_scale_N.dtype != jnp.float32):
+    raise ValueError(f"matmul_w8a8_nk wants f32 [M, K], int8 [N, K], f32 [N]; got {x_MK.shape} "
+                     f"{x_MK.dtype}, {w_NK.shape} {w_NK.dtype}, {w_scale_N.shape} "
+                     f"{w_scale_N.dtype}")
+  call = jax.ffi.ffi_call(_W8A8_NK_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_NK, w_scale_N)

@@ -11,7 +11,10 @@ Contract:
     token to int8 and runs an int8 x int8 -> int32 dot (the XLA:CPU policy, where that is the only
     fast int8 kernel; see "Compute policy" below).
 
-Compute policy (how ``einsum`` lowers; results are those of the plain einsum up to rounding):
+Compute policy (how ``einsum`` lowers; results are those of the plain einsum up to rounding). On
+XLA:CPU the knobs named below are fields of ``models.cpu_lowering.policy()``, chosen by a
+start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` fixes them to
+``cpu_lowering.DEFAULT``), read once per trace:
   * Every weight einsum becomes ONE 2D ``dot_general`` ``[M, K] x [K, N]`` (or ``[N, K]`` when the
     weight's contracted axes are trailing, e.g. a tied ``[V, D]`` embedding): the weight is only
     reshaped (a bitcast), never transposed, and the activation is laid out as ``[M, K]``. Left to
@@ -19,22 +22,24 @@ Compute policy (how ``einsum`` lowers; results are those of the plain einsum up 
     (measured on XLA:CPU: 6 ms per decode step of the 121M model, a quarter of the step).
   * Float weights: operands in the activation dtype, f32 accumulation (``preferred_element_type``),
     result in the activation dtype. So f32 params compute in f32 and bf16 params in bf16 (prefill:
-    XLA:CPU's YNNPACK bf16 kernels, about twice the f32 FLOP/s). On XLA:CPU, up to
-    ``NATIVE_FLOAT_MAX_ROWS`` rows (decode) go to the native kernel of ``models.cpu_kernels``
+    XLA:CPU's YNNPACK bf16 kernels, about twice the f32 FLOP/s; the dot lowering is the
+    policy's ``float_prefill``). On XLA:CPU, up to the policy's ``float_native_max_rows`` (bf16) /
+    ``f32_native_max_rows`` rows (decode) go to the native kernel of ``models.cpu_kernels``
     (same products and f32 accumulation; it reads bf16 weights at memory bandwidth, where XLA's
     bf16 dot reaches about half, and f32 weights a little faster than XLA's f32 matrix-vector).
   * int8, ``act_quant=False``: the weight is converted to the activation dtype inside the dot and
     the per-channel scale applied to the result (weight-only int8; GPU/TPU fuse the convert).
   * int8, ``act_quant=True`` (W8A8 dynamic, like llama.cpp's Q8_0 dot): each row of the activation
     is quantized to int8 with its own scale (amax / 127), the dot is int8 x int8 -> int32 (exact),
-    and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to ``NATIVE_INT8_MAX_ROWS``
-    rows (decode) go to the native kernel of ``models.cpu_kernels`` when it is available (the same
+    and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to the policy's
+    ``int8_native_max_rows`` (``[K, N]`` weights) / ``int8_nk_native_max_rows`` (``[N, K]``, the
+    tied unembedding) rows (decode) go to the native kernels of ``models.cpu_kernels`` when it is available (the same
     quantization, int32 sums and scaling in one call; it reads the int8 weight at memory
     bandwidth, XLA's int8 dot does not); otherwise the rows are padded
-    with zeros to a multiple of ``INT8_ROW_MULTIPLE``, since with fewer rows XLA:CPU picks a much
+    with zeros to a multiple of the policy's ``int8_row_multiple``, since with fewer rows XLA:CPU picks a much
     slower int8 kernel. Both give the same int32 sums; padding rows quantize to zero and are
     sliced off.
-  * Without the native kernels, bf16 operands with fewer than ``BF16_MIN_ROWS`` rows are padded
+  * Without the native kernels, bf16 operands with fewer than ``bf16_min_rows`` rows are padded
     the same way on XLA:CPU, which otherwise converts the whole bf16 weight to f32 in memory
     before a matrix-vector dot.
 """
@@ -49,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import cpu_kernels
+from models import cpu_kernels, cpu_lowering
 
 
 @flax.struct.dataclass
@@ -72,11 +77,8 @@ class QuantArray:
 
 Weight = jax.Array | QuantArray
 
-# XLA:CPU knobs (see "Compute policy"); measured with launch/bench_model.py.
-INT8_ROW_MULTIPLE = 8
-BF16_MIN_ROWS = 2
-NATIVE_INT8_MAX_ROWS = 16
-NATIVE_FLOAT_MAX_ROWS = 16
+# The XLA:CPU knobs (see "Compute policy") are ``models.cpu_lowering.policy()``, measured per
+# machine (``cpu_lowering.DEFAULT`` holds the values these names had when they were constants).
 
 
 def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool = False
@@ -89,11 +91,7 @@ def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool =
   return QuantArray(quant=quant, scale=scale.astype(jnp.float32), act_quant=act_quant)
 
 
-def _quantize_activations(x32: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-  """Dynamic symmetric int8 per token: amax over the contracted ``axes`` maps to 127."""
-  amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
-  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  return jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8), x_scale
+_quantize_activations = cpu_lowering.quantize_activations
 
 
 def _parse(spec: str) -> tuple[str, str, str]:
@@ -132,10 +130,7 @@ def _matmul_plan(x_letters: str, w_letters: str, out: str):
   return None
 
 
-def _pad_rows(x2: jax.Array, multiple: int) -> jax.Array:
-  m = x2.shape[0]
-  pad = -m % multiple
-  return jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
+_pad_rows = cpu_lowering.pad_rows
 
 
 def _on_cpu() -> bool:
@@ -167,20 +162,30 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
   wshape = (k, n) if w_kn else (n, k)
   dims = (((1,), (0 if w_kn else 1,)), ((), ()))
   cpu = _on_cpu()
+  pol = cpu_lowering.policy() if cpu else cpu_lowering.DEFAULT
 
   if not isinstance(w, QuantArray):
     # The native kernel multiplies in f32: exact for w's own dtype when the einsum would compute
     # in w's dtype anyway (x.dtype == w.dtype) or cast w up to f32 (x is f32).
-    if (cpu and w_kn and m <= NATIVE_FLOAT_MAX_ROWS
+    native_rows = (pol.f32_native_max_rows if w.dtype == jnp.dtype(jnp.float32)
+                   else pol.float_native_max_rows)
+    if (cpu and w_kn and m <= native_rows
         and w.dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         and (x.dtype == w.dtype or x.dtype == jnp.float32) and cpu_kernels.available()):
       y2 = cpu_kernels.matmul_float(x2.astype(jnp.float32), w.reshape(wshape))
-    else:
+    elif cpu:
       w2 = w.reshape(wshape).astype(x.dtype)
-      xp = x2
-      if cpu and x.dtype == jnp.bfloat16 and m < BF16_MIN_ROWS:
-        xp = _pad_rows(x2, BF16_MIN_ROWS)
-      y2 = lax.dot_general(xp, w2, dims, preferred_element_type=jnp.float32)[:m]
+      if x.dtype == jnp.bfloat16 and m < pol.bf16_min_rows:
+        y2 = cpu_lowering.float_dot(_pad_rows(x2, pol.bf16_min_rows), w2, w_kn, "xw")[:m]
+      else:
+        # Many rows (prefill): the lowering measured fastest on this machine.
+        method = pol.float_prefill if m > native_rows else "xw"
+        if method == "xw_nacc" and x.dtype != jnp.bfloat16:
+          method = "xw"
+        y2 = cpu_lowering.float_dot(x2, w2, w_kn, method)
+    else:
+      y2 = lax.dot_general(x2, w.reshape(wshape).astype(x.dtype), dims,
+                           preferred_element_type=jnp.float32)
   else:
     w_scale = w.scale.reshape(1, n)
     wq = w.quant.reshape(wshape)
@@ -189,15 +194,13 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
       y2 = y2 * w_scale
     else:
       x32 = x2.astype(jnp.float32)
-      if cpu and w_kn and m <= NATIVE_INT8_MAX_ROWS and cpu_kernels.available():
+      max_rows = pol.int8_native_max_rows if w_kn else pol.int8_nk_native_max_rows
+      if cpu and m <= max_rows and cpu_kernels.available():
         # The same quantization, int32 dot and scaling, in one native call.
-        y2 = cpu_kernels.matmul_w8a8(x32, wq, w.scale.reshape(n))
+        kernel = cpu_kernels.matmul_w8a8 if w_kn else cpu_kernels.matmul_w8a8_nk
+        y2 = kernel(x32, wq, w.scale.reshape(n))
       else:
-        xq, x_scale = _quantize_activations(x32, (1,))
-        if cpu:
-          xq = _pad_rows(xq, INT8_ROW_MULTIPLE)
-        acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.int32)[:m]
-        y2 = acc.astype(jnp.float32) * x_scale * w_scale
+        y2 = cpu_lowering.w8a8_xla(x32, wq, w_scale, w_kn, pol.int8_row_multiple if cpu else 1)
   y = y2.astype(x.dtype).reshape([sizes[c] for c in free_x + free_w])
   got = "".join(free_x + free_w)
   if got != out:
