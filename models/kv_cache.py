@@ -1,12 +1,24 @@
-"""The KV cache pytree: one slot per batch row, each row at its own length (ragged batch).
+"""The KV cache pytree: one slot per batch row, each row at its own length (ragged batch), and the
+small KV-store interface the model's block runs over (this contiguous cache or
+``models.paged_kv.PagedKV``).
 
-Contract: ``k`` and ``v`` are ``[L, B, K, S, H]`` (layers, batch slots, kv heads, cache positions,
-head dim); ``lengths[b]`` counts the valid positions of row ``b``. Positions ``>= lengths[b]`` may
-hold stale values: attention is causal in absolute position, so a query never reads a position
-that its own sequence has not written.
+Contract:
+  * ``KVCache``: ``k`` and ``v`` are ``[L, B, K, S, H]`` (layers, batch slots, kv heads, cache
+    positions, head dim); ``lengths[b]`` counts the valid positions of row ``b``. Positions
+    ``>= lengths[b]`` may hold stale values: attention is causal in absolute position, so a query
+    never reads a position that its own sequence has not written.
+  * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
+    can hold; a write position ``>= max_len`` is padding and is dropped), ``write(layer, wpos_BT,
+    k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
+    with ``S = attend_len``, and ``replace(**fields)``.
+  * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
+    ``t`` tokens per row (absolute positions, write positions with padding routed to ``max_len``,
+    last valid index, new lengths), shared by ``models.transformer`` and the sharded step.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Self
 
 import flax.struct
 import jax
@@ -15,6 +27,21 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+
+
+class KVStore(Protocol):
+  """What ``models.transformer`` needs of KV memory."""
+  lengths: jax.Array  # [B] int32
+
+  @property
+  def max_len(self) -> int: ...
+
+  def write(self, layer: int, wpos_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array
+            ) -> Self: ...
+
+  def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]: ...
+
+  def replace(self, **changes: jax.Array) -> Self: ...
 
 
 @flax.struct.dataclass
@@ -35,6 +62,14 @@ class KVCache:
   def logical_axes() -> "KVCache":
     return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("batch",))  # type: ignore[arg-type]
 
+  def write(self, layer: int, wpos_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array
+            ) -> "KVCache":
+    k, v = write(self.k, self.v, layer, wpos_BT, k_BTKH, v_BTKH)
+    return self.replace(k=k, v=v)
+
+  def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]:
+    return self.k[layer, :, :, :attend_len], self.v[layer, :, :, :attend_len]
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
                dtype=jnp.float32) -> KVCache:
@@ -52,3 +87,24 @@ def write(k_cache: jax.Array, v_cache: jax.Array, layer: int, wpos_BT: jax.Array
   k_cache = k_cache.at[layer, b_B1, :, wpos_BT, :].set(k_BTKH.astype(k_cache.dtype), mode="drop")
   v_cache = v_cache.at[layer, b_B1, :, wpos_BT, :].set(v_BTKH.astype(v_cache.dtype), mode="drop")
   return k_cache, v_cache
+
+
+class ChunkPositions(NamedTuple):
+  start_B: jax.Array  # [B] int32 first absolute position of each row's chunk
+  pos_BT: jax.Array  # [B, T] int32 absolute position of every query (padding included)
+  wpos_BT: jax.Array  # [B, T] int32 write position; padding -> max_len (dropped)
+  last_B: jax.Array  # [B] int32 index in the chunk of each row's last valid token
+  lengths_B: jax.Array  # [B] int32 lengths after the chunk (rows with lens 0 keep theirs)
+
+
+def chunk_positions(lengths_B: jax.Array, start_B: jax.Array | None, lens_B: jax.Array, t: int,
+                    max_len: int) -> ChunkPositions:
+  """Row b's ``lens_B[b]`` tokens run at ``start_B[b] + i`` (``start_B`` None: at
+  ``lengths_B``); token i >= lens_B[b] is padding."""
+  start_B = (lengths_B if start_B is None else start_B).astype(jnp.int32)
+  t_T = jnp.arange(t, dtype=jnp.int32)
+  pos_BT = start_B[:, None] + t_T[None, :]
+  wpos_BT = jnp.where(t_T[None, :] < lens_B[:, None], pos_BT, max_len)
+  last_B = jnp.clip(lens_B - 1, 0, t - 1).astype(jnp.int32)
+  new_B = jnp.where(lens_B > 0, start_B + lens_B, lengths_B).astype(jnp.int32)
+  return ChunkPositions(start_B, pos_BT, wpos_BT, last_B, new_B)

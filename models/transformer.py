@@ -14,11 +14,13 @@ Contract:
   * ``attend_len`` (static) is how many cache positions attention reads: a padded bucket covering
     every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
     ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
+  * ``cache`` is any ``models.kv_cache.KVStore``: the contiguous ``KVCache`` or the paged
+    ``models.paged_kv.PagedKV``; the same store type comes back.
 """
 
 from __future__ import annotations
 
-
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +28,11 @@ import jax.numpy as jnp
 from models import kv_cache, quant
 from models.attention import attend
 from models.config import ModelConfig
-from models.kv_cache import KVCache
+from models.kv_cache import KVStore
 from models.layers import mlp, rms_norm, rope
 from models.weights import Params
+
+Store = TypeVar("Store", bound=KVStore)  # KVCache or paged_kv.PagedKV
 
 
 def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, dtype) -> jax.Array:
@@ -48,13 +52,15 @@ def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
   return logits.astype(jnp.float32)
 
 
-def _block(x_BTD, layer, l, cache: KVCache, pos_BT, wpos_BT, cfg: ModelConfig, attend_len: int):
+def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, cfg: ModelConfig, attend_len: int
+           ) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
   q_BTNH = rope(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), pos_BT, cfg.rope_theta)
   k_BTKH = rope(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), pos_BT, cfg.rope_theta)
   v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
-  k_cache, v_cache = kv_cache.write(cache.k, cache.v, l, wpos_BT, k_BTKH, v_BTKH)
-  attn_BTNH = attend(q_BTNH, k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len], pos_BT)
+  cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
+  k_BKSH, v_BKSH = cache.read(l, attend_len)
+  attn_BTNH = attend(q_BTNH, k_BKSH, v_BKSH, pos_BT)
   attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
   if cfg.parallel_block:
     x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg)
@@ -62,36 +68,31 @@ def _block(x_BTD, layer, l, cache: KVCache, pos_BT, wpos_BT, cfg: ModelConfig, a
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + mlp(rms_norm(x_BTD, layer["mlp_norm"], cfg.norm_eps, cfg.norm_plus_one),
                         layer, cfg)
-  return x_BTD, cache.replace(k=k_cache, v=v_cache)
+  return x_BTD, cache
 
 
-def prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B: jax.Array | None,
+def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Array | None,
             lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
-            all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+            all_logits: bool = False) -> tuple[jax.Array, Store]:
   """Returns (logits [B, V] of each row's last valid token, or [B, T, V]; updated cache)."""
   b, t = tokens_BT.shape
   attend_len = attend_len or cache.max_len
-  start_B = cache.lengths if start_B is None else start_B  # None: continue each row
   dtype = params["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
-  t_T = jnp.arange(t, dtype=jnp.int32)
-  pos_BT = start_B[:, None].astype(jnp.int32) + t_T[None, :]
-  valid_BT = t_T[None, :] < lens_B[:, None]
-  wpos_BT = jnp.where(valid_BT, pos_BT, cache.max_len)  # max_len = out of range -> dropped
+  # start None: continue each row; padding writes go to max_len = out of range -> dropped.
+  c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   x_BTD = embed(params, tokens_BT, cfg, dtype)
   for l, layer in enumerate(params["layers"]):
-    x_BTD, cache = _block(x_BTD, layer, l, cache, pos_BT, wpos_BT, cfg, attend_len)
+    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, cfg, attend_len)
   if not all_logits:
-    last_B = jnp.clip(lens_B - 1, 0, t - 1)
-    x_BTD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
+    x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
   logits = _unembed(params, x_BTD, cfg)
-  lengths = jnp.where(lens_B > 0, start_B + lens_B, cache.lengths).astype(jnp.int32)
-  cache = cache.replace(lengths=lengths)
+  cache = cache.replace(lengths=c.lengths_B)
   return (logits if all_logits else logits[:, 0]), cache
 
 
-def decode_step(params: Params, tokens_B: jax.Array, cache: KVCache, *, cfg: ModelConfig,
+def decode_step(params: Params, tokens_B: jax.Array, cache: Store, *, cfg: ModelConfig,
                 attend_len: int | None = None, active_B: jax.Array | None = None
-                ) -> tuple[jax.Array, KVCache]:
+                ) -> tuple[jax.Array, Store]:
   """One token per active row at position ``cache.lengths[b]``; returns (logits [B, V], cache)."""
   ones = jnp.ones_like(cache.lengths) if active_B is None else active_B.astype(jnp.int32)
   return prefill(params, tokens_B[:, None], cache, None, ones, cfg=cfg,

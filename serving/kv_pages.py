@@ -1,0 +1,327 @@
+"""Host-side page allocator for paged KV memory (pure Python / numpy; the device arrays are
+``models.paged_kv.PagedKV``).
+
+Contract:
+  * **Pool and budget.** The pool is fixed at start-up by a ``PageBudget``: ``num_shards``
+    sub-pools of ``pages_per_shard`` pages of ``page_size`` positions each, every page holding K
+    and V of every layer (``bytes_per_page`` = 2 * L * K * page_size * H * itemsize, from the
+    model config and KV dtype). ``page_budget`` derives the page count from a byte budget (rounded
+    down, never above it). The allocator never hands out more pages than the pool holds, so the
+    KV memory in use never exceeds the budget.
+  * **Sub-pools.** One per attention-batch shard. Page ids are global: shard ``s`` owns ids
+    ``[s * pages_per_shard, (s + 1) * pages_per_shard)`` of the device pool's page axis. Under the
+    batch-sharded attention layouts that axis is sharded like the batch, so shard ``s``'s pages
+    live on its devices (the multiquery KV is never replicated) and a step running inside
+    ``shard_map`` addresses them by ``local_id = id - s * pages_per_shard``
+    (``page_table(..., local=True)``). A sequence lives in one sub-pool for its whole life; the
+    engine places it on a batch slot of that shard.
+  * **Sequences.** Any hashable id. A sequence holds ``tokens`` positions (what it has written or
+    is about to write in this step) in ``ceil(tokens / page_size)`` pages, listed in position
+    order: position ``p`` is slot ``p % page_size`` of page ``table(seq)[p // page_size]``. At
+    most ``max_pages_per_seq`` pages (the device page table's width), so at most
+    ``max_seq_tokens`` positions.
+  * ``allocate(seq, n_tokens, shard=None)`` creates a sequence of ``n_tokens`` positions (shard
+    None: the sub-pool with the most free pages); ``extend(seq, n_new)`` reserves ``n_new`` more
+    (before the step that writes them); ``release(seq)`` drops it and returns the pages that
+    became free. ``allocate``, ``extend`` and ``fork`` return ``None`` (or the ``Forked``
+    result) on success and a ``Refusal`` otherwise, and change nothing when they refuse:
+    ``"capacity"`` (the sequence would pass its page-table capacity: stop it, finish reason
+    ``length``; never let it write past its pages), ``"budget"`` (it would then need more pages
+    than its whole sub-pool holds: reject at arrival, or stop it; preempting others cannot help),
+    ``"no_pages"`` (the sub-pool is full now: preempt or wait). Misuse
+    (unknown or duplicate id, negative counts) raises ``ValueError``.
+  * ``can_ever_fit(n_tokens)`` is the arrival check: ``None`` or the ``Refusal`` (capacity or
+    budget) that a request needing ``n_tokens`` positions would certainly meet.
+  * ``fork(parent, child)`` makes ``child`` a copy of ``parent`` in the same sub-pool: the full
+    pages are shared (reference counts), the partly filled last page (if any) is copied now into
+    a fresh page of the child; ``Forked.copy`` (src -> dst page) is the copy the engine must run
+    on the device arrays (``models.paged_kv.copy_pages``) before either sequence writes again.
+    Call it once the parent's positions are written. Shared pages are full and therefore never
+    written again (writes go to positions >= tokens), so copy-on-write happens exactly once, at
+    the fork, and exactly when the last page is partial.
+  * ``check()`` verifies the invariants (raises ``AssertionError``): every page's reference
+    count equals the number of page-table references to it; the free lists are disjoint from the
+    used pages, hold no duplicates and together with them cover every page; a sequence's pages
+    are in its own sub-pool, cover its tokens exactly and fit its capacity; a page a sequence may
+    still write (its partly filled last page) belongs to it alone.
+  * ``usage()`` gives pages used / free per sub-pool (for metrics gauges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Literal, Sequence
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.paged_kv import page_bytes
+
+RefusalKind = Literal["capacity", "budget", "no_pages"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+  """Why pages were not given: ``kind`` for the scheduler, ``message`` for the user."""
+  kind: RefusalKind
+  message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PageCopy:
+  """Device copy to perform for a fork: page ``src`` -> page ``dst`` (every layer, K and V)."""
+  src: int
+  dst: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Forked:
+  child: Hashable
+  copy: PageCopy | None  # None when the parent's last page was full (nothing to copy)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardUsage:
+  shard: int
+  used: int
+  free: int
+  total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PageBudget:
+  """The KV memory of a deployment, fixed at start-up."""
+  page_size: int
+  pages_per_shard: int
+  num_shards: int = 1
+  bytes_per_page: int = 0
+
+  def __post_init__(self):
+    if self.page_size < 1 or self.pages_per_shard < 1 or self.num_shards < 1:
+      raise ValueError(f"page_size, pages_per_shard and num_shards must be >= 1: {self}")
+
+  @property
+  def num_pages(self) -> int:
+    return self.pages_per_shard * self.num_shards
+
+  @property
+  def bytes(self) -> int:
+    return self.num_pages * self.bytes_per_page
+
+
+def page_budget(cfg: ModelConfig, dtype: str | np.dtype | type, page_size: int, *,
+                budget_bytes: int | None = None, num_pages: int | None = None,
+                num_shards: int = 1) -> PageBudget:
+  """A budget of ``num_pages`` pages in all, or as many as ``budget_bytes`` holds (rounded down
+  to whole pages per sub-pool); exactly one of the two."""
+  if (budget_bytes is None) == (num_pages is None):
+    raise ValueError("give exactly one of budget_bytes and num_pages")
+  per_page = page_bytes(cfg, page_size, dtype)
+  if budget_bytes is not None:
+    per_shard = budget_bytes // num_shards // per_page
+  else:
+    if num_pages % num_shards:  # type: ignore[operator]
+      raise ValueError(f"num_pages={num_pages} is not a multiple of num_shards={num_shards}")
+    per_shard = num_pages // num_shards  # type: ignore[operator]
+  if per_shard < 1:
+    raise ValueError(f"the KV budget holds no page per shard (a page is {per_page} bytes, "
+                     f"{num_shards} shards)")
+  return PageBudget(page_size, per_shard, num_shards, per_page)
+
+
+@dataclasses.dataclass
+class _Seq:
+  shard: int
+  pages: list[int]
+  tokens: int
+
+
+class PagePool:
+  """Page pool with per-shard free lists, reference counts and a page table per sequence."""
+
+  def __init__(self, budget: PageBudget, max_seq_tokens: int):
+    if max_seq_tokens < 1:
+      raise ValueError("max_seq_tokens must be >= 1")
+    self.budget = budget
+    self.page_size = budget.page_size
+    self.max_seq_tokens = max_seq_tokens
+    self.max_pages_per_seq = -(-max_seq_tokens // budget.page_size)
+    self._ref = np.zeros(budget.num_pages, np.int32)
+    # LIFO free lists: the most recently freed page is reused first; page s * P_s first.
+    self._free = [list(range((s + 1) * budget.pages_per_shard - 1, s * budget.pages_per_shard - 1,
+                             -1)) for s in range(budget.num_shards)]
+    self._seqs: dict[Hashable, _Seq] = {}
+
+  # -- queries ------------------------------------------------------------------------------
+
+  def pages_for(self, n_tokens: int) -> int:
+    return -(-n_tokens // self.page_size)
+
+  def can_ever_fit(self, n_tokens: int) -> Refusal | None:
+    if n_tokens > self.max_seq_tokens:
+      return Refusal("capacity", f"{n_tokens} positions exceed a sequence's capacity of "
+                     f"{self.max_seq_tokens} ({self.max_pages_per_seq} pages x "
+                     f"{self.page_size})")
+    if self.pages_for(n_tokens) > self.budget.pages_per_shard:
+      return Refusal("budget", f"{n_tokens} positions need {self.pages_for(n_tokens)} KV pages; "
+                     f"a shard's KV budget holds {self.budget.pages_per_shard}")
+    return None
+
+  def __contains__(self, seq: Hashable) -> bool:
+    return seq in self._seqs
+
+  @property
+  def sequences(self) -> tuple[Hashable, ...]:
+    return tuple(self._seqs)
+
+  def table(self, seq: Hashable) -> tuple[int, ...]:
+    return tuple(self._get(seq).pages)
+
+  def tokens(self, seq: Hashable) -> int:
+    return self._get(seq).tokens
+
+  def shard_of(self, seq: Hashable) -> int:
+    return self._get(seq).shard
+
+  def refcount(self, page: int) -> int:
+    return int(self._ref[page])
+
+  def usage(self) -> tuple[ShardUsage, ...]:
+    n = self.budget.pages_per_shard
+    return tuple(ShardUsage(s, n - len(f), len(f), n) for s, f in enumerate(self._free))
+
+  @property
+  def pages_used(self) -> int:
+    return sum(u.used for u in self.usage())
+
+  @property
+  def pages_free(self) -> int:
+    return sum(u.free for u in self.usage())
+
+  def page_table(self, seqs: Sequence[Hashable | None], *, local: bool = False) -> np.ndarray:
+    """``[len(seqs), max_pages_per_seq]`` int32 device page table (None: an empty slot). Unused
+    entries hold the null page (the addressed pool's size: out of range, so the device scatter
+    drops writes there). ``local``: ids within each sequence's sub-pool."""
+    null = self.budget.pages_per_shard if local else self.budget.num_pages
+    out = np.full((len(seqs), self.max_pages_per_seq), null, np.int32)
+    for row, seq in enumerate(seqs):
+      if seq is None:
+        continue
+      s = self._get(seq)
+      base = s.shard * self.budget.pages_per_shard if local else 0
+      out[row, :len(s.pages)] = np.asarray(s.pages, np.int32) - base
+    return out
+
+  # -- changes ------------------------------------------------------------------------------
+
+  def allocate(self, seq: Hashable, n_tokens: int, shard: int | None = None) -> Refusal | None:
+    if seq in self._seqs:
+      raise ValueError(f"sequence {seq!r} already holds pages")
+    if n_tokens < 0:
+      raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if shard is None:
+      shard = max(range(self.budget.num_shards), key=lambda s: (len(self._free[s]), -s))
+    elif not 0 <= shard < self.budget.num_shards:
+      raise ValueError(f"shard {shard} not in [0, {self.budget.num_shards})")
+    refusal = self.can_ever_fit(n_tokens)
+    if refusal:
+      return refusal
+    need = self.pages_for(n_tokens)
+    if need > len(self._free[shard]):
+      return self._no_pages(shard, need)
+    self._seqs[seq] = _Seq(shard, self._take(shard, need), n_tokens)
+    return None
+
+  def extend(self, seq: Hashable, n_new: int) -> Refusal | None:
+    s = self._get(seq)
+    if n_new < 0:
+      raise ValueError(f"n_new must be >= 0, got {n_new}")
+    total = s.tokens + n_new
+    refusal = self.can_ever_fit(total)
+    if refusal:
+      return Refusal(refusal.kind, f"sequence {seq!r} at {s.tokens} positions cannot take "
+                     f"{n_new} more: {refusal.message}")
+    need = self.pages_for(total) - len(s.pages)
+    if need > len(self._free[s.shard]):
+      return self._no_pages(s.shard, need)
+    s.pages.extend(self._take(s.shard, need))
+    s.tokens = total
+    return None
+
+  def fork(self, parent: Hashable, child: Hashable) -> Forked | Refusal:
+    p = self._get(parent)
+    if child in self._seqs:
+      raise ValueError(f"sequence {child!r} already holds pages")
+    full = p.tokens // self.page_size
+    partial = len(p.pages) > full
+    if partial and not self._free[p.shard]:
+      return self._no_pages(p.shard, 1)
+    pages = list(p.pages[:full])
+    for page in pages:
+      self._ref[page] += 1
+    copy = None
+    if partial:
+      dst = self._take(p.shard, 1)[0]
+      copy = PageCopy(src=p.pages[full], dst=dst)
+      pages.append(dst)
+    self._seqs[child] = _Seq(p.shard, pages, p.tokens)
+    return Forked(child, copy)
+
+  def release(self, seq: Hashable) -> list[int]:
+    """Drops ``seq``; returns the pages that became free (shared ones stay with the others)."""
+    s = self._seqs.pop(seq, None)
+    if s is None:
+      raise ValueError(f"unknown sequence {seq!r}")
+    freed = []
+    for page in reversed(s.pages):
+      self._ref[page] -= 1
+      if self._ref[page] == 0:
+        self._free[s.shard].append(page)
+        freed.append(page)
+    return freed
+
+  # -- invariants ---------------------------------------------------------------------------
+
+  def check(self) -> None:
+    n, z = self.budget.pages_per_shard, self.page_size
+    refs = np.zeros_like(self._ref)
+    for seq, s in self._seqs.items():
+      assert len(s.pages) == self.pages_for(s.tokens), (seq, len(s.pages), s.tokens)
+      assert len(s.pages) <= self.max_pages_per_seq, (seq, len(s.pages))
+      assert len(set(s.pages)) == len(s.pages), (seq, s.pages)
+      for page in s.pages:
+        assert s.shard * n <= page < (s.shard + 1) * n, (seq, page, s.shard)
+        refs[page] += 1
+      if s.tokens % z:  # the partly filled last page is written again: it must be private
+        assert self._ref[s.pages[-1]] == 1, (seq, s.pages[-1], int(self._ref[s.pages[-1]]))
+    assert np.array_equal(refs, self._ref), np.nonzero(refs != self._ref)
+    for shard, free in enumerate(self._free):
+      assert len(set(free)) == len(free), ("duplicate free page", shard)
+      assert all(shard * n <= p < (shard + 1) * n for p in free), ("foreign free page", shard)
+      used = {p for p in range(shard * n, (shard + 1) * n) if self._ref[p] > 0}
+      assert used.isdisjoint(free), ("free page in use", shard, used & set(free))
+      assert len(used) + len(free) == n, ("lost pages", shard, n - len(used) - len(free))
+
+  # -- internals ----------------------------------------------------------------------------
+
+  def _get(self, seq: Hashable) -> _Seq:
+    try:
+      return self._seqs[seq]
+    except KeyError:
+      raise ValueError(f"unknown sequence {seq!r}") from None
+
+  def _take(self, shard: int, k: int) -> list[int]:
+    free = self._free[shard]
+    pages = [free.pop() for _ in range(k)]
+    for page in pages:
+      assert self._ref[page] == 0, page
+      self._ref[page] = 1
+    return pages
+
+  def _no_pages(self, shard: int, need: int) -> Refusal:
+    return Refusal("no_pages", f"shard {shard} has {len(self._free[shard])} free KV pages, "
+                   f"{need} needed")
+
+
+__all__ = ["PagePool", "PageBudget", "page_budget", "Refusal", "PageCopy", "Forked",
+           "ShardUsage"]
