@@ -26,6 +26,19 @@ One run measures, in order:
     rows (a tied table is the unembedding and counts). KV bytes are the ``attend_len`` bucket the
     step reads: 2 * layers * batch * kv_heads * attend_len * head_dim * itemsize.
     ``x_of_bound`` = ms_per_step / bound_ms; ``bw_util`` = 1 / x_of_bound.
+    The bound uses the read bandwidth measured right after each timed decode call (a jitted sum
+    over a resident ``--bandwidth_mb`` buffer, best of two reads), interleaved with the repeats:
+    ``bound_ms`` = bytes / median bandwidth, ``x_of_bound`` = the median over repeats of
+    (ms/step / bound of that repeat); ``bound_ms_start_end_bw`` uses the start/end figure;
+  * the floor (``--floor_batches``, default 1 and 8, at ``--floor_tokens`` 128): phaseserve's
+    float prefill (bf16 if measured, else the first ``--dtype``) against a minimal hand-written
+    JAX forward of the same shape, weights stored ``[out, in]`` and ``[in, out]``, every matmul
+    an einsum with ``preferred_element_type=f32``; the three are timed round-robin in this run
+    (medians) and ``ratio_vs_minimal`` = phaseserve tok/s / loop tok/s.
+On CPU the run first decides ``models.cpu_lowering.policy()`` (measured once per machine and
+cached; ``PHASESERVE_CPU_AUTOTUNE=0``: the defaults) and reports it as ``cpu_lowering``.
+``--model`` is anything ``models.loader.load_model`` accepts (a preset such as ``small`` or
+``smollm2-135m``, or a model directory); float weights are cast to each ``--dtype``.
 The KV cache content does not change the cost of a step, so decode rows start from a cache whose
 lengths are set to ``--context`` (no prefill is run for them). Every figure is the median of
 ``--repeats`` timed calls after a compile/warm-up call (``best`` is the fastest). Int8 uses
@@ -33,8 +46,9 @@ lengths are set to ``--context`` (no prefill is run for them). Every figure is t
 elsewhere, as ``launch/generate.py`` does.
 
 ``--json`` prints one JSON object (else a table): {"model", "date", "machine", "jax_version",
-"hardware": {"matmul_peak_flops": {dtype: FLOP/s}, "read_bandwidth": B/s}, "prefill": [...],
-"decode": [...], "summary": {...}, "wall_s"}. Bad flags exit with code 2 and a one-line error.
+"hardware": {"matmul_peak_flops": {dtype: FLOP/s}, "read_bandwidth": B/s}, "cpu_lowering",
+"floor", "prefill": [...], "decode": [...], "summary": {...}, "wall_s"}. Bad flags exit with code
+2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -75,6 +89,11 @@ _BANDWIDTH_MB = flags.DEFINE_integer("bandwidth_mb", 512, "MiB read for the band
                                      lower_bound=1)
 _PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for the random weights")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
+_FLOOR_BATCHES = flags.DEFINE_list(
+    "floor_batches", ["1", "8"],
+    "batches of the minimal-JAX-loop prefill floor (empty: skip it); bf16 if measured")
+_FLOOR_TOKENS = flags.DEFINE_integer("floor_tokens", 128, "prompt length of the floor",
+                                     lower_bound=1)
 
 
 
@@ -93,6 +112,8 @@ class BenchConfig:
   peak_size: int = 2048
   bandwidth_mb: int = 512
   param_seed: int = 0
+  floor_batches: tuple[int, ...] = (1, 8)
+  floor_tokens: int = 128
 
   def prefill_shapes(self) -> list[tuple[int, int]]:
     return [(b, t) for t in self.prefill_tokens for b in self.prefill_batches
@@ -111,8 +132,11 @@ def _ints(values: list[str], name: str) -> tuple[int, ...]:
 
 def _config_from_flags() -> BenchConfig:
   from models.config import PRESET_NAMES
-  if _MODEL.value not in PRESET_NAMES or _MODEL.value.startswith("palm"):
-    raise CliError(f"--model must be an instantiable preset (tiny, small), got {_MODEL.value!r}")
+  if (_MODEL.value not in PRESET_NAMES and not os.path.isdir(_MODEL.value)) or (
+      _MODEL.value.startswith("palm")):
+    names = ", ".join(n for n in PRESET_NAMES if not n.startswith("palm"))
+    raise CliError(f"--model must be an instantiable preset ({names}) or a model directory, "
+                   f"got {_MODEL.value!r}")
   dtypes = tuple(d.strip() for d in _DTYPE.value if d.strip())
   bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
   if bad or not dtypes:
@@ -124,7 +148,10 @@ def _config_from_flags() -> BenchConfig:
       prefill_max_tokens=_PREFILL_MAX_TOKENS.value,
       decode_batches=_ints(_DECODE_BATCHES.value, "decode_batches"), steps=_STEPS.value,
       context=_CONTEXT.value, repeats=_REPEATS.value, peak_size=_PEAK_SIZE.value,
-      bandwidth_mb=_BANDWIDTH_MB.value, param_seed=_PARAM_SEED.value)
+      bandwidth_mb=_BANDWIDTH_MB.value, param_seed=_PARAM_SEED.value,
+      floor_batches=(_ints(_FLOOR_BATCHES.value, "floor_batches")
+                     if any(v.strip() for v in _FLOOR_BATCHES.value) else ()),
+      floor_tokens=_FLOOR_TOKENS.value)
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
@@ -166,30 +193,41 @@ def _weight_bytes(params, cfg) -> int:
   return int(total)
 
 
-def _param_sets(cfg, cfg_b: BenchConfig):
-  """Yields (dtype name, quantize name, params) for every requested combination."""
+def _load(cfg_b: BenchConfig, dtype_name: str):
+  """(cfg, params) from ``models.loader.load_model`` (a preset's random weights, or real ones),
+  float leaves cast to ``dtype_name``."""
   import jax
   import jax.numpy as jnp
-  from models.weights import init_params, quantize
+  from models.loader import load_model
+
+  dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
+  cfg, params, _ = load_model(cfg_b.model, dtype=dtype, param_seed=cfg_b.param_seed)
+  params = jax.tree.map(
+      lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
+      else a, params)
+  return cfg, params
+
+
+def _param_sets(cfg_b: BenchConfig):
+  """Yields (cfg, dtype name, quantize name, params) for every requested combination."""
+  import jax
+  from models.weights import quantize
 
   on_cpu = jax.default_backend() == "cpu"
   for name in cfg_b.dtypes:
-    dtype = jnp.float32 if name == "float32" else jnp.bfloat16
-    params = jax.jit(init_params, static_argnums=(0, 2))(
-        cfg, jax.random.key(cfg_b.param_seed), dtype)
+    cfg, params = _load(cfg_b, name)
     if cfg_b.quantize in ("none", "both"):
-      yield name, "none", params
+      yield cfg, name, "none", params
     if cfg_b.quantize in ("int8", "both"):
       q = jax.jit(lambda p: quantize(p, cfg, act_quant=on_cpu))(params)
       del params
-      yield name, "int8", q
+      yield cfg, name, "int8", q
     else:
       del params
 
 
-def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: BenchConfig
-             ) -> dict:
-  """One prefill shape; "mfu" is filled in by ``run`` once the peaks are final."""
+def _prefill_call(cfg, params, b: int, t: int):
+  """A no-argument function running one prefill of b rows of t tokens (blocks until done)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -213,7 +251,16 @@ def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: Be
                                              attend_len=cache_len, greedy_only=True)
     jax.block_until_ready(tok)
 
-  med, best = _timed(call, cfg_b.repeats)
+  return call
+
+
+def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: BenchConfig
+             ) -> dict:
+  """One prefill shape; "mfu" is filled in by ``run`` once the peaks are final."""
+  import jax
+
+  dtype = params["final_norm"].dtype
+  med, best = _timed(_prefill_call(cfg, params, b, t), cfg_b.repeats)
   # int8 W8A8 on CPU multiplies int8 x int8; everything else runs in the activation dtype.
   int8_dot = quant == "int8" and jax.default_backend() == "cpu"
   peak_dtype = "int8" if int8_dot else dtype_name
@@ -223,6 +270,109 @@ def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: Be
           "tokens_per_s": b * t / med, "flops_per_token": cfg.flops_per_token(t),
           "flops": flops, "flops_per_s": flops / med, "flops_causal": flops_causal,
           "flops_causal_per_s": flops_causal / med, "peak_dtype": peak_dtype}
+
+FLOOR_LAYOUTS = ("out_in", "in_out")
+
+
+def _minimal_params(cfg, dtype, layout: str, seed: int) -> dict:
+  """Random weights for ``_minimal_forward``: 2-D matrices stored ``[out, in]`` or ``[in, out]``."""
+  import jax
+  import jax.numpy as jnp
+
+  d, nh, kh, f = (cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                  cfg.mlp_dim)
+  keys = iter(jax.random.split(jax.random.key(seed), 8 * cfg.num_layers + 2))
+
+  def mat(n_in: int, n_out: int) -> jax.Array:
+    shape = (n_out, n_in) if layout == "out_in" else (n_in, n_out)
+    return (jax.random.normal(next(keys), shape, jnp.float32) / n_in ** 0.5).astype(dtype)
+
+  layers = [{"q": mat(d, nh), "k": mat(d, kh), "v": mat(d, kh), "o": mat(nh, d),
+             "gate": mat(d, f), "up": mat(d, f), "down": mat(f, d),
+             "attn_norm": jnp.ones((d,), dtype), "mlp_norm": jnp.ones((d,), dtype)}
+            for _ in range(cfg.num_layers)]
+  p = {"embed": jax.random.normal(next(keys), (cfg.vocab_size, d), jnp.float32).astype(dtype),
+       "final_norm": jnp.ones((d,), dtype), "layers": layers}
+  if not cfg.tie_embeddings:
+    p["unembed"] = mat(d, cfg.vocab_size)
+  return p
+
+
+def _minimal_forward(p: dict, tokens, *, cfg, layout: str):
+  """A minimal hand-written JAX prefill of the same model shape (serial Llama block, SwiGLU,
+  GQA, rope; full masked softmax; no KV cache; last-token logits): every matmul one
+  ``jnp.einsum`` with ``preferred_element_type=f32`` on weights stored as ``layout``."""
+  import jax
+  import jax.numpy as jnp
+  from models.layers import rms_norm, rope
+
+  f32 = jnp.float32
+  b, t = tokens.shape
+  n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  spec = "bti,oi->bto" if layout == "out_in" else "bti,io->bto"
+
+  def mm(x, w):
+    return jnp.einsum(spec, x, w, preferred_element_type=f32).astype(x.dtype)
+
+  x = p["embed"][tokens]
+  pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  for lw in p["layers"]:
+    hh = rms_norm(x, lw["attn_norm"], cfg.norm_eps, False)
+    q = rope(mm(hh, lw["q"]).reshape(b, t, n, h), pos, cfg.rope_theta)
+    kk = rope(mm(hh, lw["k"]).reshape(b, t, k, h), pos, cfg.rope_theta)
+    v = mm(hh, lw["v"]).reshape(b, t, k, h)
+    q = q.reshape(b, t, k, n // k, h)
+    s = jnp.einsum("btkgh,bskh->bkgts", q, kk, preferred_element_type=f32) * h ** -0.5
+    a = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1).astype(x.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", a, v, preferred_element_type=f32).astype(x.dtype)
+    x = x + mm(o.reshape(b, t, n * h), lw["o"])
+    hh = rms_norm(x, lw["mlp_norm"], cfg.norm_eps, False)
+    g = mm(hh, lw["gate"]).astype(f32)
+    x = x + mm((jax.nn.silu(g) * mm(hh, lw["up"]).astype(f32)).astype(x.dtype), lw["down"])
+  x = rms_norm(x[:, -1:], p["final_norm"], cfg.norm_eps, False)
+  if cfg.tie_embeddings:
+    logits = jnp.einsum("btd,vd->btv", x, p["embed"], preferred_element_type=f32)
+  else:
+    logits = mm(x, p["unembed"]).astype(f32)
+  return jnp.argmax(logits[:, 0], axis=-1)
+
+
+def _floor(cfg, params, dtype_name: str, cfg_b: BenchConfig, log) -> dict:
+  """phaseserve's prefill vs the minimal JAX loops (both layouts), timed round-robin in this
+  process: medians and ratios (phaseserve tok/s / loop tok/s) per batch."""
+  import jax
+  import numpy as np
+
+  dtype = params["final_norm"].dtype
+  t = cfg_b.floor_tokens
+  out: dict = {"dtype": dtype_name, "tokens": t, "rows": []}
+  loops = {lay: (_minimal_params(cfg, dtype, lay, cfg_b.param_seed + 1),
+                 jax.jit(lambda p, tok, lay=lay: _minimal_forward(p, tok, cfg=cfg, layout=lay)))
+           for lay in FLOOR_LAYOUTS}
+  for b in cfg_b.floor_batches:
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    fns = {"phaseserve": _prefill_call(cfg, params, b, t)}
+    for lay, (p, f) in loops.items():
+      fns[f"minimal_{lay}"] = lambda p=p, f=f: jax.block_until_ready(f(p, toks))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+      f()
+    for _ in range(max(3, cfg_b.repeats)):
+      for k, f in fns.items():
+        t0 = time.perf_counter()
+        f()
+        times[k].append(time.perf_counter() - t0)
+    tps = {k: b * t / statistics.median(v) for k, v in times.items()}
+    best_loop = max(v for k, v in tps.items() if k != "phaseserve")
+    row = {"batch": b, "tokens_per_s": tps,
+           "ratio_vs_minimal": {k: tps["phaseserve"] / v for k, v in tps.items()
+                                if k != "phaseserve"},
+           "ratio_vs_best_minimal": tps["phaseserve"] / best_loop}
+    log(f"floor {dtype_name} {b}x{t}: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in tps.items()))
+    out["rows"].append(row)
+  del loops
+  return out
 
 
 def _prefill_flops(cfg, b: int, t: int) -> tuple[float, float]:
@@ -239,8 +389,33 @@ def _prefill_flops(cfg, b: int, t: int) -> tuple[float, float]:
   return flops, flops_causal
 
 
-def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig) -> dict:
-  """One decode batch; the bandwidth bound is filled in by ``run`` once bandwidth is final."""
+class _ReadMeter:
+  """Streaming read bandwidth of one jitted f32 sum over a resident ``nbytes`` buffer (the
+  ``partitioning.hardware`` measurement, without re-allocating per call): B/s of one call."""
+
+  def __init__(self, nbytes: int):
+    import jax
+    import jax.numpy as jnp
+    self.n = max(1, nbytes // 4)
+    self.buf = jnp.ones((self.n,), jnp.float32)
+    self.fn = jax.jit(jnp.sum)
+    jax.block_until_ready(self.fn(self.buf))
+
+  def __call__(self) -> float:
+    import jax
+    best = float("inf")
+    for _ in range(2):  # best of two back-to-back reads
+      t0 = time.perf_counter()
+      jax.block_until_ready(self.fn(self.buf))
+      best = min(best, time.perf_counter() - t0)
+    return 4.0 * self.n / best
+
+
+def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig,
+            meter: "_ReadMeter") -> dict:
+  """One decode batch; each timed call is followed by a read-bandwidth measurement (``meter``)
+  and the bound is the median over those, so a bound and the steps it is compared with are
+  measured within the same second (read bandwidth of a shared VM moves 2x within minutes)."""
   import jax
   import jax.numpy as jnp
   from models.kv_cache import init_cache
@@ -264,15 +439,27 @@ def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig
                                    attend_len=attend_len, greedy_only=True)
     jax.block_until_ready(out)
 
-  med, best = _timed(call, cfg_b.repeats)
+  call()  # compile + warm-up
+  times, bws = [], []
+  for _ in range(cfg_b.repeats):
+    t0 = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - t0)
+    bws.append(meter())
+  med, best = statistics.median(times), min(times)
   itemsize = jnp.dtype(dtype).itemsize
   kv_bytes = 2 * cfg.num_layers * b * cfg.num_kv_heads * attend_len * cfg.head_dim * itemsize
   w_bytes = _weight_bytes(params, cfg)
+  nbytes = w_bytes + kv_bytes
   step = med / n
+  bw = statistics.median(bws)
+  x_bound = statistics.median(t / n * bw_i / nbytes for t, bw_i in zip(times, bws))
   return {"dtype": dtype_name, "quantize": quant, "batch": b, "context": ctx,
           "attend_len": attend_len, "steps": n, "ms_per_step": step * 1e3,
           "best_ms_per_step": best / n * 1e3, "tokens_per_s": b / step,
-          "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "bytes_per_step": w_bytes + kv_bytes}
+          "weight_bytes": w_bytes, "kv_bytes": kv_bytes, "bytes_per_step": nbytes,
+          "read_bandwidth": bw, "read_bandwidths": bws, "bound_ms": nbytes / bw * 1e3,
+          "x_of_bound": x_bound, "bw_util": 1.0 / x_bound}
 
 
 def _summary(prefill: list[dict], decode: list[dict]) -> dict:
@@ -306,12 +493,16 @@ def _summary(prefill: list[dict], decode: list[dict]) -> dict:
 def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
   """Runs every measurement of ``cfg_b``; returns the JSON-able result."""
   import jax
-  from models.config import get_preset
   from partitioning.hardware import measure_matmul_peak, measure_read_bandwidth
 
   t_start = time.perf_counter()
   load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-  cfg = get_preset(cfg_b.model)
+  lowering = None
+  if jax.default_backend() == "cpu":
+    from models import cpu_lowering
+    cpu_lowering.policy()  # decided (measured or read from the cache) before any trace
+    lowering = cpu_lowering.report()
+    log(f"cpu lowering ({lowering['source']}): {lowering['policy']}")
   dtypes = ("float32", "bfloat16", "int8")
 
   def measure() -> tuple[dict, float]:
@@ -324,14 +515,20 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
   peaks, bandwidth = dict(peaks_start), bw_start
   log(f"peaks {', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in peaks.items())}; "
       f"read {bandwidth / 1e9:.1f} GB/s")
+  meter = _ReadMeter(cfg_b.bandwidth_mb * 2**20)
   prefill, decode = [], []
-  for dtype_name, quant, params in _param_sets(cfg, cfg_b):
+  floor: dict | None = None
+  floor_dtype = "bfloat16" if "bfloat16" in cfg_b.dtypes else cfg_b.dtypes[0]
+  cfg = None
+  for cfg, dtype_name, quant, params in _param_sets(cfg_b):
+    if (cfg_b.floor_batches and quant == "none" and dtype_name == floor_dtype):
+      floor = _floor(cfg, params, dtype_name, cfg_b, log)
     for b, t in cfg_b.prefill_shapes():
       r = _prefill(cfg, params, dtype_name, quant, b, t, cfg_b)
       log(f"prefill {dtype_name}/{quant} {b}x{t}: {r['tokens_per_s']:.0f} tok/s")
       prefill.append(r)
     for b in cfg_b.decode_batches:
-      r = _decode(cfg, params, dtype_name, quant, b, cfg_b)
+      r = _decode(cfg, params, dtype_name, quant, b, cfg_b, meter)
       log(f"decode {dtype_name}/{quant} batch {b}: {r['ms_per_step']:.2f} ms/step, "
           f"{r['tokens_per_s']:.0f} tok/s")
       decode.append(r)
@@ -343,10 +540,10 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
   for p in prefill:
     p["mfu"] = p["flops_per_s"] / peaks[p["peak_dtype"]]
     p["mfu_causal"] = p["flops_causal_per_s"] / peaks[p["peak_dtype"]]
-  for d in decode:
-    bound = d["bytes_per_step"] / bandwidth
-    step = d["ms_per_step"] / 1e3
-    d.update(bound_ms=bound * 1e3, x_of_bound=step / bound, bw_util=bound / step)
+  del meter
+  for d in decode:  # also against the best start / end figure, for comparison with old runs
+    d["bound_ms_start_end_bw"] = d["bytes_per_step"] / bandwidth * 1e3
+  assert cfg is not None
   return {
       "model": cfg.name, "param_count": cfg.param_count(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -357,6 +554,7 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
                    "start": {"matmul_peak_flops": peaks_start, "read_bandwidth": bw_start},
                    "end": {"matmul_peak_flops": peaks_end, "read_bandwidth": bw_end}},
       "load_avg_1m_start": load_start,
+      "cpu_lowering": lowering, "floor": floor,
       "prefill": prefill, "decode": decode, "summary": _summary(prefill, decode),
       "wall_s": time.perf_counter() - t_start,
   }
@@ -373,10 +571,22 @@ def _table(result: dict) -> str:
     lines.append(f"         {p['dtype']:9s} {p['quantize']:6s} {p['batch']:5d} x {p['tokens']:<6d}"
                  f" {p['tokens_per_s']:7.0f}  {p['mfu']:5.2f}  {p['mfu_causal']:5.2f}"
                  f" ({p['peak_dtype']})")
-  lines.append("decode   dtype     quant  batch  ms/step   tok/s  x bound")
+  lines.append("decode   dtype     quant  batch  ms/step   tok/s  bound ms  x bound")
   for d in result["decode"]:
     lines.append(f"         {d['dtype']:9s} {d['quantize']:6s} {d['batch']:5d} "
-                 f"{d['ms_per_step']:8.2f} {d['tokens_per_s']:7.0f}  {d['x_of_bound']:5.2f}")
+                 f"{d['ms_per_step']:8.2f} {d['tokens_per_s']:7.0f}  {d['bound_ms']:8.2f}"
+                 f"  {d['x_of_bound']:5.2f}")
+  if result.get("floor"):
+    fl = result["floor"]
+    lines.append(f"floor    {fl['dtype']} prefill x {fl['tokens']} tokens, tok/s "
+                 "(ratios: phaseserve / loop)")
+    for r in fl["rows"]:
+      lines.append(f"         batch {r['batch']}: " + ", ".join(
+          f"{k} {v:.0f}" for k, v in r["tokens_per_s"].items()) + "; ratios " + ", ".join(
+          f"{k} {v:.2f}" for k, v in r["ratio_vs_minimal"].items()))
+  if result.get("cpu_lowering"):
+    lines.append(f"cpu lowering ({result['cpu_lowering']['source']}): "
+                 f"{result['cpu_lowering']['policy']}")
   return "\n".join(lines)
 
 

@@ -33,11 +33,11 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     is quantized to int8 with its own scale (amax / 127), the dot is int8 x int8 -> int32 (exact),
     and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to the policy's
     ``int8_native_max_rows`` (``[K, N]`` weights) / ``int8_nk_native_max_rows`` (``[N, K]``, the
-    tied unembedding) rows (decode) go to the native kernels of ``models.cpu_kernels`` when it is available (the same
-    quantization, int32 sums and scaling in one call; it reads the int8 weight at memory
-    bandwidth, XLA's int8 dot does not); otherwise the rows are padded
-    with zeros to a multiple of the policy's ``int8_row_multiple``, since with fewer rows XLA:CPU picks a much
-    slower int8 kernel. Both give the same int32 sums; padding rows quantize to zero and are
+    tied unembedding) rows (decode) go to the native kernels of ``models.cpu_kernels`` when
+    available (the same quantization, int32 sums and scaling in one call; they read the int8
+    weight at memory bandwidth, XLA's int8 dot does not); otherwise the rows are padded with
+    zeros to a multiple of the policy's ``int8_row_multiple``, since with few rows XLA:CPU picks
+    a much slower int8 kernel. Both give the same int32 sums; padding rows quantize to zero and are
     sliced off.
   * Without the native kernels, bf16 operands with fewer than ``bf16_min_rows`` rows are padded
     the same way on XLA:CPU, which otherwise converts the whole bf16 weight to f32 in memory
