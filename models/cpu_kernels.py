@@ -5,19 +5,23 @@ Contract:
   * ``available()`` says whether the kernels can be used in this process: the default backend is
     CPU, the CPU has AVX-512 BW + VBMI + VNNI, ``PHASESERVE_NATIVE_KERNELS`` is not ``0``, and the
     C++ source below compiled (``c++`` / ``g++``) against ``jax.ffi.include_dir()`` and registered
-    as the XLA FFI targets ``phaseserve_int8_matmul``, ``phaseserve_w8a8_matmul`` and
-    ``phaseserve_float_matmul``. The shared library is cached under ``$PHASESERVE_CACHE_DIR``
+    as the XLA FFI targets ``phaseserve_int8_matmul``, ``phaseserve_w8a8_matmul``,
+    ``phaseserve_w8a8_nk_matmul`` and ``phaseserve_float_matmul``. The shared library is cached under ``$PHASESERVE_CACHE_DIR``
     (default ``~/.cache/phaseserve``), keyed by the source, jax version and compiler flags; any
     failure means ``False`` (callers fall back to XLA's own dot) and is logged once.
   * ``matmul_s8(x_MK, w_KN)`` returns ``x @ w`` as int32 ``[M, N]``: exact integer arithmetic,
     bit-identical to ``lax.dot_general(..., preferred_element_type=jnp.int32)``.
   * ``matmul_w8a8(x_MK, w_KN, w_scale_N)``: f32 ``[M, N]``, bit-identical to the W8A8 formula of
-    ``models.quant.einsum`` (per-row amax / 127 scale, round-half-even, clip to +-127, int32 dot,
-    ``* row_scale * w_scale``), in one call.
+    ``models.quant.einsum`` as XLA compiles it (per-row scale amax * (1 / 127), round-half-even,
+    clip to +-127, int32 dot, ``* row_scale * w_scale``), in one call.
+  * ``matmul_w8a8_nk(x_MK, w_NK, w_scale_N)``: the same for a weight laid out ``[N, K]`` (the
+    tied ``[V, D]`` embedding as the unembedding, contracted on its trailing axis), bit-identical
+    to XLA's int8 dot contracting ``w``'s axis 1.
   * ``matmul_float(x_MK, w_KN)``: f32 ``x`` times an f32 or bf16 ``w``, f32 products and f32
     accumulation (what XLA computes for ``preferred_element_type=f32``; bf16 x bf16 products are
     exact in f32), up to summation order.
-  Callers: ``models.quant.einsum`` only, for at most ``quant.NATIVE_*_MAX_ROWS`` rows.
+  Callers: ``models.quant.einsum`` (for at most the ``models.cpu_lowering`` policy's
+  ``*_native_max_rows`` rows) and the measurements of ``models.cpu_lowering``.
 
 Why: XLA:CPU reads decode-shaped (few-row) weights at a fraction of memory bandwidth except for
 f32 with exactly one row. Its int8 and bf16 dots (YNNPACK) repack the weight on every call (about
@@ -30,7 +34,10 @@ up to 8 activation rows held in registers. int8: per 4 rows x 16 columns one ``v
 the dot-product groups and AVX-512 VNNI ``vpdpbusd`` accumulates ``(w + 128) . x`` (the
 ``128 * sum(x)`` excess is subtracted at the end). Float: bf16 is widened to f32 in registers,
 then FMA. The K range is split over XLA's intra-op thread pool (each part streams a contiguous
-slab; partial sums are added at the end). For many rows (prefill) XLA's dots are faster.
+slab; partial sums are added at the end). ``[N, K]`` int8: per block of 16 contiguous weight
+rows, one accumulator per row (``vpdpbusd`` over 64-byte K steps) and a transpose-reduce of the
+16 accumulators into 16 sums; the N range is split over the pool. For many rows (prefill) XLA's
+dots are faster (the crossover is measured per machine by ``models.cpu_lowering``).
 Inside ``shard_map`` the kernels run on each shard's local block like any op; under automatic
 (GSPMD) partitioning a custom call is not partitioned, so sharded weights would be gathered: the
 ``partitioning`` layouts use ``shard_map``.
