@@ -1,0 +1,32 @@
+"""launch.bench_pages smoke test: the CLI runs on the tiny preset at minimal sizes and prints one
+JSON object with positive timings; a bad flag exits 2 with a one-line error."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=60):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.run([sys.executable, "-m", "launch.bench_pages", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_bench_json():
+  r = _run("--model", "tiny", "--dtype", "float32", "--batch", "2", "--context", "32",
+           "--page_sizes", "16", "--steps", "1", "--repeats", "1", "--json")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert (out["model"], out["batch"], out["context"]) == ("tiny", 2, 32)
+  assert out["contiguous_ms_per_step"] > 0
+  assert [p["page_size"] for p in out["paged"]] == [16]
+  assert out["paged"][0]["ms_per_step"] > 0 and out["paged"][0]["x_contiguous"] > 0
+
+
+def test_page_size_must_divide_context():
+  r = _run("--model", "tiny", "--context", "32", "--page_sizes", "5")
+  assert r.returncode == 2
+  assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
