@@ -2,10 +2,14 @@
 
   python -m launch.generate --model tiny --prompt "Hello" --max_tokens 32
   python -m launch.generate --model small --prompt_ids 1,2,3 --quantize int8 --json
+  python -m launch.generate --model MODEL --chat "What is the capital of France?"
 
-``--json`` prints one object: {"token_ids", "text", "ttft_ms", "tpot_ms", ...}. TTFT and TPOT are
-measured after compilation (reported separately as ``compile_s``). Bad flags exit with code 2 and
-a one-line error.
+Exactly one of ``--prompt`` (text; the tokenizer's ``bos_id`` is prepended when it has one),
+``--prompt_ids`` (ids as given) or ``--chat`` (one user message rendered with the model's chat
+template and encoded as is: the template writes the special tokens, nothing is prepended; a model
+without a chat template is an error). ``--json`` prints one object: {"token_ids", "text",
+"ttft_ms", "tpot_ms", ...}. TTFT and TPOT are measured after compilation (reported separately as
+``compile_s``). Bad flags exit with code 2 and a one-line error.
 """
 
 from __future__ import annotations
@@ -13,15 +17,20 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Sequence
 
 from absl import flags, logging
 
 from launch import cli
 from launch.cli import CliError
 
+if TYPE_CHECKING:
+  from models.tokenizer import Tokenizer
+
 _MODEL = flags.DEFINE_string("model", "tiny", "preset name (tiny, small) or checkpoint directory")
 _PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids")
+_CHAT = flags.DEFINE_string("chat", None, "a user message, rendered with the model's chat template")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "tokens to generate", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy", lower_bound=0.0)
 _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off", lower_bound=0)
@@ -39,8 +48,9 @@ _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "do not stop at the end-of-
 
 def _given_prompt_ids() -> list[int] | None:
   """Checks the prompt flags before any model loads; returns --prompt_ids if given."""
-  if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
-    raise CliError("give exactly one of --prompt or --prompt_ids")
+  given = [f for f in (_PROMPT, _PROMPT_IDS, _CHAT) if f.value is not None]
+  if len(given) != 1:
+    raise CliError("give exactly one of --prompt, --prompt_ids or --chat")
   if _PROMPT_IDS.value is None:
     return None
   try:
@@ -49,12 +59,28 @@ def _given_prompt_ids() -> list[int] | None:
     raise CliError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}")
 
 
-def _prompt_ids(tokenizer) -> list[int]:
-  given = _given_prompt_ids()
-  if given is not None:
-    return given
-  ids = tokenizer.encode(_PROMPT.value)
+def build_prompt(tokenizer: Tokenizer, *, prompt: str | None = None,
+                 prompt_ids: Sequence[int] | None = None, chat: str | None = None) -> list[int]:
+  """The prompt ids from exactly one source (see the module docstring); CliError otherwise, or
+  when ``chat`` is given and the tokenizer has no (working) chat template."""
+  if sum(x is not None for x in (prompt, prompt_ids, chat)) != 1:
+    raise CliError("give exactly one of --prompt, --prompt_ids or --chat")
+  if prompt_ids is not None:
+    return [int(i) for i in prompt_ids]
+  if chat is not None:
+    try:
+      return tokenizer.encode_chat([{"role": "user", "content": chat}],
+                                   add_generation_prompt=True)
+    except ValueError as e:
+      raise CliError(f"--chat: {e}")
+  assert prompt is not None
+  ids = tokenizer.encode(prompt)
   return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+def _prompt_ids(tokenizer: Tokenizer) -> list[int]:
+  return build_prompt(tokenizer, prompt=_PROMPT.value, prompt_ids=_given_prompt_ids(),
+                      chat=_CHAT.value)
 
 
 def run() -> dict:

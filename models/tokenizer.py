@@ -10,12 +10,22 @@ Contract:
   * ``ByteTokenizer`` (the built-in presets): ids 0..255 are the UTF-8 bytes, then
     ``BOS = 256``, ``EOS = 257``, ``PAD = 258``; ``vocab_size`` is 259 whatever the model's vocab
     (the ``small`` preset's 32000-id vocab uses only the first 259).
+  * Chat: ``chat_template`` is the model's Jinja2 chat template (None when it has none, as for
+    ``ByteTokenizer``); ``apply_chat_template(messages, add_generation_prompt=True) -> str``
+    renders it (``models.chat_template``: sandboxed, every failure and a tokenizer without a
+    template is a ``ValueError``) with ``bos_token`` / ``eos_token`` (the special tokens' text, set
+    even when ``bos_id`` is None); ``encode_chat`` encodes that text without prepending
+    ``bos_id`` (the template writes every special token it wants, as in transformers).
+  * ``TokenizersTokenizer`` wraps an in-memory ``tokenizers.Tokenizer`` with explicitly given
+    ``bos_id``, ``eos_ids``, chat template and special-token text (used for GGUF files).
   * ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. Ids come from, in priority order,
     ``generation_config.json``, ``config.json`` (``eos_token_id`` / ``bos_token_id``, int or
     list) and ``tokenizer_config.json`` (``eos_token`` / ``bos_token`` strings) in the same
     directory; eos falls back to a well-known token name and must be found. bos is used only if
     ``tokenizer_config.json`` says ``add_bos_token: true`` or, when it is silent, the
-    tokenizer's own post-processor prepends a token.
+    tokenizer's own post-processor prepends a token. The chat template is ``chat_template.jinja``
+    or else ``tokenizer_config.json``'s ``chat_template`` (a str, or a list of named templates of
+    which ``default`` is taken).
   * ``StreamDecoder(tokenizer)``: ``push(id) -> str`` returns only newly completed text (never a
     partial UTF-8 character, which would print as U+FFFD), ``flush() -> str`` the rest. Decoding a
     sliding window of ids keeps word-boundary spaces right for any tokenizer.
@@ -28,10 +38,11 @@ from __future__ import annotations
 import abc
 import json
 import os
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import tokenizers
 
+from models.chat_template import ChatMessage, render_chat_template
 from models.config import PRESET_NAMES, get_preset
 
 _REPLACEMENT = "\ufffd"
@@ -69,6 +80,33 @@ class Tokenizer(abc.ABC):
   @property
   def eos_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)
+
+  @property
+  def chat_template(self) -> str | None:
+    return None
+
+  @property
+  def bos_token(self) -> str | None:
+    """The bos token's text as a chat template sees it (None: the variable is left undefined)."""
+    return None
+
+  @property
+  def eos_token(self) -> str | None:
+    return None
+
+  def apply_chat_template(self, messages: Sequence[ChatMessage],
+                          add_generation_prompt: bool = True) -> str:
+    """``messages`` rendered with this tokenizer's chat template; ValueError without one."""
+    template = self.chat_template
+    if template is None:
+      raise ValueError(f"{self!r} has no chat template")
+    return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                bos_token=self.bos_token, eos_token=self.eos_token)
+
+  def encode_chat(self, messages: Sequence[ChatMessage],
+                  add_generation_prompt: bool = True) -> list[int]:
+    """The ids of ``apply_chat_template(...)``; ``bos_id`` is not prepended."""
+    return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
 class ByteTokenizer(Tokenizer):
@@ -138,51 +176,25 @@ def _token_name(value: object) -> str | None:
   return None
 
 
-class HFTokenizer(Tokenizer):
-  """A Hugging Face ``tokenizers`` tokenizer.json with eos / bos from the checkpoint's configs."""
+class TokenizersTokenizer(Tokenizer):
+  """An in-memory ``tokenizers.Tokenizer`` with explicitly given special ids and chat template."""
 
-  def __init__(self, tokenizer_json: str | os.PathLike[str]):
-    path = os.fspath(tokenizer_json)
-    try:
-      self._tok = tokenizers.Tokenizer.from_file(path)
-    except Exception as e:  # the Rust side raises plain Exception for unreadable / bad files
-      raise ValueError(f"cannot load tokenizer {path}: {e}") from None
-    self.path = path
-    directory = os.path.dirname(os.path.abspath(path))
-    configs = [_read_json(os.path.join(directory, name))
-               for name in ("generation_config.json", "config.json")]
-    tok_cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
-    self._eos_ids = self._find_ids("eos", configs, tok_cfg)
-    if not self._eos_ids:
-      self._eos_ids = tuple(i for i in map(self._tok.token_to_id, _EOS_NAMES) if i is not None)[:1]
-    if not self._eos_ids:
-      raise ValueError(f"{path}: no eos token in generation_config.json, config.json or "
-                       "tokenizer_config.json, and none of the usual names is in the vocab")
-    bos_ids = self._find_ids("bos", configs, tok_cfg)
-    added = self._prepended_ids()
-    add_bos = tok_cfg.get("add_bos_token")
-    if isinstance(add_bos, bool):
-      self._bos_id = (bos_ids or added or (None,))[0] if add_bos else None
-    else:
-      self._bos_id = added[0] if added else None
-
-  def _find_ids(self, kind: str, configs: list[_JSON], tok_cfg: _JSON) -> tuple[int, ...]:
-    for cfg in configs:
-      ids = _as_ids(cfg.get(f"{kind}_token_id"))
-      if ids:
-        return ids
-    name = _token_name(tok_cfg.get(f"{kind}_token"))
-    found = self._tok.token_to_id(name) if name is not None else None
-    return (found,) if found is not None else ()
-
-  def _prepended_ids(self) -> tuple[int, ...]:
-    """Ids the tokenizer's post-processor puts before a sequence (e.g. Llama's ``<s>``)."""
-    plain = self._tok.encode("a", add_special_tokens=False).ids
-    full = self._tok.encode("a", add_special_tokens=True).ids
-    n = len(full) - len(plain)
-    if n > 0 and full[n:n + len(plain)] == plain:
-      return tuple(full[:n])
-    return ()
+  def __init__(self, tok: tokenizers.Tokenizer, *, bos_id: int | None, eos_ids: Sequence[int],
+               chat_template: str | None = None, bos_token: str | None = None,
+               eos_token: str | None = None, name: str = "tokenizers"):
+    self._tok = tok
+    self.name = name
+    eos = tuple(dict.fromkeys(int(i) for i in eos_ids))
+    if not eos:
+      raise ValueError(f"{name}: no eos id")
+    if min(eos) < 0 or (bos_id is not None and bos_id < 0):
+      raise ValueError(f"{name}: negative special id (bos {bos_id}, eos {eos})")
+    self._bos_id = None if bos_id is None else int(bos_id)
+    self._eos_ids = eos
+    self._chat_template = chat_template
+    self._bos_token = bos_token if bos_token is not None else (
+        None if bos_id is None else tok.id_to_token(bos_id))
+    self._eos_token = eos_token if eos_token is not None else tok.id_to_token(eos[0])
 
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -206,6 +218,97 @@ class HFTokenizer(Tokenizer):
   @property
   def eos_ids(self) -> tuple[int, ...]:
     return self._eos_ids
+
+  @property
+  def chat_template(self) -> str | None:
+    return self._chat_template
+
+  @property
+  def bos_token(self) -> str | None:
+    return self._bos_token
+
+  @property
+  def eos_token(self) -> str | None:
+    return self._eos_token
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The wrapped ``tokenizers.Tokenizer`` (do not mutate it)."""
+    return self._tok
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.name!r})"
+
+
+def _chat_template_in(directory: str, tok_cfg: _JSON) -> str | None:
+  path = os.path.join(directory, "chat_template.jinja")
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  value = tok_cfg.get("chat_template")
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    for entry in value:
+      if (isinstance(entry, dict) and entry.get("name") == "default"
+          and isinstance(entry.get("template"), str)):
+        return str(entry["template"])
+  return None
+
+
+class HFTokenizer(TokenizersTokenizer):
+  """A Hugging Face ``tokenizers`` tokenizer.json with eos / bos from the checkpoint's configs."""
+
+  def __init__(self, tokenizer_json: str | os.PathLike[str]):
+    path = os.fspath(tokenizer_json)
+    try:
+      tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises plain Exception for unreadable / bad files
+      raise ValueError(f"cannot load tokenizer {path}: {e}") from None
+    self._tok = tok
+    self.path = path
+    directory = os.path.dirname(os.path.abspath(path))
+    configs = [_read_json(os.path.join(directory, name))
+               for name in ("generation_config.json", "config.json")]
+    tok_cfg = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    eos_ids = self._find_ids("eos", configs, tok_cfg)
+    if not eos_ids:
+      eos_ids = tuple(i for i in map(tok.token_to_id, _EOS_NAMES) if i is not None)[:1]
+    if not eos_ids:
+      raise ValueError(f"{path}: no eos token in generation_config.json, config.json or "
+                       "tokenizer_config.json, and none of the usual names is in the vocab")
+    bos_ids = self._find_ids("bos", configs, tok_cfg)
+    added = self._prepended_ids()
+    add_bos = tok_cfg.get("add_bos_token")
+    if isinstance(add_bos, bool):
+      bos_id = (bos_ids or added or (None,))[0] if add_bos else None
+    else:
+      bos_id = added[0] if added else None
+    bos_any = (bos_ids or added or (None,))[0]
+    super().__init__(
+        tok, bos_id=bos_id, eos_ids=eos_ids,
+        chat_template=_chat_template_in(directory, tok_cfg),
+        bos_token=_token_name(tok_cfg.get("bos_token")) or (
+            None if bos_any is None else tok.id_to_token(bos_any)),
+        eos_token=_token_name(tok_cfg.get("eos_token")), name=path)
+
+  def _find_ids(self, kind: str, configs: list[_JSON], tok_cfg: _JSON) -> tuple[int, ...]:
+    for cfg in configs:
+      ids = _as_ids(cfg.get(f"{kind}_token_id"))
+      if ids:
+        return ids
+    name = _token_name(tok_cfg.get(f"{kind}_token"))
+    found = self._tok.token_to_id(name) if name is not None else None
+    return (found,) if found is not None else ()
+
+  def _prepended_ids(self) -> tuple[int, ...]:
+    """Ids the tokenizer's post-processor puts before a sequence (e.g. Llama's ``<s>``)."""
+    plain = self._tok.encode("a", add_special_tokens=False).ids
+    full = self._tok.encode("a", add_special_tokens=True).ids
+    n = len(full) - len(plain)
+    if n > 0 and full[n:n + len(plain)] == plain:
+      return tuple(full[:n])
+    return ()
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.path!r})"

@@ -1,5 +1,6 @@
 """launch.generate end to end (subprocess): greedy tokens match a reference decode, seeds are
-deterministic, streaming prints text, and bad flags exit 2 with one line and no traceback."""
+deterministic, streaming prints text, --chat renders the model's chat template, and bad flags exit
+2 with one line and no traceback. ``build_prompt`` is also tested in-process."""
 
 import json
 import os
@@ -29,13 +30,14 @@ def _json(*args):
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _reference_greedy(prompt, n):
+def _reference_greedy(prompt, n, valid_vocab=None):
+  """Greedy ids from the uncached forward, over ids < valid_vocab (the tokenizer's ids)."""
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
   toks = list(prompt)
   for _ in range(n):
     logits = T.forward(params, jnp.asarray([toks]), cfg=cfg)
-    toks.append(int(jnp.argmax(logits[0, -1])))
+    toks.append(int(jnp.argmax(logits[0, -1, :valid_vocab])))
   return toks[len(prompt):]
 
 
@@ -75,6 +77,9 @@ def test_streaming_text_mode():
     (("--model", "tiny", "--prompt_ids", "1,a"), "comma-separated"),
     (("--model", "tiny", "--prompt_ids", "1,99999"), "[0, 259)"),
     (("--model", "tiny"), "exactly one of"),
+    (("--model", "tiny", "--prompt", "x", "--chat", "y"), "exactly one of"),
+    (("--model", "tiny", "--prompt_ids", "1", "--chat", "y"), "exactly one of"),
+    (("--model", "tiny", "--chat", "hi"), "has no chat template"),
     (("--model", "tiny", "--prompt", "x", "--top_p", "0"), "top_p"),
     (("--model", "tiny", "--prompt", "x", "--no_such_flag"), "no_such_flag"),
     (("--model", "tiny", "--prompt", "x", "--max_tokens", "0"), "max_tokens"),
@@ -95,3 +100,67 @@ def test_checkpoint_directory_gives_same_tokens_as_preset(tmp_path):
   args = ("--prompt_ids", "5,6,7,8", "--max_tokens", "6", "--ignore_eos")
   from_ckpt = _json("--model", str(tmp_path / "ckpt"), *args)
   assert from_ckpt["token_ids"] == _reference_greedy([5, 6, 7, 8], 6)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def _chat_tokenizer(directory):
+  """A small (< 259 ids, fits the tiny preset) BPE tokenizer.json with a ChatML-like template."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  trainer = trainers.BpeTrainer(vocab_size=120, show_progress=False,
+                                special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"])
+  tok.train_from_iterator(["hello there user assistant", "what is the capital of france"],
+                          trainer)
+  tok.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(
+      {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "add_bos_token": False}))
+
+
+def test_chat_renders_the_template(tmp_path):
+  from models.checkpoint import save_params
+  from models.tokenizer import load_tokenizer
+  cfg = get_preset("tiny")
+  ckpt = tmp_path / "ckpt"
+  save_params(str(ckpt), init_params(cfg, jax.random.key(0)), cfg)
+  _chat_tokenizer(ckpt)
+  tok = load_tokenizer(ckpt)
+  want = tok.encode_chat([{"role": "user", "content": "hello there"}])
+  assert want[0] == tok.encode("<|im_start|>")[0] and len(want) < 20
+  out = _json("--model", str(ckpt), "--chat", "hello there", "--max_tokens", "5", "--ignore_eos")
+  assert out["prompt_tokens"] == len(want)
+  assert out["token_ids"] == _reference_greedy(want, 5, tok.vocab_size)
+
+
+def test_build_prompt():
+  from launch.cli import CliError
+  from launch.generate import build_prompt
+  from models.tokenizer import ByteTokenizer, TokenizersTokenizer
+  import tokenizers
+  from tokenizers import models
+  byte = ByteTokenizer()
+  assert build_prompt(byte, prompt="hi") == [byte.bos_id, *b"hi"]
+  assert build_prompt(byte, prompt_ids=[5, 6]) == [5, 6]
+  with pytest.raises(CliError, match="has no chat template"):
+    build_prompt(byte, chat="hi")
+  with pytest.raises(CliError, match="exactly one of"):
+    build_prompt(byte, prompt="a", chat="b")
+  with pytest.raises(CliError, match="exactly one of"):
+    build_prompt(byte)
+  raw = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "hi": 2, "user": 3},
+                                              unk_token="<unk>"))
+  raw.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  raw.add_special_tokens(["<s>"])
+  tok = TokenizersTokenizer(raw, bos_id=1, eos_ids=[0],
+                            chat_template="{{ messages[0].role }} {{ messages[0].content }}")
+  # --chat encodes the rendered text as is: the bos a --prompt gets is not prepended.
+  assert build_prompt(tok, chat="hi") == [3, 2]
+  assert build_prompt(tok, prompt="hi") == [1, 2]
+  broken = TokenizersTokenizer(raw, bos_id=None, eos_ids=[0],
+                               chat_template="{{ raise_exception('no chats here') }}")
+  with pytest.raises(CliError, match="--chat: chat template raised an exception: no chats here"):
+    build_prompt(broken, chat="hi")

@@ -1,0 +1,176 @@
+"""Chat templates: render a model's Jinja2 chat template for a list of messages, sandboxed.
+
+Contract:
+  * ``render_chat_template(template, messages, *, add_generation_prompt=True, bos_token=None,
+    eos_token=None) -> str`` renders ``template`` the way transformers' ``apply_chat_template``
+    does: Jinja2's ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with
+    the ``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, and the globals
+    ``raise_exception(message)``, ``strftime_now(format)``, ``dict`` and ``namespace`` (which
+    refuses underscore-prefixed names); the variables are ``messages``, ``add_generation_prompt``
+    and, when not None, ``bos_token`` / ``eos_token`` (an absent one renders as ``''``).
+    ``{% generation %}`` blocks (transformers' assistant-mask tag) render their body.
+  * ``messages`` must be a non-empty list of mappings with exactly the keys ``role`` and
+    ``content``, both ``str`` (``validate_messages``); the template sees fresh plain dicts.
+  * The sandbox is strict: reading an unsafe attribute (``''.__class__``, a mutating method such
+    as ``list.append``) raises at once instead of rendering as an empty undefined.
+  * Every failure is a ``ValueError`` with the reason: invalid messages, a template syntax error,
+    a sandbox violation, any error raised while rendering, and ``raise_exception(message)`` (whose
+    ``message`` is kept verbatim in the error).
+  * Compiled templates are cached per template string; nothing is built at import time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from typing import Mapping, Sequence, TypedDict
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.sandbox
+import jinja2.utils
+
+_MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes
+
+
+class ChatMessage(TypedDict):
+  role: str
+  content: str
+
+
+class _RaisedByTemplate(jinja2.TemplateError):
+  """What ``raise_exception`` raises; its message is the template's own."""
+
+
+class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+  """The immutable sandbox, but an unsafe attribute is an error, not a silent undefined."""
+
+  def unsafe_undefined(self, obj: object, attribute: str) -> jinja2.Undefined:
+    raise jinja2.sandbox.SecurityError(
+        f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+  """``{% generation %}...{% endgeneration %}``: renders the body (no assistant-mask tracking)."""
+
+  tags = {"generation"}
+
+  def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(jinja2.utils.Namespace):
+  """``namespace(...)`` that refuses underscore-prefixed attribute names."""
+
+  def __init__(*args: object, **kwargs: object):  # same signature trick as jinja2's Namespace
+    self, rest = args[0], args[1:]
+    attrs = dict(*rest, **kwargs)
+    for name in attrs:
+      _Namespace._check(name)
+    jinja2.utils.Namespace.__init__(self, attrs)
+
+  def __setitem__(self, name: str, value: object) -> None:
+    _Namespace._check(name)
+    jinja2.utils.Namespace.__setitem__(self, name, value)
+
+  @staticmethod
+  def _check(name: object) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+      raise jinja2.sandbox.SecurityError(
+          f"a chat template cannot set the underscore-prefixed attribute {name!r}")
+
+
+def _raise_exception(message: object) -> None:
+  raise _RaisedByTemplate(str(message))
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  return datetime.datetime.now().strftime(fmt)
+
+
+def _make_dict(*args: object, **kwargs: object) -> dict[object, object]:
+  return dict(*args, **kwargs)
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+  version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
+  if version < _MIN_JINJA:
+    raise RuntimeError(f"chat templates need jinja2>={'.'.join(map(str, _MIN_JINJA))} (older "
+                       f"sandboxes have known escapes); found {jinja2.__version__}")
+  env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
+                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
+  env.globals["dict"] = _make_dict
+  env.globals["namespace"] = _Namespace
+  return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+  try:
+    return _environment().from_string(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
+
+
+def validate_messages(messages: object) -> list[ChatMessage]:
+  """``messages`` as fresh plain dicts, or a ValueError saying what is wrong."""
+  if not isinstance(messages, (list, tuple)) or not messages:
+    raise ValueError(f"chat messages must be a non-empty list, got {type(messages).__name__}")
+  out: list[ChatMessage] = []
+  for i, message in enumerate(messages):
+    if not isinstance(message, Mapping):
+      raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got "
+                       f"{type(message).__name__}")
+    keys = set(message)
+    if keys != {"role", "content"}:
+      missing, extra = {"role", "content"} - keys, keys - {"role", "content"}
+      raise ValueError(f"chat message {i} must have exactly the keys 'role' and 'content' "
+                       f"(missing: {sorted(missing)}, unexpected: {sorted(map(str, extra))})")
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str) or not role:
+      raise ValueError(f"chat message {i}: 'role' must be a non-empty str, got {role!r}")
+    if not isinstance(content, str):
+      raise ValueError(f"chat message {i}: 'content' must be a str, got "
+                       f"{type(content).__name__}")
+    out.append({"role": str.__str__(role), "content": str.__str__(content)})
+  return out
+
+
+def render_chat_template(template: str, messages: Sequence[ChatMessage], *,
+                         add_generation_prompt: bool = True, bos_token: str | None = None,
+                         eos_token: str | None = None) -> str:
+  """Renders ``template`` for ``messages``; see the module contract."""
+  if not isinstance(template, str):
+    raise ValueError(f"a chat template must be a str, got {type(template).__name__}")
+  chat = validate_messages(messages)
+  compiled = _compile(template)
+  variables: dict[str, object] = {"messages": chat,
+                                  "add_generation_prompt": bool(add_generation_prompt)}
+  for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+    if token is not None:
+      variables[name] = str(token)
+  try:
+    return compiled.render(**variables)
+  except _RaisedByTemplate as e:
+    raise ValueError(f"chat template raised an exception: {e.message}") from None
+  except jinja2.sandbox.SecurityError as e:
+    raise ValueError(f"chat template blocked by the sandbox: {e}") from None
+  except jinja2.TemplateError as e:
+    raise ValueError(f"chat template error: {e}") from None
+  except Exception as e:  # the template is untrusted code: any failure while rendering is its own
+    raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
