@@ -289,13 +289,14 @@ def _dequantized(src: str, t: ReaderTensor) -> np.ndarray:
   return np.asarray(a, dtype=np.float32).reshape(_shape_OI(t))
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: DTypeLike = jnp.float32, *,
+def load_gguf(path: str | os.PathLike[str] | GGUFReader, dtype: DTypeLike = jnp.float32, *,
               name: str | None = None) -> tuple[ModelConfig, Params]:
-  """Loads a Llama GGUF file as ``(ModelConfig, params)`` with float ``dtype`` leaves."""
+  """Loads a Llama GGUF file (a path, or a reader already open on it) as ``(ModelConfig,
+  params)`` with float ``dtype`` leaves."""
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype {jnp.dtype(dtype).name} is not a float dtype (int8 weights come from "
                      "models.weights.quantize after loading)")
-  reader = open_gguf(path)
+  reader = path if isinstance(path, GGUFReader) else open_gguf(path)
   src = _source(reader)
   cfg = gguf_config(reader, name=name)
   tensors = _check_tensors(reader, cfg)

@@ -27,10 +27,11 @@ TRAINED_MODELS = ("smollm2-135m",)
 
 
 def _load_gguf(path: str, dtype) -> tuple[ModelConfig, Params, Tokenizer]:
-  from models.gguf_import import load_gguf
-  from models.gguf_tokenizer import load_gguf_tokenizer
-  cfg, params = load_gguf(path, dtype)
-  return cfg, params, load_gguf_tokenizer(path)
+  from models.gguf_import import load_gguf, open_gguf
+  from models.gguf_tokenizer import gguf_tokenizer_from_reader
+  reader = open_gguf(path)  # parsed once for weights and tokenizer (~2 s of metadata)
+  cfg, params = load_gguf(reader, dtype)
+  return cfg, params, gguf_tokenizer_from_reader(reader, os.path.basename(path))
 
 
 def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0

