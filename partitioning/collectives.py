@@ -209,11 +209,7 @@ def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens
              attend_len: int | None, all_logits: bool):
   b, t = tokens_BT.shape
   attend_len = attend_len or cache.max_len
-  start_B = cache.lengths if start_B is None else start_B
-  t_T = jnp.arange(t, dtype=jnp.int32)
-  pos_BT = start_B[:, None].astype(jnp.int32) + t_T[None, :]
-  wpos_BT = jnp.where(t_T[None, :] < lens_B[:, None], pos_BT, cache.max_len)
-  last_B = jnp.clip(lens_B - 1, 0, t - 1).astype(jnp.int32)
+  c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   plan = make_plan(cfg, mesh, ffn, attn, b)
   quantized = is_quantized(params)
   stored = param_specs(cfg, mesh, ffn, quantized)
@@ -227,10 +223,9 @@ def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens
   step = _shard_map(local, mesh,
                     in_specs=(p_specs, P(spec_entry(plan.sh)), P(), P(), P(), P(), kv, kv),
                     out_specs=(logits_spec, kv, kv))
-  logits, k, v = step(params, jnp.arange(cfg.num_heads, dtype=jnp.int32), tokens_BT, pos_BT,
-                      wpos_BT, last_B, cache.k, cache.v)
-  lengths = jnp.where(lens_B > 0, start_B + lens_B, cache.lengths).astype(jnp.int32)
-  return logits, cache.replace(k=k, v=v, lengths=lengths)
+  logits, k, v = step(params, jnp.arange(cfg.num_heads, dtype=jnp.int32), tokens_BT, c.pos_BT,
+                      c.wpos_BT, c.last_B, cache.k, cache.v)
+  return logits, cache.replace(k=k, v=v, lengths=c.lengths_B)
 
 
 def _decode(params: Params, tokens_B: jax.Array, cache: KVCache, active_B, *, attend_len,
