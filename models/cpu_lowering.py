@@ -17,8 +17,8 @@ Contract:
     Any failure while measuring or reading the cache falls back to ``DEFAULT`` (logged once).
     ``PHASESERVE_CPU_AUTOTUNE=1`` (the default) allows 3 and 4; ``refresh`` re-measures.
   * ``report() -> dict`` (JSON-able): the chosen value of every field, where it came from
-    (``source``: default | fixed | cache | measured), the cache key and path, and the medians
-    (ms) of every candidate measured for each shape class.
+    (``source``: default | fixed | cache | measured), the cache key and path, and the best
+    time (ms, minimum of round-robin rounds) of every candidate measured for each shape class.
   * Shape classes and candidates (``CpuPolicy`` fields):
       - ``float_prefill`` (float weights, rows > the native limit): ``xw`` = one
         ``dot_general`` ``x[M, K] . w[K, N]`` with f32 accumulation (``preferred_element_type``);
@@ -29,13 +29,16 @@ Contract:
         as a minimal loop with ``[out, in]`` storage does. Weights stay as stored in every case.
       - ``float_native_max_rows`` / ``f32_native_max_rows``: up to this many rows, bf16 / f32
         ``[K, N]`` weights go to the native float kernel (0: never); measured native vs XLA at
-        1, 8, 16, 32 rows (f32: 1 and 8).
+        1, 8, 16, 32 rows (f32: 1 and 8); ``f32_native_min_rows`` is 2 where XLA's f32
+        matrix-vector product beats the native kernel at one row.
       - ``bf16_min_rows``: XLA bf16 dots with fewer rows are zero-padded to this many.
       - ``int8_native_max_rows`` / ``int8_nk_native_max_rows``: W8A8 rows up to which the native
         kernel is used for ``[K, N]`` / ``[N, K]`` (tied unembedding) int8 weights.
       - ``int8_row_multiple``: XLA's W8A8 int8 dot pads rows to a multiple of this.
-    A crossover is the largest measured row count up to which the native kernel is not slower
-    at every measured count (no extrapolation beyond the largest count measured).
+    Robust to a shared machine: candidates are timed round-robin and compared by their best
+    time, and a measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN`` (10%).
+    A crossover is the largest measured row count up to which the native kernel is chosen at
+    every count (no extrapolation beyond the largest count measured).
   * Every candidate computes the plain einsum up to summation order (``xw_nacc``: up to the
     accumulation precision XLA picks for a bf16 result); int8 candidates give bit-identical
     results. ``tests/test_cpu_lowering.py`` checks each against the reference einsum within a
@@ -63,7 +66,7 @@ from jax import lax
 
 from models import cpu_kernels
 
-VERSION = 1
+VERSION = 2
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 
@@ -73,6 +76,7 @@ class CpuPolicy:
   float_prefill: str = "xw"
   float_native_max_rows: int = 16
   f32_native_max_rows: int = 16
+  f32_native_min_rows: int = 1
   bf16_min_rows: int = 2
   int8_native_max_rows: int = 16
   int8_nk_native_max_rows: int = 16
@@ -260,8 +264,12 @@ def _store(path: str, key: str, entry: dict) -> None:
 
 # ---- measuring ---------------------------------------------------------------------------------
 
-def _race(cands: dict[str, Callable[[], jax.Array]], rounds: int) -> dict[str, float]:
-  """Median ms of each candidate, timed round-robin (one warm-up call each)."""
+MARGIN = 0.10  # a measured choice replaces DEFAULT's only when at least this much faster
+
+
+def _race(cands: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+  """Best (minimum) ms of each candidate, timed round-robin after one warm-up call each: on a
+  shared machine other load only ever adds time, so the minimum is the stable statistic."""
   for f in cands.values():
     jax.block_until_ready(f())
   times: dict[str, list[float]] = {k: [] for k in cands}
@@ -270,16 +278,39 @@ def _race(cands: dict[str, Callable[[], jax.Array]], rounds: int) -> dict[str, f
       t0 = time.perf_counter()
       jax.block_until_ready(f())
       times[k].append((time.perf_counter() - t0) * 1e3)
-  return {k: statistics.median(v) for k, v in times.items()}
+  return {k: min(v) for k, v in times.items()}
 
 
-def _crossover(native: dict[int, float], xla: dict[int, float]) -> int:
+def _pick(res: dict[str, float], default: str, margin: float = MARGIN) -> str:
+  """The fastest candidate, unless ``default`` is within ``margin`` of it."""
+  best = min(res, key=res.get)
+  return default if default in res and res[default] <= res[best] * (1 + margin) else best
+
+
+def _crossover(native: dict[int, float], xla: dict[int, float], default_max: int,
+               margin: float = MARGIN) -> int:
+  """Largest measured row count up to which native is chosen at every count: up to
+  ``default_max`` unless XLA is faster by more than ``margin``, beyond it only when native is
+  faster by more than ``margin`` (a hysteresis towards ``DEFAULT``)."""
   best = 0
   for m in sorted(native):
-    if native[m] > xla[m]:
+    keep = (native[m] <= xla[m] * (1 + margin) if m <= default_max
+            else native[m] * (1 + margin) < xla[m])
+    if not keep:
       break
     best = m
   return best
+
+
+def _chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
+           ws: list[jax.Array]) -> jax.Array:
+  """``step(x, w)`` over the weights in sequence, each input depending on the previous output
+  (as a model's layers do; XLA may not run them concurrently)."""
+  y = x
+  for w in ws:
+    out = step(y, w)
+    y = x + (out[:, :1] * 0).astype(x.dtype)
+  return y
 
 
 def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: int
@@ -288,7 +319,7 @@ def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: 
   return [make(jax.random.key(i)) for i in range(n)]
 
 
-def autotune(rounds: int = 5, k: int = 768, n: int = 2048, prefill_rows: int = 512,
+def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 512,
              stream_bytes: int = 48 * 2**20, rows: tuple[int, ...] = (1, 8, 16, 32)
              ) -> tuple[CpuPolicy, dict, float]:
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
@@ -310,25 +341,28 @@ def autotune(rounds: int = 5, k: int = 768, n: int = 2048, prefill_rows: int = 5
     fns = {m: jax.jit(lambda x, w, m=m: float_dot(x, w, True, m)) for m in methods}
     res = _race({m: (lambda f=f: f(x, w)) for m, f in fns.items()}, rounds)
     meas[f"float_prefill_{jnp.dtype(dt).name}"] = res
+    if "xw_nacc" not in res:  # f32 runs xw_nacc as xw (see models.quant.einsum)
+      res = dict(res, xw_nacc=res["xw"])
     best = min(res.values())
     for m, v in res.items():
       score[m] = score.get(m, 0.0) + v / best * (2.0 if dt == jnp.bfloat16 else 1.0)
-  float_prefill = min((m for m in score if m != "xw_nacc" or score[m] < score["xw"] * 0.95),
-                      key=lambda m: score[m])
+  float_prefill = _pick(score, DEFAULT.float_prefill)
 
   # bf16 XLA decode padding (the path without native kernels).
   ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
   x1 = jax.random.normal(key, (1, k), jnp.bfloat16)
 
   def xla_stack(pad: int):
-    f = jax.jit(lambda x, ws: [float_dot(pad_rows(x, pad), w, True, "xw")[:1] for w in ws])
+    f = jax.jit(lambda x, ws: _chain(
+        lambda y, w: float_dot(pad_rows(y, pad), w, True, "xw")[:1], x, ws))
     return lambda: f(x1, ws)
 
   res = _race({str(p): xla_stack(p) for p in (1, 2, 8)}, rounds)
   meas["bf16_xla_1row_pad"] = res
-  bf16_min_rows = int(min(res, key=res.get))
+  bf16_min_rows = int(_pick(res, str(DEFAULT.bf16_min_rows)))
 
   float_max = f32_max = 0
+  f32_min = 1
   int8_max = 0
   int8_nk_max = 0
   if native:
@@ -341,17 +375,22 @@ def autotune(rounds: int = 5, k: int = 768, n: int = 2048, prefill_rows: int = 5
       nat, xla = {}, {}
       for m in counts:
         xm = jax.random.normal(key, (m, k), dt)
-        fn = jax.jit(lambda x, ws: [cpu_kernels.matmul_float(x.astype(jnp.float32), w)
-                                    for w in ws])
-        fx = jax.jit(lambda x, ws: [float_dot(pad_rows(x, bf16_min_rows) if x.dtype ==
-                                              jnp.bfloat16 else x, w, True, "xw")[:x.shape[0]]
-                                    for w in ws])
+        fn = jax.jit(lambda x, ws: _chain(
+            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
+        fx = jax.jit(lambda x, ws: _chain(
+            lambda y, w: float_dot(pad_rows(y, bf16_min_rows) if y.dtype == jnp.bfloat16
+                                   else y, w, True, "xw")[:y.shape[0]], x, ws))
         r = _race({"native": lambda: fn(xm, wst), "xla": lambda: fx(xm, wst)}, rounds)
         nat[m], xla[m] = r["native"], r["xla"]
         meas[f"float_decode_{jnp.dtype(dt).name}_{m}rows"] = r
-      crossovers.append(_crossover(nat, xla))
+      crossovers.append(_crossover(nat, xla, DEFAULT.float_native_max_rows))
     float_max, f32_max = crossovers
-    if f32_max == rows[1]:  # native not slower at every f32 count measured: as bf16
+    f32_1 = meas["float_decode_float32_1rows"]
+    if f32_1["native"] > f32_1["xla"] * (1 + MARGIN):  # XLA's f32 matrix-vector wins at 1 row
+      f32_min = 2
+      f32_8 = meas[f"float_decode_float32_{rows[1]}rows"]
+      f32_max = rows[1] if f32_8["native"] <= f32_8["xla"] * (1 + MARGIN) else 0
+    if f32_max == rows[1]:  # native chosen at every f32 count measured: up to bf16's limit
       f32_max = max(f32_max, float_max)
     del ws
 
@@ -365,15 +404,16 @@ def autotune(rounds: int = 5, k: int = 768, n: int = 2048, prefill_rows: int = 5
       for m in rows:
         xm = jax.random.normal(key, (m, k), jnp.float32)
         kern = cpu_kernels.matmul_w8a8 if w_kn else cpu_kernels.matmul_w8a8_nk
-        fn = jax.jit(lambda x, ws, kern=kern: [kern(x, w, sc) for w in ws])
-        fx = jax.jit(lambda x, ws, w_kn=w_kn: [w8a8_xla(x, w, sc[None], w_kn, 8) for w in ws])
+        fn = jax.jit(lambda x, ws, kern=kern: _chain(lambda y, w: kern(y, w, sc), x, ws))
+        fx = jax.jit(lambda x, ws, w_kn=w_kn: _chain(
+            lambda y, w: w8a8_xla(y, w, sc[None], w_kn, 8), x, ws))
         r = _race({"native": lambda: fn(xm, wq), "xla": lambda: fx(xm, wq)}, rounds)
         nat[m], xla[m] = r["native"], r["xla"]
         meas[f"{name}_decode_{m}rows"] = r
       if w_kn:
-        int8_max = _crossover(nat, xla)
+        int8_max = _crossover(nat, xla, DEFAULT.int8_native_max_rows)
       else:
-        int8_nk_max = _crossover(nat, xla)
+        int8_nk_max = _crossover(nat, xla, DEFAULT.int8_nk_native_max_rows)
       del wq
 
   # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
@@ -388,10 +428,10 @@ def autotune(rounds: int = 5, k: int = 768, n: int = 2048, prefill_rows: int = 5
     best = min(r.values())
     for p, v in r.items():
       score[p] = score.get(p, 0.0) + v / best
-  int8_row_multiple = int(min(score, key=score.get))
+  int8_row_multiple = int(_pick(score, str(DEFAULT.int8_row_multiple)))
 
   p = CpuPolicy(float_prefill=float_prefill, float_native_max_rows=float_max,
-                f32_native_max_rows=f32_max,
+                f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
                 bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
                 int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple)
   return p, meas, time.perf_counter() - t0

@@ -167,9 +167,9 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
   if not isinstance(w, QuantArray):
     # The native kernel multiplies in f32: exact for w's own dtype when the einsum would compute
     # in w's dtype anyway (x.dtype == w.dtype) or cast w up to f32 (x is f32).
-    native_rows = (pol.f32_native_max_rows if w.dtype == jnp.dtype(jnp.float32)
-                   else pol.float_native_max_rows)
-    if (cpu and w_kn and m <= native_rows
+    f32 = w.dtype == jnp.dtype(jnp.float32)
+    native_rows = pol.f32_native_max_rows if f32 else pol.float_native_max_rows
+    if (cpu and w_kn and m <= native_rows and (not f32 or m >= pol.f32_native_min_rows)
         and w.dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         and (x.dtype == w.dtype or x.dtype == jnp.float32) and cpu_kernels.available()):
       y2 = cpu_kernels.matmul_float(x2.astype(jnp.float32), w.reshape(wshape))

@@ -22,6 +22,13 @@ XLA_ONLY = dataclasses.replace(cpu_lowering.DEFAULT, float_native_max_rows=0,
                                int8_nk_native_max_rows=0)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_policy():
+  """Every test here runs under the fixed default policy (no start-up measurement)."""
+  with cpu_lowering.use_policy(cpu_lowering.DEFAULT):
+    yield
+
+
 def assert_close(got, ref, c: float) -> None:
   """``max|got - ref| <= c * max(1, max|ref|)``: an absolute bound scaled by the magnitude."""
   got = np.asarray(got, np.float64)
