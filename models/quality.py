@@ -14,9 +14,9 @@ Contract:
       ``kl``          mean KL(reference || variant) per predicted position (nats),
       ``top1``        fraction of positions whose argmax equals the reference's,
       ``tokens``      the number of predicted positions (sum over docs of len - 1).
-  * Each document is one prefill with every position's logits (``all_logits=True``), padded to a
-    power-of-two bucket, so a variant compiles once per bucket; all metrics are reduced on the
-    device (only scalars reach the host).
+  * The documents are one ragged batch: one prefill per variant with every position's logits
+    (``all_logits=True``), padded to a multiple of 64 tokens, so each variant compiles once; all
+    metrics are reduced on the device (only scalars reach the host).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.kv_cache import init_cache
-from models.transformer import bucket, prefill
+from models.transformer import prefill
 from models.weights import Params, quantize
 
 VARIANTS = ("f32", "bf16", "int8", "w8a8")
@@ -80,55 +80,58 @@ def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIA
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _log_probs(params: Params, tokens_1T: jax.Array, n_valid: jax.Array, *, cfg: ModelConfig
+def _log_probs(params: Params, tokens_BT: jax.Array, lens_B: jax.Array, *, cfg: ModelConfig
                ) -> jax.Array:
-  """Log-softmax of every position's next-token logits: [T, V] f32."""
-  t = tokens_1T.shape[1]
-  cache = init_cache(cfg, 1, t, params["final_norm"].dtype)
-  logits_1TV, _ = prefill(params, tokens_1T, cache, jnp.zeros((1,), jnp.int32), n_valid,
+  """Log-softmax of every position's next-token logits: [B, T, V] f32."""
+  b, t = tokens_BT.shape
+  cache = init_cache(cfg, b, t, params["final_norm"].dtype)
+  logits_BTV, _ = prefill(params, tokens_BT, cache, jnp.zeros((b,), jnp.int32), lens_B,
                           cfg=cfg, attend_len=t, all_logits=True)
-  return jax.nn.log_softmax(logits_1TV[0].astype(jnp.float32), axis=-1)
+  return jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
 
 
 @jax.jit
-def _scores(logp_TV: jax.Array, ref_TV: jax.Array, targets_T: jax.Array, mask_T: jax.Array
+def _scores(logp_BTV: jax.Array, ref_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sums over valid positions: (nll, KL(ref || logp), argmax agreements)."""
-  nll_T = -jnp.take_along_axis(logp_TV, targets_T[:, None], axis=1)[:, 0]
-  kl_T = jnp.sum(jnp.exp(ref_TV) * (ref_TV - logp_TV), axis=-1)
-  agree_T = jnp.argmax(logp_TV, axis=-1) == jnp.argmax(ref_TV, axis=-1)
-  m = mask_T.astype(jnp.float32)
-  return jnp.sum(nll_T * m), jnp.sum(kl_T * m), jnp.sum(agree_T * m)
+  nll_BT = -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  kl_BT = jnp.sum(jnp.exp(ref_BTV) * (ref_BTV - logp_BTV), axis=-1)
+  agree_BT = jnp.argmax(logp_BTV, axis=-1) == jnp.argmax(ref_BTV, axis=-1)
+  m = mask_BT.astype(jnp.float32)
+  return jnp.sum(nll_BT * m), jnp.sum(kl_BT * m), jnp.sum(agree_BT * m)
 
 
-def compare(variants: Mapping[str, Params], docs: Sequence[Sequence[int]], cfg: ModelConfig
-            ) -> dict[str, VariantQuality]:
+def compare(variants: Mapping[str, Params], docs: Sequence[Sequence[int]], cfg: ModelConfig,
+            *, pad_multiple: int = 64) -> dict[str, VariantQuality]:
+  """All documents go through one ragged prefill per variant, padded to a multiple of
+  ``pad_multiple`` (one compiled program per variant)."""
   if not variants:
     raise ValueError("no variants to compare")
-  names = list(variants)
-  sums = {n: np.zeros(3) for n in names}
-  total = 0
-  for doc in docs:
-    n = len(doc)
-    if n < 2:
-      continue
-    if n > cfg.max_seq_len:
-      raise ValueError(f"a document has {n} tokens, more than the context ({cfg.max_seq_len})")
-    t = bucket(n, maximum=max(cfg.max_seq_len, n))
-    toks = np.zeros((1, t), np.int32)
-    toks[0, :n] = doc
-    targets = np.zeros((t,), np.int32)
-    targets[:n - 1] = doc[1:]
-    mask = np.arange(t) < n - 1
-    ref = None
-    for name in names:
-      logp = _log_probs(variants[name], jnp.asarray(toks), jnp.asarray([n], jnp.int32), cfg=cfg)
-      ref = logp if ref is None else ref
-      sums[name] += np.array([float(v) for v in _scores(logp, ref, jnp.asarray(targets),
-                                                        jnp.asarray(mask))])
-    total += n - 1
-  if total == 0:
+  docs = [list(d) for d in docs if len(d) >= 2]
+  if not docs:
     raise ValueError("no document has two or more tokens")
-  return {name: VariantQuality(perplexity=math.exp(s[0] / total), kl=float(s[1] / total),
-                               top1=float(s[2] / total), tokens=total)
-          for name, s in sums.items()}
+  longest = max(len(d) for d in docs)
+  if longest > cfg.max_seq_len:
+    raise ValueError(f"a document has {longest} tokens, more than the context "
+                     f"({cfg.max_seq_len})")
+  t = -(-longest // pad_multiple) * pad_multiple
+  toks = np.zeros((len(docs), t), np.int32)
+  targets = np.zeros((len(docs), t), np.int32)
+  mask = np.zeros((len(docs), t), bool)
+  for i, d in enumerate(docs):
+    toks[i, :len(d)] = d
+    targets[i, :len(d) - 1] = d[1:]
+    mask[i, :len(d) - 1] = True
+  lens = jnp.asarray([len(d) for d in docs], jnp.int32)
+  total = int(mask.sum())
+  out: dict[str, VariantQuality] = {}
+  ref = None
+  for name, params in variants.items():
+    logp = _log_probs(params, jnp.asarray(toks), lens, cfg=cfg)
+    ref = logp if ref is None else ref
+    nll, kl, agree = (float(v) for v in _scores(logp, ref, jnp.asarray(targets),
+                                                  jnp.asarray(mask)))
+    out[name] = VariantQuality(perplexity=math.exp(nll / total), kl=kl / total,
+                               top1=agree / total, tokens=total)
+    del logp
+  return out
