@@ -1,0 +1,89 @@
+"""A stand-in engine with hand-checkable outputs, for scheduler tests and offline dry runs.
+
+Contract: ``FakeEngine(pool_pages, page_size, vocab, lag)`` executes ``StepPlan``s on a host
+"device memory" of pages holding token ids, through the plan's page table, exactly as the real
+engine addresses KV pages. The next id of a sequence is ``next_id(context, seed)``, a function of
+every (position, id) of the context read back through the page table, so a page handed to two
+live sequences, a lost write or a stale table changes the output. ``reference(prompt, seed, n)``
+is the same computation without pages. ``lag`` = 1 returns each step's result one step late (the
+real engine's asynchronous token copy); ``flush()`` returns what is still held.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from serving.scheduler import StepPlan, StepResult
+
+
+def next_id(context: list[int] | np.ndarray, seed: int, vocab: int) -> int:
+  ctx = np.asarray(context, np.int64)
+  weights = np.arange(1, len(ctx) + 1, dtype=np.int64)
+  return int((int(np.sum(ctx * weights)) * 2654435761 + seed * 97 + len(ctx)) % vocab)
+
+
+def reference(prompt: list[int], seed: int, n: int, vocab: int) -> list[int]:
+  ctx = list(prompt)
+  for _ in range(n):
+    ctx.append(next_id(ctx, seed, vocab))
+  return ctx[len(prompt):]
+
+
+class FakeEngine:
+  def __init__(self, num_pages: int, page_size: int, vocab: int, max_slots: int, lag: int = 0):
+    self.page_size = page_size
+    self.vocab = vocab
+    self.pages = np.full((num_pages, page_size), -1, np.int64)
+    self.last = np.full(max_slots, -1, np.int64)  # each slot's last sampled id ("on device")
+    self.seed = np.zeros(max_slots, np.int64)
+    self.lag = lag
+    self._held: collections.deque[StepResult] = collections.deque()
+    self.steps = 0
+
+  def _write(self, table_M: np.ndarray, pos: int, tok: int) -> None:
+    page = table_M[pos // self.page_size]
+    assert 0 <= page < len(self.pages), f"write at position {pos} has no page"
+    self.pages[page, pos % self.page_size] = tok
+
+  def _context(self, table_M: np.ndarray, n: int) -> list[int]:
+    out = []
+    for pos in range(n):
+      page = table_M[pos // self.page_size]
+      assert 0 <= page < len(self.pages), f"read at position {pos} has no page"
+      out.append(int(self.pages[page, pos % self.page_size]))
+    return out
+
+  def execute(self, plan: StepPlan) -> StepResult | None:
+    self.steps += 1
+    for s in plan.setups:
+      self.seed[s.slot] = s.sampling.seed
+      self.last[s.slot] = -1
+    for c in plan.copies:
+      self.pages[c.dst] = self.pages[c.src]
+    tokens: dict[str, int] = {}
+    for row in plan.decode:
+      table = plan.page_table[row.slot]
+      assert self.last[row.slot] >= 0, "decode of a slot without a sampled id"
+      self._write(table, row.position, int(self.last[row.slot]))
+      ctx = self._context(table, row.position + 1)
+      tokens[row.request_id] = self.last[row.slot] = next_id(ctx, int(self.seed[row.slot]),
+                                                             self.vocab)
+    for ch in plan.prefill:
+      table = plan.page_table[ch.slot]
+      for i, tok in enumerate(ch.token_ids):
+        self._write(table, ch.start + i, tok)
+      if ch.sample:
+        ctx = self._context(table, ch.start + len(ch.token_ids))
+        tokens[ch.request_id] = self.last[ch.slot] = next_id(ctx, int(self.seed[ch.slot]),
+                                                             self.vocab)
+    self._held.append(StepResult(plan.step, tokens))
+    if len(self._held) > self.lag:
+      return self._held.popleft()
+    return None
+
+  def flush(self) -> list[StepResult]:
+    out = list(self._held)
+    self._held.clear()
+    return out

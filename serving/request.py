@@ -1,0 +1,59 @@
+"""What a client asks for and what it gets back, as the scheduler and engine see it.
+
+Contract: ``Request`` is immutable: the prompt as token ids (text is tokenized before the
+scheduler), sampling (``serving.sampling.SamplingParams``; every request has its own seed),
+stop criteria (``serving.stop.StopCriteria``) and a priority (lower runs first; FCFS within one
+priority). ``RequestOutput`` is one update of one request: the token ids and text released since
+the previous update, and, on the last one, the finish reason, a message where useful and the usage
+counts. ``token_ids`` include the id that ended a sequence; ``text`` excludes it and any matched
+stop string (``serving.stop``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+from serving.sampling import SamplingParams
+from serving.stop import FinishReason, StopCriteria
+
+
+def fresh_seed() -> int:
+  """A random sampling seed for a request that did not ask for one."""
+  return secrets.randbits(32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  request_id: str
+  prompt_ids: tuple[int, ...]
+  sampling: SamplingParams = SamplingParams()
+  stop: StopCriteria = StopCriteria(max_tokens=16)
+  priority: int = 0
+
+  def __post_init__(self):
+    if not self.prompt_ids:
+      raise ValueError("the prompt is empty")
+    if any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
+      raise ValueError("prompt token ids must be non-negative integers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+  prompt_tokens: int
+  completion_tokens: int
+  cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  request_id: str
+  token_ids: tuple[int, ...] = ()
+  text: str = ""
+  finish_reason: FinishReason | None = None
+  message: str = ""
+  usage: Usage | None = None
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None

@@ -1,0 +1,367 @@
+"""Continuous batching: plan a step, let the engine run it, update from what it returns.
+
+Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object running ``StepPlan``s):
+  * ``add(request, trace)`` admits a request to the bounded waiting queue, or finishes it at
+    once as ``rejected`` with a reason: queue full, prompt + max_tokens over the context, or more
+    KV pages than its sub-pool could ever hold (``PagePool.can_ever_fit``).
+  * ``cancel(request_id)`` is thread-safe; the request's pages and slot are free before the next
+    step planned after the call, and it finishes as ``cancelled``.
+  * ``schedule() -> StepPlan``: every running, decoding sequence gets one token (decode first:
+    their TPOT is the step time, which the token budget bounds); the rest of
+    ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each): sequences in
+    the middle of their prompt first, then waiting requests by priority, FCFS within one, while a
+    slot (a row of the decode batch; the lowest free one, so active slots stay compact) is free.
+    Pages come from the ``PagePool`` before the step that writes them. When a decode cannot get a
+    page, the running sequence with the lowest priority (latest arrival among equals) is
+    preempted: its pages are freed and it is recomputed later from its prompt and the tokens it
+    already generated (the same tokens: sampling keys on seed and position). A sequence that
+    would pass its page capacity or the context finishes as ``length`` with a message.
+  * ``update(result) -> list[RequestOutput]`` applies one ``StepResult``: each sampled id goes
+    through the request's ``StopChecker``; finished requests release pages and slot at once.
+    Results may lag plans (the engine copies tokens to the host a step behind): a sequence
+    keeps ``inflight`` ids planned but not yet received; ids arriving for a finished request
+    are dropped; a preempted request is re-admitted only once nothing of it is in flight.
+  * Lifecycle events (``serving.lifecycle``) are recorded on the traces given to ``add``.
+  * ``idle`` is True when nothing is waiting, running or in flight.
+Imports nothing from JAX: the plan is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+import itertools
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from models.tokenizer import Tokenizer
+from serving.kv_pages import PageCopy, PagePool, Refusal
+from serving.lifecycle import RequestTrace
+from serving.request import Request, RequestOutput, Usage
+from serving.sampling import SamplingParams
+from serving.stop import FinishReason, StopChecker
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+  request_id: str
+  slot: int
+  token_ids: tuple[int, ...]
+  start: int  # absolute position of token_ids[0]
+  sample: bool  # the context ends with this chunk: sample the sequence's next id
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+  request_id: str
+  slot: int
+  position: int  # where the slot's last sampled id (held on the device) is written
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSetup:
+  slot: int
+  request_id: str
+  sampling: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  step: int
+  prefill: tuple[PrefillChunk, ...]
+  decode: tuple[DecodeRow, ...]
+  setups: tuple[SlotSetup, ...]  # slots (re)assigned this step: reset their sampling state
+  page_table: np.ndarray  # [max_slots, max_pages_per_seq] int32; free slots hold the null page
+  copies: tuple[PageCopy, ...] = ()
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
+
+  @property
+  def empty(self) -> bool:
+    return not self.prefill and not self.decode
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  step: int
+  tokens: dict[str, int]  # request id -> id sampled by this step
+
+
+class _State(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  DONE = "done"
+
+
+@dataclasses.dataclass(eq=False)
+class _Seq:
+  req: Request
+  trace: RequestTrace
+  checker: StopChecker
+  order: int  # arrival order
+  tokens: list[int]  # prompt + received generated ids
+  state: _State = _State.WAITING
+  computed: int = 0  # positions written (or planned to be) in the KV pages
+  inflight: int = 0  # ids planned but not yet received
+  slot: int | None = None
+  decoding: bool = False  # the context's last chunk is planned: one id per step from now on
+  preemptions: int = 0
+
+  @property
+  def generated(self) -> int:
+    return len(self.tokens) - len(self.req.prompt_ids)
+
+  @property
+  def key(self) -> tuple[int, int]:
+    return (self.req.priority, self.order)  # smaller runs first
+
+
+class Scheduler:
+  """Plans steps over a ``PagePool``; see the module contract."""
+
+  def __init__(self, pool: PagePool, tokenizer: Tokenizer, *, max_slots: int,
+               max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
+               max_context: int | None = None):
+    if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
+      raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
+    self.pool = pool
+    self.tokenizer = tokenizer
+    self.max_slots = max_slots
+    self.max_step_tokens = max_step_tokens
+    self.max_chunk = max_chunk
+    self.max_waiting = max_waiting
+    self.max_context = min(max_context or pool.max_seq_tokens, pool.max_seq_tokens)
+    self._seqs: dict[str, _Seq] = {}
+    self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
+    self._running: list[_Seq] = []
+    self._free_slots = list(range(max_slots))  # a heap: lowest slot first
+    self._order = itertools.count()
+    self._step = 0
+    self._cancel_lock = threading.Lock()
+    self._cancelled: list[str] = []
+    self._outputs: list[RequestOutput] = []
+
+  # -- arrivals and cancellations -------------------------------------------------------------
+
+  def add(self, req: Request, trace: RequestTrace) -> RequestOutput | None:
+    """Queues ``req``; returns its final output when it is rejected at arrival."""
+    if req.request_id in self._seqs:
+      raise ValueError(f"duplicate request id {req.request_id!r}")
+    need = len(req.prompt_ids) + req.stop.max_tokens
+    reason = None
+    if len(self._waiting) >= self.max_waiting:
+      reason = f"the waiting queue is full ({self.max_waiting} requests)"
+    elif need > self.max_context:
+      reason = (f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.stop.max_tokens}) "
+                f"exceeds the context ({self.max_context} tokens)")
+    else:
+      refusal = self.pool.can_ever_fit(need)
+      if refusal is not None:
+        reason = refusal.message
+    if reason is not None:
+      trace.record("finished", FinishReason.REJECTED.value)
+      return RequestOutput(req.request_id, finish_reason=FinishReason.REJECTED, message=reason,
+                           usage=Usage(len(req.prompt_ids), 0))
+    seq = _Seq(req, trace, StopChecker(self.tokenizer, req.stop), next(self._order),
+               list(req.prompt_ids))
+    self._seqs[req.request_id] = seq
+    heapq.heappush(self._waiting, (req.priority, seq.order, req.request_id))
+    trace.record("queued")
+    return None
+
+  def cancel(self, request_id: str) -> None:
+    with self._cancel_lock:
+      self._cancelled.append(request_id)
+
+  # -- planning ---------------------------------------------------------------------------------
+
+  @property
+  def idle(self) -> bool:
+    return not self._seqs
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
+  @property
+  def num_running(self) -> int:
+    return len(self._running)
+
+  def schedule(self) -> StepPlan:
+    self._apply_cancellations()
+    budget = self.max_step_tokens
+    decode: list[DecodeRow] = []
+    prefill: list[PrefillChunk] = []
+    setups: list[SlotSetup] = []
+    for seq in sorted(self._running, key=lambda s: s.key):
+      if seq.state is not _State.RUNNING or not seq.decoding or budget < 1:
+        continue
+      if seq.generated + seq.inflight >= seq.req.stop.max_tokens:
+        continue  # its last id is in flight; nothing more to compute
+      if not self._reserve(seq, 1, preempt=True):
+        continue
+      decode.append(DecodeRow(seq.req.request_id, seq.slot, seq.computed))  # type: ignore[arg-type]
+      seq.computed += 1
+      seq.inflight += 1
+      budget -= 1
+    for seq in sorted(self._running, key=lambda s: s.key):
+      if budget < 1:
+        break
+      if seq.state is _State.RUNNING and not seq.decoding:
+        budget -= self._plan_chunk(seq, budget, prefill)
+    while budget > 0 and self._waiting and self._free_slots:
+      _, _, rid = self._waiting[0]
+      seq = self._seqs[rid]
+      if seq.inflight:  # preempted with an id still in flight: wait for it
+        break
+      n = min(budget, self.max_chunk, len(seq.tokens))
+      refusal = self.pool.allocate(rid, n)
+      if refusal is not None:
+        break  # no pages now: admit later (running sequences are never preempted for this)
+      heapq.heappop(self._waiting)
+      seq.slot = heapq.heappop(self._free_slots)
+      seq.state = _State.RUNNING
+      self._running.append(seq)
+      setups.append(SlotSetup(seq.slot, rid, seq.req.sampling))
+      if seq.preemptions:
+        seq.trace.record("resumed")
+      budget -= self._plan_chunk(seq, budget, prefill, reserved=True)
+    self._step += 1
+    seqs = [None] * self.max_slots
+    for seq in self._running:
+      seqs[seq.slot] = seq.req.request_id  # type: ignore[index]
+    return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
+                    self.pool.page_table(seqs))
+
+  def _plan_chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk],
+                  reserved: bool = False) -> int:
+    """Plans the next prompt chunk of ``seq``; returns the tokens used."""
+    n = min(budget, self.max_chunk, len(seq.tokens) - seq.computed)
+    if n < 1:
+      return 0
+    if not reserved and not self._reserve(seq, n, preempt=False):
+      return 0
+    start = seq.computed
+    sample = start + n == len(seq.tokens)
+    out.append(PrefillChunk(seq.req.request_id, seq.slot, tuple(seq.tokens[start:start + n]),  # type: ignore[arg-type]
+                            start, sample))
+    seq.computed += n
+    if sample:
+      seq.inflight += 1
+      seq.decoding = True
+    return n
+
+  def _reserve(self, seq: _Seq, n: int, preempt: bool) -> bool:
+    """Pages for ``n`` more positions of a running ``seq``. Decodes (``preempt``) may preempt
+    sequences of lower priority, which the decode loop (in priority order) has not planned yet;
+    with none left, ``seq`` itself yields. Prefill chunks wait for pages instead."""
+    while True:
+      refusal = self.pool.extend(seq.req.request_id, n)
+      if refusal is None:
+        return True
+      if refusal.kind != "no_pages":
+        self._finish(seq, FinishReason.LENGTH, refusal.message)
+        return False
+      if not preempt:
+        return False
+      victim = self._victim(seq)
+      if victim is None:
+        self._preempt(seq)
+        return False
+      self._preempt(victim)
+
+  def _victim(self, seq: _Seq) -> _Seq | None:
+    shard = self.pool.shard_of(seq.req.request_id)
+    cands = [s for s in self._running if s.key > seq.key
+             and self.pool.shard_of(s.req.request_id) == shard]
+    return max(cands, key=lambda s: s.key, default=None)
+
+  def _preempt(self, seq: _Seq) -> None:
+    self._drop_running(seq)
+    seq.state = _State.WAITING
+    seq.computed = 0
+    seq.decoding = False
+    seq.preemptions += 1
+    seq.trace.record("preempted")
+    heapq.heappush(self._waiting, (seq.req.priority, seq.order, seq.req.request_id))
+
+  def _drop_running(self, seq: _Seq) -> None:
+    if seq.req.request_id in self.pool:
+      self.pool.release(seq.req.request_id)
+    if seq.slot is not None:
+      heapq.heappush(self._free_slots, seq.slot)
+      seq.slot = None
+    if seq in self._running:
+      self._running.remove(seq)
+
+  # -- results ----------------------------------------------------------------------------------
+
+  def update(self, result: StepResult) -> list[RequestOutput]:
+    for rid, tok in result.tokens.items():
+      seq = self._seqs.get(rid)
+      if seq is None or seq.state is _State.DONE:
+        continue
+      seq.inflight -= 1
+      seq.tokens.append(int(tok))
+      seq.trace.record("first_token" if seq.generated == 1 else "token")
+      step = seq.checker.push(tok)
+      ids = (int(tok),)
+      if step.finish is not None:
+        self._finish(seq, step.finish, "", ids, step.text)
+      else:
+        self._outputs.append(RequestOutput(rid, ids, step.text))
+    out, self._outputs = self._outputs, []
+    return out
+
+  def _finish(self, seq: _Seq, reason: FinishReason, message: str,
+              ids: tuple[int, ...] = (), text: str = "") -> None:
+    self._drop_running(seq)
+    if seq.state is _State.WAITING:
+      self._waiting = [w for w in self._waiting if w[2] != seq.req.request_id]
+      heapq.heapify(self._waiting)
+    seq.state = _State.DONE
+    seq.trace.record("finished", reason.value)
+    del self._seqs[seq.req.request_id]
+    self._outputs.append(RequestOutput(
+        seq.req.request_id, ids, text, reason, message,
+        Usage(len(seq.req.prompt_ids), seq.generated)))
+
+  def _apply_cancellations(self) -> None:
+    with self._cancel_lock:
+      cancelled, self._cancelled = self._cancelled, []
+    for rid in cancelled:
+      seq = self._seqs.get(rid)
+      if seq is not None:
+        self._finish(seq, FinishReason.CANCELLED, "cancelled by the client")
+
+  def drain_outputs(self) -> list[RequestOutput]:
+    """Outputs produced outside ``update`` (cancellations, length stops while planning)."""
+    out, self._outputs = self._outputs, []
+    return out
+
+
+def run_to_completion(scheduler: Scheduler, execute: Callable[[StepPlan], StepResult | None],
+                      max_steps: int = 1_000_000) -> list[RequestOutput]:
+    """Drives plan -> execute -> update until idle (tests, offline runs). ``execute`` returns
+    the result of the plan it was given (synchronous engines) or of an earlier one (``None``
+    until one is ready)."""
+    outs: list[RequestOutput] = []
+    for _ in range(max_steps):
+      outs += scheduler.drain_outputs()
+      if scheduler.idle:
+        return outs
+      plan = scheduler.schedule()
+      outs += scheduler.drain_outputs()
+      result = execute(plan)
+      if result is not None:
+        outs += scheduler.update(result)
+    raise RuntimeError(f"not idle after {max_steps} steps")
+
+
+__all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult", "Scheduler",
+           "run_to_completion", "Refusal", "Sequence"]
