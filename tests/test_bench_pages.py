@@ -23,7 +23,8 @@ def test_tiny_bench_json():
   assert (out["model"], out["batch"], out["context"]) == ("tiny", 2, 32)
   assert out["contiguous_ms_per_step"] > 0
   assert [p["page_size"] for p in out["paged"]] == [16]
-  assert out["paged"][0]["ms_per_step"] > 0 and out["paged"][0]["x_contiguous"] > 0
+  p = out["paged"][0]
+  assert p["ms_per_step"] > 0 and p["x_contiguous"] > 0 and p["x_contiguous_best"] > 0
 
 
 def test_page_size_must_divide_context():
