@@ -1,0 +1,72 @@
+"""The step protocol: what a serving engine needs of a model, whoever partitions it.
+
+Contract: a ``Step`` runs one phase of the model over a ``models.kv_cache.KVStore`` (the engine
+uses ``models.paged_kv.PagedKV``). Its functions are traceable: the engine calls them inside its
+own jitted programs, with ``attend_len`` static.
+  * ``prefill(params, tokens_BT, kv, start_B, lens_B, attend_len=) -> (logits_BV, kv)``: row b's
+    ``lens_B[b]`` tokens at positions ``start_B[b] + t``; logits of each row's last valid token.
+  * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
+    active row at position ``kv.lengths[b]``.
+  * ``place_params(params)`` puts params where the step expects them (its resident layout).
+  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype)``: an empty paged pool, placed.
+  * ``describe()``: a JSON-able description of the plan (layouts, mesh, reasons).
+``UnshardedStep`` is the single-device model (``models.transformer``); the partitioned
+implementation lives in ``partitioning/`` (imports flow launch -> serving -> partitioning ->
+models, so serving receives a step and never imports one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+
+from models import transformer
+from models.config import ModelConfig
+from models.kv_cache import KVStore
+from models.paged_kv import PagedKV, init_paged
+from models.weights import Params
+
+
+class Step(Protocol):
+  cfg: ModelConfig
+
+  def prefill(self, params: Params, tokens_BT: jax.Array, kv: KVStore, start_B: jax.Array,
+              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, KVStore]: ...
+
+  def decode(self, params: Params, tokens_B: jax.Array, kv: KVStore, active_B: jax.Array, *,
+             attend_len: int) -> tuple[jax.Array, KVStore]: ...
+
+  def place_params(self, params: Params) -> Params: ...
+
+  def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
+              dtype: jnp.dtype) -> PagedKV: ...
+
+  def describe(self) -> dict[str, object]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class UnshardedStep:
+  """The model on one device."""
+  cfg: ModelConfig
+
+  def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len):
+    return transformer.prefill(params, tokens_BT, kv, start_B, lens_B, cfg=self.cfg,
+                               attend_len=attend_len)
+
+  def decode(self, params, tokens_B, kv, active_B, *, attend_len):
+    return transformer.decode_step(params, tokens_B, kv, cfg=self.cfg, attend_len=attend_len,
+                                   active_B=active_B)
+
+  def place_params(self, params: Params) -> Params:
+    return jax.device_put(params, jax.local_devices()[0])
+
+  def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype) -> PagedKV:
+    return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5))(
+        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype)
+
+  def describe(self) -> dict[str, object]:
+    dev = jax.local_devices()[0]
+    return {"kind": "unsharded", "device": f"{dev.platform}:{dev.id}", "model": self.cfg.name}

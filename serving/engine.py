@@ -1,0 +1,223 @@
+"""The engine: runs the scheduler's ``StepPlan``s on the device over paged KV memory.
+
+Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
+  * ``Engine(step, params, EngineConfig)``: ``step`` is a ``models.step.Step`` (the unsharded
+    model, or a partitioned step from ``partitioning/``); the engine never imports a model.
+    Device state: the ``PagedKV`` pool (one page-table row per decode slot), each slot's last
+    sampled id and its sampling parameters.
+  * ``prefill(chunks, page_table)``: one jitted call over a ragged batch of prompt chunks (each
+    continuing the KV its sequence already holds at ``chunk.start``); rows whose context ends
+    sample their next id. ``insert`` is where a prefill layout's KV would be re-laid into the
+    decode layout; with one layout (or one device) it is the identity and costs nothing.
+  * ``generate(rows)``: one decode step over slots ``[0, n)`` (``n`` a power-of-two bucket
+    covering the active slots; the scheduler keeps them compact), each active slot writing its
+    last sampled id at its position and sampling the next.
+  * ``release(slots)``: nothing to do on the device: the scheduler's ``PagePool`` owns pages and
+    a freed slot's table row becomes the null page, so its stale KV is never read.
+  * ``execute(plan) -> StepResult | None``: setups, page copies, the page table, then prefill
+    and decode, all dispatched asynchronously; the sampled ids are copied to the host with
+    ``copy_to_host_async``. With ``lag=1`` (the default) it returns the PREVIOUS step's
+    result, so the host plans step n+1 while the device runs step n; ``lag=0`` returns this
+    step's (tests). ``flush()`` returns what is held.
+  * Sampling per slot: seed, temperature, top-k, top-p; a slot's key is
+    ``fold_in(key(seed), position)``, so the ids do not depend on the batch (same as
+    ``serving.generator``).
+  * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
+    rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.paged_kv import PagedKV, copy_pages
+from models.step import Step
+from models.transformer import bucket
+from models.weights import Params
+from serving.sampling import SamplingArrays, SamplingParams, sample
+from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_slots: int
+  num_pages: int
+  page_size: int
+  max_seq_tokens: int
+  kv_dtype: str = "float32"
+  valid_vocab: int | None = None  # sample only ids below this (a tokenizer smaller than V)
+  lag: int = 1
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.max_seq_tokens // self.page_size)
+
+
+def _rows(x: jax.Array, idx: jax.Array, fill) -> jax.Array:
+  return x.at[idx].get(mode="fill", fill_value=fill)
+
+
+def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
+  return jax.tree.map(lambda a: _rows(a, idx, 0), s)
+
+
+@functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab"),
+                   donate_argnames=("kv", "last_S"))
+def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
+                  tokens_RT: jax.Array, slots_R: jax.Array, start_R: jax.Array,
+                  lens_R: jax.Array, sample_R: jax.Array, *, step: Step, attend_len: int,
+                  greedy_only: bool, valid_vocab: int):
+  sub = kv.replace(page_table=_rows(kv.page_table, slots_R, kv.num_pages),
+                   lengths=_rows(kv.lengths, slots_R, 0))
+  logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
+  tok_R = sample(logits_RV[:, :valid_vocab], start_R + lens_R, _sampling_rows(samp, slots_R),
+                 greedy_only)
+  kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
+                  lengths=kv.lengths.at[slots_R].set(sub.lengths, mode="drop"))
+  keep_R = _rows(last_S, slots_R, 0)
+  last_S = last_S.at[slots_R].set(jnp.where(sample_R, tok_R, keep_R), mode="drop")
+  return kv, last_S, tok_R
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("step", "n", "attend_len", "greedy_only", "valid_vocab"),
+                   donate_argnames=("kv", "last_S"))
+def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
+                 pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int, attend_len: int,
+                 greedy_only: bool, valid_vocab: int):
+  sub = kv.replace(page_table=kv.page_table[:n], lengths=pos_N)
+  logits_NV, sub = step.decode(params, last_S[:n], sub, active_N, attend_len=attend_len)
+  s_N = jax.tree.map(lambda a: a[:n], samp)
+  tok_N = jnp.where(active_N, sample(logits_NV[:, :valid_vocab], pos_N + 1, s_N, greedy_only),
+                    last_S[:n])
+  lengths = kv.lengths.at[:n].set(jnp.where(active_N, sub.lengths, kv.lengths[:n]))
+  kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths)
+  return kv, last_S.at[:n].set(tok_N), tok_N
+
+
+@dataclasses.dataclass
+class _Pending:
+  step: int
+  parts: list[tuple[jax.Array, list[tuple[str, int]]]]  # (device ids, [(request id, row)])
+
+  def result(self) -> StepResult:
+    tokens: dict[str, int] = {}
+    for arr, rows in self.parts:
+      host = np.asarray(arr)
+      for rid, i in rows:
+        tokens[rid] = int(host[i])
+    return StepResult(self.step, tokens)
+
+
+class Engine:
+  """Executes plans; see the module contract."""
+
+  def __init__(self, step: Step, params: Params, config: EngineConfig):
+    self.step = step
+    self.config = config
+    self.params = step.place_params(params)
+    self.kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
+                           config.pages_per_seq, jnp.dtype(config.kv_dtype))
+    self.last_S = jnp.zeros((config.max_slots,), jnp.int32)
+    self._samp_host = [SamplingParams()] * config.max_slots
+    self._samp = SamplingArrays.from_params(self._samp_host)
+    self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
+    self._held: collections.deque[_Pending] = collections.deque()
+    self._shapes: set[tuple] = set()
+
+  @property
+  def programs(self) -> int:
+    """Distinct bucketed programs dispatched so far (each compiled once)."""
+    return len(self._shapes)
+
+  # -- the engine contract ------------------------------------------------------------------
+
+  def setup(self, slot: int, sampling: SamplingParams) -> None:
+    self._samp_host[slot] = sampling
+
+  def prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[jax.Array, list[tuple[str, int]]]:
+    r = bucket(len(chunks), minimum=1)
+    t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
+               maximum=self.config.max_seq_tokens)
+    end = max(c.start + len(c.token_ids) for c in chunks)
+    attend = self._attend(end)
+    toks = np.zeros((r, t), np.int32)
+    slots = np.full((r,), self.config.max_slots, np.int32)
+    start = np.zeros((r,), np.int32)
+    lens = np.zeros((r,), np.int32)
+    want = np.zeros((r,), bool)
+    for i, c in enumerate(chunks):
+      toks[i, :len(c.token_ids)] = c.token_ids
+      slots[i], start[i], lens[i], want[i] = c.slot, c.start, len(c.token_ids), c.sample
+    greedy = all(self._samp_host[c.slot].greedy for c in chunks)
+    self._shapes.add(("prefill", r, t, attend, greedy))
+    self.kv, self.last_S, tok_R = _prefill_call(
+        self.params, self.kv, self.last_S, self._samp, jnp.asarray(toks), jnp.asarray(slots),
+        jnp.asarray(start), jnp.asarray(lens), jnp.asarray(want), step=self.step,
+        attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab)
+    self.insert(chunks)
+    return tok_R, [(c.request_id, i) for i, c in enumerate(chunks) if c.sample]
+
+  def insert(self, chunks: Sequence[PrefillChunk]) -> None:
+    """Prefill and decode share one layout and one pool here: nothing to re-lay."""
+
+  def generate(self, rows: Sequence[DecodeRow]) -> tuple[jax.Array, list[tuple[str, int]]]:
+    n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
+    attend = self._attend(max(r.position for r in rows) + 1)
+    pos = np.zeros((n,), np.int32)
+    active = np.zeros((n,), bool)
+    for r in rows:
+      pos[r.slot], active[r.slot] = r.position, True
+    greedy = all(self._samp_host[r.slot].greedy for r in rows)
+    self._shapes.add(("decode", n, attend, greedy))
+    self.kv, self.last_S, tok_N = _decode_call(
+        self.params, self.kv, self.last_S, self._samp, jnp.asarray(pos), jnp.asarray(active),
+        step=self.step, n=n, attend_len=attend, greedy_only=greedy,
+        valid_vocab=self.valid_vocab)
+    return tok_N, [(r.request_id, r.slot) for r in rows]
+
+  def release(self, slots: Sequence[int]) -> None:
+    """Nothing on the device (see the module contract)."""
+
+  # -- one scheduler step -------------------------------------------------------------------
+
+  def execute(self, plan: StepPlan) -> StepResult | None:
+    if plan.setups:
+      for s in plan.setups:
+        self.setup(s.slot, s.sampling)
+      self._samp = SamplingArrays.from_params(self._samp_host)
+    if plan.copies:
+      src = jnp.asarray([c.src for c in plan.copies], jnp.int32)
+      dst = jnp.asarray([c.dst for c in plan.copies], jnp.int32)
+      self.kv = copy_pages(self.kv, src, dst)
+    parts = []
+    if not plan.empty:
+      self.kv = self.kv.replace(page_table=jnp.asarray(plan.page_table, jnp.int32))
+    if plan.decode:
+      parts.append(self.generate(plan.decode))
+    if plan.prefill:
+      parts.append(self.prefill(plan.prefill))
+    for arr, _ in parts:
+      arr.copy_to_host_async()
+    self._held.append(_Pending(plan.step, parts))
+    if len(self._held) > self.config.lag:
+      return self._held.popleft().result()
+    return None
+
+  def flush(self) -> list[StepResult]:
+    out = [p.result() for p in self._held]
+    self._held.clear()
+    return out
+
+  def _attend(self, end: int) -> int:
+    z = self.config.page_size
+    cap = self.config.pages_per_seq * z
+    a = bucket(end, minimum=max(16, z), maximum=cap)
+    return min(-(-a // z) * z, cap)
