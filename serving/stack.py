@@ -1,0 +1,59 @@
+"""Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
+
+Contract: ``build(step, params, tokenizer, ServingConfig) -> ServingLoop``. The KV budget is
+``kv_pages`` pages of ``page_size`` positions (the bytes are reported by ``describe``); the page
+pool, the scheduler and the engine are sized from one ``ServingConfig`` so they always agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import prometheus_client as prom
+
+from models.step import Step
+from models.tokenizer import Tokenizer
+from models.weights import Params
+from serving.engine import Engine, EngineConfig
+from serving.kv_pages import PagePool, page_budget
+from serving.lifecycle import Metrics
+from serving.loop import ServingLoop
+from serving.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+  max_slots: int = 32  # decode batch rows
+  page_size: int = 64  # measured choice (BUILD_NOTES.md "Paged KV")
+  kv_pages: int = 512
+  max_step_tokens: int = 512  # per-step token budget: bounds the step time, hence TPOT
+  max_chunk: int = 256  # longest prefill chunk
+  max_waiting: int = 1024
+  max_context: int | None = None  # default: the model's
+  kv_dtype: str | None = None  # default: the params' activation dtype
+  lag: int = 1  # sampled ids reach the host one step behind
+
+
+def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
+          registry: prom.CollectorRegistry | None = None) -> ServingLoop:
+  cfg = step.cfg
+  context = min(config.max_context or cfg.max_seq_len, cfg.max_seq_len)
+  kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
+  budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages)
+  pool = PagePool(budget, max_seq_tokens=context)
+  sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
+                    max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
+                    max_waiting=config.max_waiting, max_context=context)
+  engine = Engine(step, params, EngineConfig(
+      max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
+      max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
+      lag=config.lag))
+  return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()))
+
+
+def describe(loop: ServingLoop) -> dict[str, object]:
+  pool = loop.scheduler.pool
+  return {"kv_pages": pool.budget.num_pages, "page_size": pool.page_size,
+          "kv_bytes": pool.budget.bytes, "max_slots": loop.scheduler.max_slots,
+          "max_context": loop.scheduler.max_context, "step": loop.engine.step.describe()}

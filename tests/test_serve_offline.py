@@ -1,0 +1,73 @@
+"""launch.serve_offline at tiny size: results in input order, bad lines named, pages back to 0,
+greedy tokens equal the generator's, a Chrome trace that parses with phases in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from models.config import get_preset
+from models.tokenizer import ByteTokenizer
+from models.weights import init_params
+from serving.generator import Generator
+from serving.sampling import SamplingParams
+from tests.refenv import REPO
+
+LINES = [
+    {"prompt": "Hello there", "max_tokens": 12, "ignore_eos": True},
+    {"prompt_ids": [72, 105], "max_tokens": 5, "ignore_eos": True},
+    {"prompt": "abc", "max_tokens": "x"},
+    {"prompt": "Stop here", "max_tokens": 20, "temperature": 0.7, "seed": 3},
+    {"prompt": "no", "bogus": 1},
+    "not json",
+    {"prompt_ids": [1, 2, 999]},
+]
+
+
+def test_serve_offline_tiny(tmp_path):
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in LINES) + "\n")
+  trace = tmp_path / "trace.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
+                      "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
+                      "--max_slots", "4", "--trace_out", str(trace)],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
+  summary = rows[-1]["summary"]
+  rows = rows[:-1]
+  assert [row["index"] for row in rows] == list(range(len(LINES)))
+  errors = {row["index"]: row["error"] for row in rows if "error" in row}
+  assert set(errors) == {2, 4, 5, 6}
+  assert "max_tokens" in errors[2] and "bogus" in errors[4] and "JSON" in errors[5]
+  assert "prompt_ids" in errors[6]
+  assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)  # --param_seed 0
+  gen = Generator(cfg, params, steps_per_call=4)
+  tok = ByteTokenizer()
+  for i in (0, 1):
+    prompt = ([tok.bos_id] + tok.encode(LINES[i]["prompt"]) if "prompt" in LINES[i]
+              else LINES[i]["prompt_ids"])
+    want = [int(s[0]) for s in gen.stream([prompt], LINES[i]["max_tokens"], SamplingParams(),
+                                          stop_ids=())]
+    assert rows[i]["token_ids"] == want
+    assert rows[i]["finish_reason"] == "length" and rows[i]["ttft_ms"] > 0
+  assert rows[3]["finish_reason"] in ("stop", "length")
+  events = json.loads(trace.read_text())["traceEvents"]
+  spans = sorted((e for e in events if e["ph"] == "X" and e["pid"] == 1), key=lambda e: e["ts"])
+  assert [e["name"] for e in spans][0] == "queue" and spans[-1]["name"] == "decode"
+  assert "prefill" in [e["name"] for e in spans]
+
+
+def test_bad_flags_exit_2(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "requests" in r.stderr
