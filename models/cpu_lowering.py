@@ -20,7 +20,8 @@ Contract:
     (``source``: default | fixed | cache | measured), the cache key and path, and the best
     time (ms, minimum of round-robin rounds) of every candidate measured for each shape class.
   * Shape classes and candidates (``CpuPolicy`` fields):
-      - ``float_prefill`` (float weights, rows > the native limit): ``xw`` = one
+      - ``float_prefill`` (bf16) / ``f32_prefill`` (f32 activations; no ``xw_nacc``) for float
+        weights and rows above the native limit: ``xw`` = one
         ``dot_general`` ``x[M, K] . w[K, N]`` with f32 accumulation (``preferred_element_type``);
         ``xw_nacc`` = the same with the result in the activation dtype (no f32 accumulation
         asked for; bf16 only); ``wx`` = ``w[K, N]`` as the left operand (``[N, M]``, transposed
@@ -66,14 +67,16 @@ from jax import lax
 
 from models import cpu_kernels
 
-VERSION = 2
+VERSION = 3
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
+F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
 
 
 @dataclasses.dataclass(frozen=True)
 class CpuPolicy:
-  float_prefill: str = "xw"
+  float_prefill: str = "xw"  # bf16 (and any non-f32 float) activations
+  f32_prefill: str = "xw"
   float_native_max_rows: int = 16
   f32_native_max_rows: int = 16
   f32_native_min_rows: int = 1
@@ -83,8 +86,9 @@ class CpuPolicy:
   int8_row_multiple: int = 8
 
   def __post_init__(self) -> None:
-    if self.float_prefill not in FLOAT_PREFILL:
-      raise ValueError(f"float_prefill must be one of {FLOAT_PREFILL}, got {self.float_prefill!r}")
+    if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
+      raise ValueError(f"float_prefill / f32_prefill must be in {FLOAT_PREFILL} / "
+                       f"{F32_PREFILL}, got {self.float_prefill!r} / {self.f32_prefill!r}")
     if min(self.bf16_min_rows, self.int8_row_multiple) < 1:
       raise ValueError("bf16_min_rows and int8_row_multiple must be >= 1")
 
@@ -331,22 +335,17 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
   native = cpu_kernels.available()
   key = jax.random.key(0)
 
-  # Float prefill: one lowering for f32 and bf16 alike, chosen on bf16 (the serving dtype; f32
-  # is checked too and breaks ties by the sum of both ratios).
-  score: dict[str, float] = {}
-  for dt in (jnp.bfloat16, jnp.float32):
+  # Float prefill, per activation dtype (bf16: float_prefill, f32: f32_prefill).
+  chosen: dict[str, str] = {}
+  for dt, methods, default in ((jnp.bfloat16, FLOAT_PREFILL, DEFAULT.float_prefill),
+                               (jnp.float32, F32_PREFILL, DEFAULT.f32_prefill)):
     x = jax.random.normal(key, (prefill_rows, k), dt)
     w = jax.random.normal(key, (k, n), dt)
-    methods = [m for m in FLOAT_PREFILL if dt == jnp.bfloat16 or m != "xw_nacc"]
     fns = {m: jax.jit(lambda x, w, m=m: float_dot(x, w, True, m)) for m in methods}
     res = _race({m: (lambda f=f: f(x, w)) for m, f in fns.items()}, rounds)
     meas[f"float_prefill_{jnp.dtype(dt).name}"] = res
-    if "xw_nacc" not in res:  # f32 runs xw_nacc as xw (see models.quant.einsum)
-      res = dict(res, xw_nacc=res["xw"])
-    best = min(res.values())
-    for m, v in res.items():
-      score[m] = score.get(m, 0.0) + v / best * (2.0 if dt == jnp.bfloat16 else 1.0)
-  float_prefill = _pick(score, DEFAULT.float_prefill)
+    chosen[jnp.dtype(dt).name] = _pick(res, default)
+  float_prefill, f32_prefill = chosen["bfloat16"], chosen["float32"]
 
   # bf16 XLA decode padding (the path without native kernels).
   ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
@@ -419,7 +418,7 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
   # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
   wq1 = jax.random.randint(key, (k, n), -127, 128, jnp.int8)
   sc = jnp.full((n,), 0.01, jnp.float32)
-  score = {}
+  score: dict[str, float] = {}
   for m in ((prefill_rows - 3,) if native else (1, prefill_rows - 3)):
     xm = jax.random.normal(key, (m, k), jnp.float32)
     fns = {p: jax.jit(lambda x, w, p=p: w8a8_xla(x, w, sc[None], True, p)) for p in (1, 8, 32)}
@@ -430,7 +429,8 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
       score[p] = score.get(p, 0.0) + v / best
   int8_row_multiple = int(_pick(score, str(DEFAULT.int8_row_multiple)))
 
-  p = CpuPolicy(float_prefill=float_prefill, float_native_max_rows=float_max,
+  p = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
+                float_native_max_rows=float_max,
                 f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
                 bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
                 int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple)

@@ -23,7 +23,7 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
   * Float weights: operands in the activation dtype, f32 accumulation (``preferred_element_type``),
     result in the activation dtype. So f32 params compute in f32 and bf16 params in bf16 (prefill:
     XLA:CPU's YNNPACK bf16 kernels, about twice the f32 FLOP/s; the dot lowering is the
-    policy's ``float_prefill``). On XLA:CPU, up to the policy's ``float_native_max_rows`` (bf16) /
+    policy's ``float_prefill`` / ``f32_prefill``). On XLA:CPU, up to the policy's ``float_native_max_rows`` (bf16) /
     ``f32_native_max_rows`` rows (decode) go to the native kernel of ``models.cpu_kernels``
     (same products and f32 accumulation; it reads bf16 weights at memory bandwidth, where XLA's
     bf16 dot reaches about half, and f32 weights a little faster than XLA's f32 matrix-vector).
@@ -179,9 +179,9 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
         y2 = cpu_lowering.float_dot(_pad_rows(x2, pol.bf16_min_rows), w2, w_kn, "xw")[:m]
       else:
         # Many rows (prefill): the lowering measured fastest on this machine.
-        method = pol.float_prefill if m > native_rows else "xw"
-        if method == "xw_nacc" and x.dtype != jnp.bfloat16:
-          method = "xw"
+        method = "xw"
+        if m > native_rows:
+          method = pol.f32_prefill if x.dtype == jnp.float32 else pol.float_prefill
         y2 = cpu_lowering.float_dot(x2, w2, w_kn, method)
     else:
       y2 = lax.dot_general(x2, w.reshape(wshape).astype(x.dtype), dims,

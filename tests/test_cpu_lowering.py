@@ -58,6 +58,7 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   assert jax.__version__ in r["key"]
   assert "float_prefill_bfloat16" in r["measurements"]
   assert set(r["measurements"]["float_prefill_bfloat16"]) == set(cpu_lowering.FLOAT_PREFILL)
+  assert set(r["measurements"]["float_prefill_float32"]) == set(cpu_lowering.F32_PREFILL)
   if cpu_kernels.available():
     assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows",
             "float_decode_bfloat16_8rows"} <= set(r["measurements"])
@@ -91,6 +92,8 @@ def test_fixed_policy_wins_and_is_restored():
     assert cpu_lowering.policy() is p and cpu_lowering.report()["source"] == "fixed"
   with pytest.raises(ValueError):
     cpu_lowering.CpuPolicy(float_prefill="nope")
+  with pytest.raises(ValueError):
+    cpu_lowering.CpuPolicy(f32_prefill="xw_nacc")
 
 
 # Relative tolerance of a float candidate against the f64 einsum of the same (rounded) operands:
@@ -107,7 +110,9 @@ C_FLOAT = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}
 def test_float_candidates_equal_the_einsum(dtype, method, spec, x_shape, w_shape):
   x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32).astype(dtype)
   w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32).astype(dtype)
-  p = dataclasses.replace(cpu_lowering.DEFAULT, float_prefill=method, float_native_max_rows=4,
+  f32_method = method if method in cpu_lowering.F32_PREFILL else "xw"
+  p = dataclasses.replace(cpu_lowering.DEFAULT, float_prefill=method, f32_prefill=f32_method,
+                          float_native_max_rows=4,
                           f32_native_max_rows=4, bf16_min_rows=8)
   with cpu_lowering.use_policy(p):
     got = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
