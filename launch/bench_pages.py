@@ -27,7 +27,7 @@ import time
 
 from absl import flags, logging
 
-from launch import cli
+from launch import cli, paged_timing
 from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "small", "model preset name (tiny, small)")
@@ -39,88 +39,6 @@ _PAGE_SIZES = flags.DEFINE_list("page_sizes", ["16", "32", "64", "128"], "page s
 _STEPS = flags.DEFINE_integer("steps", 8, "decode steps per timed call", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed rounds", lower_bound=1)
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
-
-
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  import platform
-  return platform.processor() or platform.machine()
-
-
-def run(model: str, dtype_name: str, batch: int, context: int, page_sizes: tuple[int, ...],
-        steps: int, repeats: int) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from models import paged_kv, transformer
-  from models.config import get_preset
-  from models.kv_cache import KVStore, init_cache
-  from models.weights import init_params
-
-  t0 = time.perf_counter()
-  cfg = get_preset(model)
-  if context > cfg.max_seq_len or steps >= context:
-    raise CliError(f"--context must be in ({steps}, {cfg.max_seq_len}] for {model}")
-  bad = [z for z in page_sizes if z < 1 or context % z]
-  if bad:
-    raise CliError(f"--page_sizes must divide --context {context}: {bad}")
-  dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
-  params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), dtype)
-  start = context - steps
-
-  @functools.partial(jax.jit, static_argnames=("n",), donate_argnames=("store",))
-  def decode(params, tok_B, store: KVStore, *, n: int):
-    def body(_, carry):
-      tok_B, store = carry
-      logits_BV, store = transformer.decode_step(params, tok_B, store, cfg=cfg,
-                                                 attend_len=context)
-      return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), store
-    return jax.lax.fori_loop(0, n, body, (tok_B, store))
-
-  rng = np.random.default_rng(0)
-  stores: dict[str, KVStore] = {"contiguous": init_cache(cfg, batch, context, dtype)}
-  for z in page_sizes:
-    m = context // z
-    pool = paged_kv.init_paged(cfg, batch, batch * m, z, m, dtype)
-    table = rng.permutation(batch * m).reshape(batch, m).astype(np.int32)
-    stores[f"paged_{z}"] = pool.replace(page_table=jnp.asarray(table))
-
-  def call(name: str) -> float:
-    store = stores[name].replace(lengths=jnp.full((batch,), start, jnp.int32))  # donated
-    t = time.perf_counter()
-    out, store = decode(params, jnp.zeros((batch,), jnp.int32), store, n=steps)
-    jax.block_until_ready(out)
-    stores[name] = store
-    return time.perf_counter() - t
-
-  for name in stores:  # compile + warm up
-    call(name)
-  times: dict[str, list[float]] = {name: [] for name in stores}
-  for _ in range(repeats):
-    for name in stores:
-      times[name].append(call(name))
-  ms = {name: statistics.median(v) / steps * 1e3 for name, v in times.items()}
-  best = {name: min(v) / steps * 1e3 for name, v in times.items()}
-  base, base_best = ms["contiguous"], best["contiguous"]
-  return {
-      "model": cfg.name, "dtype": dtype_name, "batch": batch, "context": context,
-      "steps": steps, "repeats": repeats,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "cpu": _cpu(), "jax_version": jax.__version__,
-      "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-      "contiguous_ms_per_step": base, "contiguous_best_ms_per_step": base_best,
-      "paged": [{"page_size": z, "ms_per_step": ms[f"paged_{z}"],
-                 "x_contiguous": ms[f"paged_{z}"] / base,
-                 "best_ms_per_step": best[f"paged_{z}"],
-                 "x_contiguous_best": best[f"paged_{z}"] / base_best} for z in page_sizes],
-      "wall_s": time.perf_counter() - t0,
-  }
 
 
 def _page_sizes() -> tuple[int, ...]:
@@ -140,8 +58,11 @@ def main(argv: list[str]) -> None:
   from models.config import PRESET_NAMES
   if _MODEL.value not in PRESET_NAMES or _MODEL.value.startswith("palm"):
     raise CliError(f"--model must be an instantiable preset, got {_MODEL.value!r}")
-  r = run(_MODEL.value, _DTYPE.value, _BATCH.value, _CONTEXT.value, _page_sizes(), _STEPS.value,
-          _REPEATS.value)
+  try:
+    r = paged_timing.run(_MODEL.value, _DTYPE.value, _BATCH.value, _CONTEXT.value, _page_sizes(),
+                         _STEPS.value, _REPEATS.value)
+  except ValueError as e:
+    raise CliError(str(e))
   if _JSON.value:
     print(json.dumps(r))
     return

@@ -192,6 +192,10 @@ class Scheduler:
   def num_running(self) -> int:
     return len(self._running)
 
+  @property
+  def num_decoding(self) -> int:
+    return sum(s.decoding for s in self._running)
+
   def schedule(self) -> StepPlan:
     self._apply_cancellations()
     budget = self.max_step_tokens
