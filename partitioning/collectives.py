@@ -10,6 +10,11 @@ Contract:
     with ``shard_params(params, cfg, mesh, layout)`` (the resident copy: ``ws_2d`` and every
     ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
     (ffn, attn) pair that will run on it.
+  * ``sharded_forward(params, tokens, store, chunk, plan=..., store_spec=...)`` is the one
+    ``shard_map`` forward both KV memories run through: the block writes and reads KV only via
+    the ``models.kv_cache.KVStore`` interface of the chip's local store (the contiguous
+    ``KVCache`` here, ``partitioning.paged_step``'s paged pool), exactly as
+    ``models.transformer`` does.
   * The model math is ``models``' own: ``layers.rms_norm/rope/mlp``, ``attention.attend``,
     ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer.embed``. What is added is
     communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
@@ -31,7 +36,7 @@ int8, ``act_quant=False``, is exact up to summation order).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Literal
+from typing import Callable, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +46,7 @@ from models import quant
 from models.attention import attend
 from models.config import ModelConfig
 from models import kv_cache
-from models.kv_cache import KVCache, init_cache
+from models.kv_cache import KVCache, KVStore, init_cache
 from models.layers import glu, mlp, rms_norm, rope
 from models.quant import QuantArray
 from models.transformer import embed as embed_lookup
@@ -107,7 +112,7 @@ def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Arr
   return comm.reduce(x, 2, plan.wv, plan.we, plan.re)
 
 
-def _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPlan,
+def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan,
                cfg: ModelConfig, attend_len: int):
   # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
   q = quant.einsum("btd,dnh->btnh", h, layer["q"])  # [B.rb, T, N.wh, H]{we}
@@ -125,9 +130,10 @@ def _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPl
   k, v = comm.slice_chunk(k, 0, plan.move), comm.slice_chunk(v, 0, plan.move)  # [B.ab, T, K, H]
   pos_a = comm.slice_chunk(pos_BT, 0, plan.ab)
   wpos_a = comm.slice_chunk(wpos_BT, 0, plan.ab)
-  # Cache [L, B.ab, K, S, H]: write this chunk (padding positions are dropped), then attend.
-  k_cache, v_cache = kv_cache.write(k_cache, v_cache, l, wpos_a, k, v)
-  k_att, v_att = k_cache[l, :, :, :attend_len], v_cache[l, :, :, :attend_len]
+  # This chip's store holds rows [B.ab] (cache [L, B.ab, K, S, H], or pages [L, P.ab, K, Z, H]
+  # with a [B.ab, M] table): write this chunk (padding positions are dropped), then attend.
+  store = store.write(l, wpos_a, k, v)
+  k_att, v_att = store.read(l, attend_len)  # [B.ab, K, S, H]
   if cfg.num_kv_heads > 1 and (plan.wh or plan.q_scatter):
     # GQA with sharded query heads: give each local query head its own kv head (K -> N.local).
     kv_of_head = ids // cfg.q_per_kv
@@ -136,7 +142,7 @@ def _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPl
   out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
   out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
   y = quant.einsum("btnh,nhd->btd", out, layer["o"])  # [B.rb, T, E.we]{wh}
-  return y, k_cache, v_cache
+  return y, store
 
 
 def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
@@ -152,22 +158,21 @@ def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
   return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
 
 
-def _block(x, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan: StepPlan,
+def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan,
            cfg: ModelConfig, attend_len: int):
   # x: [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
-  attn, k_cache, v_cache = _attention(h, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan,
-                                      cfg, attend_len)
+  attn, store = _attention(h, layer, l, store, ids, pos_BT, wpos_BT, plan, cfg, attend_len)
   if cfg.parallel_block:
     ffn = _mlp(h, layer, plan, cfg)
     if plan.wh == plan.wf:  # one reduce-scatter for both (PaLM's fused collective)
-      return x + comm.reduce(attn + ffn, 2, plan.wh, plan.we, plan.re), k_cache, v_cache
+      return x + comm.reduce(attn + ffn, 2, plan.wh, plan.we, plan.re), store
     x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)
-    return x + comm.reduce(ffn, 2, plan.wf, plan.we, plan.re), k_cache, v_cache
+    return x + comm.reduce(ffn, 2, plan.wf, plan.we, plan.re), store
   x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)  # [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["mlp_norm"], cfg, plan.we)
   x = x + comm.reduce(_mlp(h, layer, plan, cfg), 2, plan.wf, plan.we, plan.re)
-  return x, k_cache, v_cache
+  return x, store
 
 
 def _unembed(x, top, last_B, plan: StepPlan, cfg: ModelConfig, all_logits: bool) -> jax.Array:
@@ -184,7 +189,7 @@ def _unembed(x, top, last_B, plan: StepPlan, cfg: ModelConfig, all_logits: bool)
   return logits if all_logits else logits[:, 0]
 
 
-def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, k_cache, v_cache, *,
+def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, store: KVStore, *,
                 plan: StepPlan, cfg: ModelConfig, stored, gathered, attend_len: int,
                 all_logits: bool):
   top_keys = [k for k in params if k != "layers"]
@@ -195,13 +200,51 @@ def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, k_cache, v_cach
   x = _embed(top["embed"], comm.slice_chunk(tokens_BT, 0, plan.rb), plan, cfg, dtype)
   for l, layer in enumerate(params["layers"]):
     layer = _gather(layer, stored["layers"][l], gathered["layers"][l])
-    x, k_cache, v_cache = _block(x, layer, l, k_cache, v_cache, ids, pos_BT, wpos_BT, plan, cfg,
-                                 attend_len)
-  return _unembed(x, top, last_B, plan, cfg, all_logits), k_cache, v_cache
+    x, store = _block(x, layer, l, store, ids, pos_BT, wpos_BT, plan, cfg, attend_len)
+  return _unembed(x, top, last_B, plan, cfg, all_logits), store
 
 
 # ---------------------------------------------------------------------------------------------
 # Global entry points.
+
+
+S = TypeVar("S")
+
+
+def sharded_forward(params: Params, tokens_BT: jax.Array, store: S, c: kv_cache.ChunkPositions,
+                    *, cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, plan: StepPlan,
+                    attend_len: int, all_logits: bool, store_spec: S,
+                    localize: Callable[[S], KVStore] | None = None,
+                    merge: Callable[[S, KVStore], S] | None = None) -> tuple[jax.Array, S]:
+  """The model under ``plan`` over a KV store, in one ``shard_map``.
+
+  ``store`` is any pytree holding the KV memory, split over the mesh by ``store_spec`` (a
+  pytree of ``PartitionSpec`` with the store's structure) so that each chip's block holds the
+  KV of its attention-batch rows ``[B.ab]``. Inside, ``localize(block)`` gives the chip's
+  ``KVStore`` view (default: the block itself) and ``merge(block, local)`` the block to return
+  (default: ``local``). Returns the logits ``[B.ub, (T,) V.wv]`` and the written store; its
+  ``lengths`` are NOT advanced (the caller sets ``c.lengths_B``).
+  """
+  quantized = is_quantized(params)
+  stored = param_specs(cfg, mesh, ffn, quantized)
+  gathered = param_specs(cfg, mesh, ffn, quantized, gathered=True)
+  p_specs = jax.tree.map(lambda r: r.spec, match_params(stored, params), is_leaf=_is_resolved)
+  ub, wv = spec_entry(plan.ub), spec_entry(plan.wv)
+  logits_spec = P(ub, None, wv) if all_logits else P(ub, wv)
+  local_step = functools.partial(_local_step, plan=plan, cfg=cfg, stored=stored,
+                                 gathered=gathered, attend_len=attend_len,
+                                 all_logits=all_logits)
+
+  def body(p, ids, toks, pos, wpos, last, block):
+    local = localize(block) if localize else block
+    logits, local = local_step(p, ids, toks, pos, wpos, last, local)
+    return logits, (merge(block, local) if merge else local)
+
+  step = _shard_map(body, mesh, in_specs=(p_specs, P(spec_entry(plan.sh)), P(), P(), P(), P(),
+                                          store_spec),
+                    out_specs=(logits_spec, store_spec))
+  return step(params, jnp.arange(cfg.num_heads, dtype=jnp.int32), tokens_BT, c.pos_BT,
+              c.wpos_BT, c.last_B, store)
 
 
 def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens_B, *,
@@ -211,21 +254,12 @@ def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens
   attend_len = attend_len or cache.max_len
   c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   plan = make_plan(cfg, mesh, ffn, attn, b)
-  quantized = is_quantized(params)
-  stored = param_specs(cfg, mesh, ffn, quantized)
-  gathered = param_specs(cfg, mesh, ffn, quantized, gathered=True)
-  p_specs = jax.tree.map(lambda r: r.spec, match_params(stored, params), is_leaf=_is_resolved)
-  kv = cache_spec(plan)
-  ub, wv = spec_entry(plan.ub), spec_entry(plan.wv)
-  logits_spec = P(ub, None, wv) if all_logits else P(ub, wv)
-  local = functools.partial(_local_step, plan=plan, cfg=cfg, stored=stored, gathered=gathered,
-                            attend_len=attend_len, all_logits=all_logits)
-  step = _shard_map(local, mesh,
-                    in_specs=(p_specs, P(spec_entry(plan.sh)), P(), P(), P(), P(), kv, kv),
-                    out_specs=(logits_spec, kv, kv))
-  logits, k, v = step(params, jnp.arange(cfg.num_heads, dtype=jnp.int32), tokens_BT, c.pos_BT,
-                      c.wpos_BT, c.last_B, cache.k, cache.v)
-  return logits, cache.replace(k=k, v=v, lengths=c.lengths_B)
+  kv = cache_spec(plan)  # [L, B.ab, K, S, H]; lengths are not read inside (positions are)
+  spec = KVCache(k=kv, v=kv, lengths=P())  # type: ignore[arg-type]
+  logits, out = sharded_forward(params, tokens_BT, cache, c, cfg=cfg, mesh=mesh, ffn=ffn,
+                                plan=plan, attend_len=attend_len, all_logits=all_logits,
+                                store_spec=spec)
+  return logits, cache.replace(k=out.k, v=out.v, lengths=c.lengths_B)
 
 
 def _decode(params: Params, tokens_B: jax.Array, cache: KVCache, active_B, *, attend_len,
@@ -289,5 +323,5 @@ def init_sharded_cache(cfg: ModelConfig, batch: int, max_len: int | None, mesh: 
   return jax.jit(lambda: init_cache(cfg, batch, max_len, dtype), out_shardings=shardings)()
 
 
-__all__ = ["make_sharded_step", "shard_params", "shard_cache", "init_sharded_cache",
+__all__ = ["make_sharded_step", "sharded_forward", "shard_params", "shard_cache", "init_sharded_cache",
            "param_shardings", "is_quantized"]

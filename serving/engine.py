@@ -22,6 +22,13 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
   * Sampling per slot: seed, temperature, top-k, top-p; a slot's key is
     ``fold_in(key(seed), position)``, so the ids do not depend on the batch (same as
     ``serving.generator``).
+  * A partitioned step may shard the pool's page axis into ``step.kv_shards`` sub-pools (an
+    optional attribute; absent = 1): a call's row ``r`` then runs on shard ``r // (R / n)`` and
+    must hold pages of that shard only (``partitioning.paged_step``). The engine keeps its
+    per-slot state (table, lengths, last ids, sampling) indexed by the scheduler's slot and
+    arranges each call's rows by the shard of the slot's pages (read from the plan's page
+    table), ``R = n * bucket(most rows on one shard)``; with one shard the rows are the slots
+    ``[0, n)`` as before.
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
 """
@@ -90,16 +97,18 @@ def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: Sampling
                    static_argnames=("step", "n", "attend_len", "greedy_only", "valid_vocab"),
                    donate_argnames=("kv", "last_S"))
 def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
-                 pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int, attend_len: int,
-                 greedy_only: bool, valid_vocab: int):
-  sub = kv.replace(page_table=kv.page_table[:n], lengths=pos_N)
-  logits_NV, sub = step.decode(params, last_S[:n], sub, active_N, attend_len=attend_len)
-  s_N = jax.tree.map(lambda a: a[:n], samp)
-  tok_N = jnp.where(active_N, sample(logits_NV[:, :valid_vocab], pos_N + 1, s_N, greedy_only),
-                    last_S[:n])
-  lengths = kv.lengths.at[:n].set(jnp.where(active_N, sub.lengths, kv.lengths[:n]))
+                 slots_N: jax.Array, pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int,
+                 attend_len: int, greedy_only: bool, valid_vocab: int):
+  # Row i runs slot slots_N[i] (padding rows: slot max_slots, the null page, inactive).
+  sub = kv.replace(page_table=_rows(kv.page_table, slots_N, kv.num_pages), lengths=pos_N)
+  last_N = _rows(last_S, slots_N, 0)
+  logits_NV, sub = step.decode(params, last_N, sub, active_N, attend_len=attend_len)
+  tok_N = jnp.where(active_N, sample(logits_NV[:, :valid_vocab], pos_N + 1,
+                                     _sampling_rows(samp, slots_N), greedy_only), last_N)
+  keep_N = _rows(kv.lengths, slots_N, 0)
+  lengths = kv.lengths.at[slots_N].set(jnp.where(active_N, sub.lengths, keep_N), mode="drop")
   kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths)
-  return kv, last_S.at[:n].set(tok_N), tok_N
+  return kv, last_S.at[slots_N].set(tok_N, mode="drop"), tok_N
 
 
 @dataclasses.dataclass
@@ -129,6 +138,11 @@ class Engine:
     self._samp_host = [SamplingParams()] * config.max_slots
     self._samp = SamplingArrays.from_params(self._samp_host)
     self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
+    self.kv_shards = int(getattr(step, "kv_shards", 1))
+    if config.num_pages % self.kv_shards:
+      raise ValueError(f"num_pages {config.num_pages} does not split into the step's "
+                       f"{self.kv_shards} kv shards")
+    self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
 
@@ -143,7 +157,7 @@ class Engine:
     self._samp_host[slot] = sampling
 
   def prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[jax.Array, list[tuple[str, int]]]:
-    r = bucket(len(chunks), minimum=1)
+    r, row_of = self._arrange([c.slot for c in chunks])
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
                maximum=self.config.max_seq_tokens)
     end = max(c.start + len(c.token_ids) for c in chunks)
@@ -153,7 +167,7 @@ class Engine:
     start = np.zeros((r,), np.int32)
     lens = np.zeros((r,), np.int32)
     want = np.zeros((r,), bool)
-    for i, c in enumerate(chunks):
+    for c, i in zip(chunks, row_of):
       toks[i, :len(c.token_ids)] = c.token_ids
       slots[i], start[i], lens[i], want[i] = c.slot, c.start, len(c.token_ids), c.sample
     greedy = all(self._samp_host[c.slot].greedy for c in chunks)
@@ -163,25 +177,32 @@ class Engine:
         jnp.asarray(start), jnp.asarray(lens), jnp.asarray(want), step=self.step,
         attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab)
     self.insert(chunks)
-    return tok_R, [(c.request_id, i) for i, c in enumerate(chunks) if c.sample]
+    return tok_R, [(c.request_id, i) for c, i in zip(chunks, row_of) if c.sample]
 
   def insert(self, chunks: Sequence[PrefillChunk]) -> None:
     """Prefill and decode share one layout and one pool here: nothing to re-lay."""
 
   def generate(self, rows: Sequence[DecodeRow]) -> tuple[jax.Array, list[tuple[str, int]]]:
-    n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
+    if self.kv_shards == 1:  # rows = slots [0, n): the scheduler keeps active slots compact
+      n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
+      row_of = [r.slot for r in rows]
+    else:
+      n, row_of = self._arrange([r.slot for r in rows])
     attend = self._attend(max(r.position for r in rows) + 1)
+    slots = np.full((n,), self.config.max_slots, np.int32)
+    if self.kv_shards == 1:
+      slots[:] = np.arange(n)
     pos = np.zeros((n,), np.int32)
     active = np.zeros((n,), bool)
-    for r in rows:
-      pos[r.slot], active[r.slot] = r.position, True
+    for r, i in zip(rows, row_of):
+      slots[i], pos[i], active[i] = r.slot, r.position, True
     greedy = all(self._samp_host[r.slot].greedy for r in rows)
     self._shapes.add(("decode", n, attend, greedy))
     self.kv, self.last_S, tok_N = _decode_call(
-        self.params, self.kv, self.last_S, self._samp, jnp.asarray(pos), jnp.asarray(active),
-        step=self.step, n=n, attend_len=attend, greedy_only=greedy,
+        self.params, self.kv, self.last_S, self._samp, jnp.asarray(slots), jnp.asarray(pos),
+        jnp.asarray(active), step=self.step, n=n, attend_len=attend, greedy_only=greedy,
         valid_vocab=self.valid_vocab)
-    return tok_N, [(r.request_id, r.slot) for r in rows]
+    return tok_N, [(r.request_id, i) for r, i in zip(rows, row_of)]
 
   def release(self, slots: Sequence[int]) -> None:
     """Nothing on the device (see the module contract)."""
@@ -199,7 +220,8 @@ class Engine:
       self.kv = copy_pages(self.kv, src, dst)
     parts = []
     if not plan.empty:
-      self.kv = self.kv.replace(page_table=jnp.asarray(plan.page_table, jnp.int32))
+      self._table = np.asarray(plan.page_table, np.int32)
+      self.kv = self.kv.replace(page_table=jnp.asarray(self._table))
     if plan.decode:
       parts.append(self.generate(plan.decode))
     if plan.prefill:
@@ -215,6 +237,27 @@ class Engine:
     out = [p.result() for p in self._held]
     self._held.clear()
     return out
+
+  def _arrange(self, slots: Sequence[int]) -> tuple[int, list[int]]:
+    """(rows R, row of each slot): unsharded, rows 0..; else grouped by the shard of the slot's
+    pages, ``R = kv_shards * bucket(largest group)``."""
+    if self.kv_shards == 1:
+      return bucket(len(slots), minimum=1), list(range(len(slots)))
+    per_shard = self.config.num_pages // self.kv_shards
+    shard = []
+    for s in slots:
+      page = int(self._table[s, 0])
+      if not 0 <= page < self.config.num_pages:
+        raise ValueError(f"slot {s} holds no page: cannot place it on a kv shard")
+      shard.append(page // per_shard)
+    groups = collections.Counter(shard)
+    r_s = bucket(max(groups.values()), minimum=1)
+    seen: collections.Counter[int] = collections.Counter()
+    row_of = []
+    for sh in shard:
+      row_of.append(sh * r_s + seen[sh])
+      seen[sh] += 1
+    return self.kv_shards * r_s, row_of
 
   def _attend(self, end: int) -> int:
     z = self.config.page_size

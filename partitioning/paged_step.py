@@ -1,0 +1,336 @@
+"""The partitioned step over paged KV memory: ``models.step.Step`` for a (mesh, FFN layout,
+attention layout), and the helpers for two phases in two layouts (one mesh or two sub-meshes).
+
+Contract:
+  * ``PagedShardedStep(cfg, mesh, ffn, attn)`` runs ``partitioning.collectives``' forward (one
+    ``shard_map``, the same math as ``make_sharded_step``) over a ``models.paged_kv.PagedKV``.
+    ``prefill`` / ``decode`` are traceable (the engine calls them inside its jitted programs,
+    ``attend_len`` static) and follow ``models.step.Step``.
+  * **Pool sharding.** ``kv_axes`` are the layout's attention batch axes (``StepPlan.ab`` of
+    ``layouts.make_plan`` at a batch every axis divides); ``kv_shards`` is their size. The
+    page axis of ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]`` is sharded over them:
+    ``[L, P.ab, K, Z, H]``, shard ``s`` (the linear index over ``kv_axes``, major first) owns the
+    global page ids ``[s * P_s, (s + 1) * P_s)``, ``P_s = P / kv_shards``, exactly the
+    sub-pools of ``serving.kv_pages.PagePool(PageBudget(num_shards=kv_shards))``. K and V are
+    never replicated over the kv shards; over the remaining mesh axes (the chips that shard
+    query heads, e.g. all of them under ``ws_2d + heads``, where ``kv_axes`` is empty) every
+    chip holds the same pages, as the contiguous cache is under ``heads``. ``page_table`` and
+    ``lengths`` (per engine slot, small) are replicated.
+  * **Rows.** The ``R`` rows of a call (``tokens`` and the store's ``page_table`` / ``lengths``
+    rows) are sharded the same way: row ``r`` runs on kv shard ``r // (R / kv_shards)`` and its
+    pages must be in that shard's range (so a sequence's row, its queries and its pages are on
+    the same chips, and the paged attention needs no KV traffic). ``R`` must be a multiple of
+    ``kv_shards`` (``ValueError`` otherwise). Inside the ``shard_map`` each shard maps its rows'
+    global ids to local ids (``id - s * P_s``; outside ``[0, P_s)`` -> the local null page
+    ``P_s``): a page of another shard is never written and reads as zeros, so a misplaced row
+    computes garbage for itself only (``misplaced`` counts such table entries, for checks).
+    The engine arranges rows by shard (``serving.engine`` reads ``kv_shards``).
+  * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
+    and every ``wg_*`` share it, ``ws_1d`` has its own); ``init_kv`` creates the pool directly in
+    ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
+    fallbacks, the KV sharding.
+  * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=)`` builds the (prefill, decode)
+    pair from layout names or ``partitioning.planner`` candidates. One resident params copy
+    serves both when their stored layouts are equal; otherwise ``on_mismatch="family"`` runs
+    decode in the prefill layout's FFN layout (keeping decode's attention layout) and
+    ``"two_copies"`` places two copies and reports their bytes. ``PhaseSteps.describe()`` says
+    which. When the two pools' shardings differ, ``relayout`` re-lays the WHOLE pool into the
+    decode sharding (one ``device_put``; replicated -> sharded is a local slice, sharded ->
+    sharded over other axes an all-to-all of the pool) and ``transfer_pages`` copies only the
+    given pages. Page ids keep their meaning when one phase's ``kv_shards`` divides the
+    other's: the host allocator then uses the finer sub-pools, each inside one coarse range.
+  * ``transfer_pages(src_kv, dst_kv, src_ids, dst_ids)`` copies pages ``src_ids[c]`` of a pool
+    (on any mesh) to ``dst_ids[c]`` of another (on its own mesh, e.g. a disaggregated decode
+    sub-mesh) and returns the new destination pool (donated, still in its sharding). Ids
+    outside ``[0, P_dst)`` are padding. Cost: the ``C`` pages are gathered on the source mesh
+    and sent whole to every destination chip (``C * page_bytes`` per chip), which keeps its own
+    pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models import kv_cache
+from models.config import ModelConfig
+from models.paged_kv import PagedKV, init_paged
+from models.weights import Params
+from partitioning import comm
+from partitioning.collectives import is_quantized, shard_params, sharded_forward
+from partitioning.layouts import (
+    AttnLayout, Axes, FfnLayout, StepPlan, axes_size, get_attn_layout, get_ffn_layout,
+    make_plan, param_fallbacks, param_shardings, spec_entry)
+from partitioning.mesh import mesh_shape
+from partitioning.planner import Candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedShardedStep:
+  """``models.step.Step`` under (ffn, attn) on ``mesh`` over a page-sharded ``PagedKV``."""
+  cfg: ModelConfig
+  mesh: Mesh
+  ffn: FfnLayout
+  attn: AttnLayout
+
+  @classmethod
+  def make(cls, cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout,
+           attn: str | AttnLayout) -> "PagedShardedStep":
+    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn))
+
+  # -- the pool's sharding ------------------------------------------------------------------
+
+  def plan(self, batch: int) -> StepPlan:
+    return make_plan(self.cfg, self.mesh, self.ffn, self.attn, batch)
+
+  @property
+  def kv_axes(self) -> Axes:
+    """The attention batch axes with nothing falling back (a batch of mesh.size rows)."""
+    return self.plan(self.mesh.devices.size).ab
+
+  @property
+  def kv_shards(self) -> int:
+    return axes_size(self.mesh, self.kv_axes)
+
+  def pool_spec(self) -> PagedKV:
+    pages = P(None, spec_entry(self.kv_axes))  # [L, P.ab, K, Z, H]
+    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P())  # type: ignore[arg-type]
+
+  def kv_sharding(self) -> PagedKV:
+    """``PagedKV`` of ``NamedSharding``: pages ``[L, P.ab, K, Z, H]``, table and lengths
+    replicated."""
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.pool_spec())
+
+  # -- the Step protocol --------------------------------------------------------------------
+
+  def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
+              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, PagedKV]:
+    return self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
+
+  def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
+             attend_len: int) -> tuple[jax.Array, PagedKV]:
+    ones = jnp.ones_like(kv.lengths) if active_B is None else active_B.astype(jnp.int32)
+    return self._forward(params, tokens_B[:, None], kv, None, ones, attend_len)
+
+  def place_params(self, params: Params) -> Params:
+    return shard_params(params, self.cfg, self.mesh, self.ffn)
+
+  def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
+              dtype: jnp.dtype) -> PagedKV:
+    self._check_pages(num_pages)
+    make = functools.partial(init_paged, self.cfg, batch, num_pages, page_size, pages_per_seq,
+                             dtype)
+    return jax.jit(make, out_shardings=self.kv_sharding())()
+
+  def describe(self) -> dict[str, object]:
+    plan = self.plan(self.mesh.devices.size)
+    ab = "".join(self.kv_axes)
+    rest = "".join(a for a in self.mesh.axis_names
+                   if a not in self.kv_axes and self.mesh.shape[a] > 1)
+    return {
+        "kind": "paged_sharded", "model": self.cfg.name, "ffn": self.ffn.name,
+        "attn": self.attn.name, "mesh": dict(zip(self.mesh.axis_names, mesh_shape(self.mesh))),
+        "plan": plan.describe(), "reasons": list(plan.reasons),
+        "param_fallbacks": param_fallbacks(self.cfg, self.mesh, self.ffn),
+        "kv_axes": list(self.kv_axes), "kv_shards": self.kv_shards,
+        "kv": (f"pages [L, P{'_' + ab if ab else ''}, K, Z, H]: {self.kv_shards} sub-pool(s), "
+               + (f"replicated over {rest} (the head-sharding chips)" if rest
+                  else "never replicated")),
+        "rows": f"row r of a call on kv shard r // (R / {self.kv_shards})"}
+
+  # -- internals ----------------------------------------------------------------------------
+
+  def _check_pages(self, num_pages: int) -> None:
+    if num_pages % self.kv_shards:
+      raise ValueError(f"{self.ffn.name}+{self.attn.name}: {num_pages} pages do not split into "
+                       f"{self.kv_shards} sub-pools")
+
+  def _forward(self, params, tokens_BT, kv: PagedKV, start_B, lens_B, attend_len: int):
+    b, t = tokens_BT.shape
+    n = self.kv_shards
+    self._check_pages(kv.num_pages)
+    if b % n:
+      raise ValueError(f"{self.ffn.name}+{self.attn.name}: a call's {b} rows must be a multiple "
+                       f"of the {n} kv shards (row r runs on shard r // (R / {n}))")
+    plan = self.plan(b)
+    if plan.ab != self.kv_axes:  # cannot happen for b % n == 0; guards the derivation
+      raise ValueError(f"{b} rows run attention over {plan.ab}, the pool is over {self.kv_axes}")
+    c = kv_cache.chunk_positions(kv.lengths, start_B, lens_B, t, kv.max_len)
+    ab = spec_entry(self.kv_axes)
+    pages = P(None, ab)  # [L, P.ab, K, Z, H]
+    spec = PagedKV(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
+                   lengths=P())  # type: ignore[arg-type]  # lengths unread inside (positions are)
+    axes = self.kv_axes
+
+    def localize(block: PagedKV) -> PagedKV:
+      p_s = block.k_pages.shape[1]
+      local_BM = block.page_table - comm.linear_index(axes) * p_s
+      ok_BM = (local_BM >= 0) & (local_BM < p_s)
+      return block.replace(page_table=jnp.where(ok_BM, local_BM, p_s))
+
+    def merge(block: PagedKV, local: PagedKV) -> PagedKV:
+      return block.replace(k_pages=local.k_pages, v_pages=local.v_pages)
+
+    logits, out = sharded_forward(params, tokens_BT, kv, c, cfg=self.cfg, mesh=self.mesh,
+                                  ffn=self.ffn, plan=plan, attend_len=attend_len,
+                                  all_logits=False, store_spec=spec, localize=localize,
+                                  merge=merge)
+    return logits, kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=c.lengths_B)
+
+
+def misplaced(kv: PagedKV, kv_shards: int) -> jax.Array:
+  """Table entries (real pages) of row r outside kv shard ``r // (R / kv_shards)``'s range:
+  0 when the rows are arranged as the step's contract says."""
+  b, _ = kv.page_table.shape
+  p_s = kv.num_pages // kv_shards
+  real = (kv.page_table >= 0) & (kv.page_table < kv.num_pages)
+  shard_B = jnp.arange(b) // (b // kv_shards)
+  return jnp.sum(real & (kv.page_table // p_s != shard_B[:, None]), dtype=jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two phases, two layouts.
+
+Mismatch = Literal["family", "two_copies"]
+LayoutChoice = tuple[str, str] | Candidate
+
+
+def _names(choice: LayoutChoice) -> tuple[str, str, str | None]:
+  if isinstance(choice, Candidate):
+    return choice.layout, choice.attention, f"planner: {choice.layout}+{choice.attention} on " \
+        f"mesh {choice.mesh}"
+  ffn, attn = choice
+  return ffn, attn, None
+
+
+def param_bytes(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, quantized: bool) -> int:
+  """Bytes of one resident params copy summed over the mesh's chips (replication counted)."""
+  from models.weights import abstract_params
+  shapes = jax.tree.leaves(abstract_params(cfg, quantized=quantized))
+  shards = jax.tree.leaves(param_shardings(cfg, mesh, ffn, quantized))
+  total = 0
+  for sds, sh in zip(shapes, shards, strict=True):
+    per_chip = int(np.prod(sh.shard_shape(sds.shape))) * jnp.dtype(sds.dtype).itemsize
+    total += per_chip * mesh.devices.size
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseSteps:
+  """The (prefill, decode) steps of one deployment and how they share params and KV."""
+  prefill: PagedShardedStep
+  decode: PagedShardedStep
+  shared_params: bool  # one resident copy serves both
+  relayout: bool  # the pools' shardings differ: insert must re-lay the KV
+  notes: tuple[str, ...]
+
+  def place_params(self, params: Params) -> tuple[Params, Params]:
+    """(prefill params, decode params): the same arrays when ``shared_params``."""
+    pre = self.prefill.place_params(params)
+    return pre, pre if self.shared_params else self.decode.place_params(params)
+
+  def kv_shards(self) -> int:
+    """Sub-pools for the host allocator: the finer of the two phases'."""
+    return max(self.prefill.kv_shards, self.decode.kv_shards)
+
+  def describe(self, quantized: bool = False) -> dict[str, object]:
+    copies = 1 if self.shared_params else 2
+    nbytes = param_bytes(self.prefill.cfg, self.prefill.mesh, self.prefill.ffn, quantized)
+    if not self.shared_params:
+      nbytes += param_bytes(self.decode.cfg, self.decode.mesh, self.decode.ffn, quantized)
+    return {"prefill": self.prefill.describe(), "decode": self.decode.describe(),
+            "param_copies": copies, "param_bytes": nbytes, "kv_relayout": self.relayout,
+            "kv_relayout_cost": ("none: one pool sharding" if not self.relayout else
+                                 "relayout: the whole pool re-laid per insert; transfer_pages: "
+                                 "the inserted pages sent to every decode chip"),
+            "notes": list(self.notes)}
+
+
+def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: LayoutChoice, *,
+                decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family") -> PhaseSteps:
+  """The (prefill, decode) pair on ``mesh`` (or decode on its own ``decode_mesh``:
+  disaggregated, always its own params copy and pool)."""
+  p_ffn, p_attn, p_note = _names(prefill)
+  d_ffn, d_attn, d_note = _names(decode)
+  notes = [n for n in (p_note, d_note) if n]
+  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn)
+  if decode_mesh is not None:
+    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn)
+    notes.append("disaggregated: decode on its own sub-mesh with its own params copy and pool; "
+                 "KV moves by transfer_pages")
+    return PhaseSteps(pre, dec, shared_params=False, relayout=True, notes=tuple(notes))
+  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn)
+  shared = pre.ffn.stored == dec.ffn.stored
+  if not shared:
+    if on_mismatch == "family":
+      notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: decode "
+                   f"kept in the prefill layout's family ({pre.ffn.name}+{dec.attn.name}), one "
+                   "params copy")
+      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn)
+      shared = True
+    elif on_mismatch == "two_copies":
+      notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: two "
+                   "resident params copies (see param_bytes)")
+    else:
+      raise ValueError(f"on_mismatch must be 'family' or 'two_copies', got {on_mismatch!r}")
+  else:
+    notes.append(f"{pre.ffn.name} and {dec.ffn.name} share the stored layout: one params copy")
+  relay = pre.kv_axes != dec.kv_axes
+  if relay:
+    lo, hi = sorted((pre.kv_shards, dec.kv_shards))
+    if hi % lo:
+      raise ValueError(f"prefill kv shards {pre.kv_shards} and decode {dec.kv_shards}: neither "
+                       "divides the other, so no page id is in one sub-pool of each")
+  return PhaseSteps(pre, dec, shared_params=shared, relayout=relay, notes=tuple(notes))
+
+
+def relayout(kv: PagedKV, dst: PagedShardedStep) -> PagedKV:
+  """The whole pool in ``dst``'s sharding (same page ids). Cost: see the module contract."""
+  return jax.device_put(kv, dst.kv_sharding())
+
+
+@functools.partial(jax.jit, donate_argnames=("pages",))
+def _scatter_pages(pages: jax.Array, ids_C: jax.Array, x_LCKZH: jax.Array) -> jax.Array:
+  ids_C = jnp.where((ids_C >= 0) & (ids_C < pages.shape[1]), ids_C, pages.shape[1])
+  return pages.at[:, ids_C].set(x_LCKZH.astype(pages.dtype), mode="drop")
+
+
+@jax.jit
+def _gather_pages(pages: jax.Array, ids_C: jax.Array) -> jax.Array:
+  return pages.at[:, ids_C].get(mode="fill", fill_value=0)  # [L, C, K, Z, H]
+
+
+def transfer_pages(src: PagedKV, dst: PagedKV, src_ids: Sequence[int] | jax.Array,
+                   dst_ids: Sequence[int] | jax.Array) -> PagedKV:
+  """Copies pages ``src_ids[c]`` of ``src`` into ``dst_ids[c]`` of ``dst`` (any two meshes);
+  returns the new ``dst`` (its pages donated) in ``dst``'s sharding. Tables and lengths are
+  the caller's (the destination's host allocator)."""
+  dst_sharding = dst.k_pages.sharding
+  if not isinstance(dst_sharding, NamedSharding):
+    raise ValueError("transfer_pages: the destination pool must have a NamedSharding")
+  src_mesh = src.k_pages.sharding.mesh if isinstance(src.k_pages.sharding, NamedSharding) \
+      else None
+  ids_s = np.asarray(src_ids, np.int32)
+  ids_d = np.asarray(dst_ids, np.int32)
+  if ids_s.shape != ids_d.shape or ids_s.ndim != 1:
+    raise ValueError(f"src_ids {ids_s.shape} and dst_ids {ids_d.shape} must be equal 1-D shapes")
+  rep_src = NamedSharding(src_mesh, P()) if src_mesh is not None else None
+  rep_dst = NamedSharding(dst_sharding.mesh, P())
+  src_idx = jax.device_put(ids_s, rep_src) if rep_src is not None else jnp.asarray(ids_s)
+  dst_idx = jax.device_put(ids_d, rep_dst)
+  out = {}
+  for name in ("k_pages", "v_pages"):
+    chunk = _gather_pages(getattr(src, name), src_idx)  # [L, C, K, Z, H] on the source mesh
+    chunk = jax.device_put(chunk, rep_dst)  # whole on every destination chip
+    out[name] = _scatter_pages(getattr(dst, name), dst_idx, chunk)  # [L, P.ab, K, Z, H]
+  return dst.replace(**out)
+
+
+__all__ = ["PagedShardedStep", "misplaced", "PhaseSteps", "phase_steps", "relayout",
+           "transfer_pages", "param_bytes"]
