@@ -63,7 +63,7 @@ from models.config import ModelConfig
 from models.paged_kv import PagedKV, init_paged
 from models.weights import Params
 from partitioning import comm
-from partitioning.collectives import is_quantized, shard_params, sharded_forward
+from partitioning.collectives import shard_params, sharded_forward
 from partitioning.layouts import (
     AttnLayout, Axes, FfnLayout, StepPlan, axes_size, get_attn_layout, get_ffn_layout,
     make_plan, param_fallbacks, param_shardings, spec_entry)

@@ -71,24 +71,28 @@ def _case(quantized: bool):
 
 
 def _run(pre, dec, params, kv, x, between=None):
-  """Two prefill chunks (the second continuing at each row's length) then a decode step."""
+  """Two prefill chunks (the second continuing at each row's length) then a decode step, in one
+  program unless ``between`` (a re-lay) runs between the phases."""
 
-  @jax.jit
   def prefill(p, kv):
     l1, kv = pre.prefill(p, x["toks1"], kv, jnp.zeros((B,), jnp.int32), x["lens1"],
                          attend_len=S)
     l2, kv = pre.prefill(p, x["toks2"], kv, kv.lengths, x["lens2"], attend_len=S)
     return l1, l2, kv
 
-  @jax.jit
   def decode(p, kv):
     return dec.decode(p, x["nxt"], kv, x["active"], attend_len=S)
 
-  l1, l2, kv = prefill(params, kv)
-  mid = kv
-  if between is not None:
-    kv = between(kv)
-  l3, kv = decode(params, kv)
+  if between is None:
+    @jax.jit
+    def both(p, kv):
+      l1, l2, mid = prefill(p, kv)
+      return l1, l2, mid, *decode(p, mid)
+
+    l1, l2, mid, l3, kv = both(params, kv)
+  else:
+    l1, l2, mid = jax.jit(prefill)(params, kv)
+    l3, kv = jax.jit(decode)(params, between(mid))
   return dict(l1=l1, l2=l2, l3=l3, mid=mid, kv=kv)
 
 
@@ -243,9 +247,9 @@ def test_engine_over_the_sharded_step(mesh8):
 
   params = init_params(CFG, jax.random.key(3), jnp.float32)
   rng = np.random.default_rng(5)
-  reqs = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 256, int(rng.integers(3, 30)))),
-                  SamplingParams(), StopCriteria(max_tokens=int(rng.integers(4, 12)),
-                                                 ignore_eos=True)) for i in range(10)]
+  reqs = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 256, int(rng.integers(3, 24)))),
+                  SamplingParams(), StopCriteria(max_tokens=int(rng.integers(3, 8)),
+                                                 ignore_eos=True)) for i in range(6)]
 
   def serve(step, shards):
     pool = PagePool(PageBudget(8, 64 // shards, shards), max_seq_tokens=CFG.max_seq_len)
