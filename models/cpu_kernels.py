@@ -56,6 +56,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _TARGET = "phaseserve_int8_matmul"
 _FLOAT_TARGET = "phaseserve_float_matmul"
@@ -92,9 +93,10 @@ constexpr int64_t kBlockK = 16; // weight rows per pass over the columns (multip
 template <int M>
 static void pass(const int32_t* __restrict xq, int64_t xq_stride, const int8_t* __restrict w,
                  int64_t N, int64_t kb, int64_t n0, int64_t n1, int32_t* __restrict y,
-                 int64_t ldy, bool first, const int8_t* pf, int64_t pf_bytes) {
+                 int64_t ldy, bool first, const int8_t* pf, int64_t pf_bytes, bool l1) {
   // Software prefetch of the next block of weight rows (contiguous), spread over this pass's
-  // column tiles: with short rows the hardware prefetchers do not ramp up.
+  // column tiles: with short rows the hardware prefetchers do not ramp up. Into L2 (T1) or L1
+  // (T0, `l1`): which is faster depends on the machine (models/cpu_lowering.py measures it).
   const int64_t tiles = (n1 - n0) / kTileN;
   const int64_t pf_per_tile = tiles > 0 ? (pf_bytes / 64 + tiles - 1) / tiles : 0;
   const int8_t* pf_end = pf + pf_bytes;
@@ -107,8 +109,13 @@ static void pass(const int32_t* __restrict xq, int64_t xq_stride, const int8_t* 
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   const __m128i zero = _mm_setzero_si128();
   for (int64_t n = n0; n < n1; n += kTileN) {
-    for (int64_t i = 0; i < pf_per_tile && pf < pf_end; ++i, pf += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+    if (l1) {
+      for (int64_t i = 0; i < pf_per_tile && pf < pf_end; ++i, pf += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
+    } else {
+      for (int64_t i = 0; i < pf_per_tile && pf < pf_end; ++i, pf += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T1);
+    }
     __m512i acc[M][2];
     for (int m = 0; m < M; ++m) {
       if (first) {
@@ -149,13 +156,13 @@ static void pass(const int32_t* __restrict xq, int64_t xq_stride, const int8_t* 
 }
 
 using PassFn = void (*)(const int32_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int64_t,
-                        int32_t*, int64_t, bool, const int8_t*, int64_t);
+                        int32_t*, int64_t, bool, const int8_t*, int64_t, bool);
 const PassFn kPass[kMaxM + 1] = {nullptr, pass<1>, pass<2>, pass<3>, pass<4>,
                                  pass<5>, pass<6>, pass<7>, pass<8>};
 
 // Rows [k0, k1) of w (k0 even) into y (ldy = N), columns [0, nv) (nv a multiple of kTileN).
 void partial(const int32_t* xp, int64_t kp, const int8_t* w, int64_t M, int64_t N, int64_t nv,
-             int64_t k0, int64_t k1, int32_t* y) {
+             int64_t k0, int64_t k1, int32_t* y, bool l1) {
   // k outer: a block of kBlockK weight rows is read from memory once and stays in cache while
   // every block of kMaxM x rows passes over it.
   for (int64_t k = k0; k < k1; k += kBlockK) {
@@ -165,13 +172,13 @@ void partial(const int32_t* xp, int64_t kp, const int8_t* w, int64_t M, int64_t 
     for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
       const int64_t mb = std::min<int64_t>(kMaxM, M - m0);
       kPass[mb](xp + m0 * kp + k / 4, kp, w + k * N, N, kb, 0, nv, y + m0 * N, N, k == k0,
-                w + (k + kb) * N, m0 == 0 && next > 0 ? next * N : 0);
+                w + (k + kb) * N, m0 == 0 && next > 0 ? next * N : 0, l1);
     }
   }
 }
 
 struct Job {
-  const int32_t* xp; const int8_t* w; int64_t M, K, N, nv, kp, parts;
+  const int32_t* xp; const int8_t* w; int64_t M, K, N, nv, kp, parts; bool l1;
   std::vector<int32_t*> out;  // per part: [M, N] (part 0 = the result buffer)
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -186,7 +193,7 @@ void work(const std::shared_ptr<Job>& j) {
     const int64_t k0 = kBlockK * (blocks * p / j->parts);
     const int64_t k1 = std::min(j->K, kBlockK * (blocks * (p + 1) / j->parts));
     if (k1 > k0) {
-      partial(j->xp, j->kp, j->w, j->M, j->N, j->nv, k0, k1, j->out[p]);
+      partial(j->xp, j->kp, j->w, j->M, j->N, j->nv, k0, k1, j->out[p], j->l1);
     } else {
       for (int64_t m = 0; m < j->M; ++m) std::memset(j->out[p] + m * j->N, 0, j->nv * 4);
     }
@@ -196,7 +203,7 @@ void work(const std::shared_ptr<Job>& j) {
 
 // ys[M, N] = xs[M, K] . ws[K, N] in int32.
 void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int32_t* ys,
-                 int64_t M, int64_t K, int64_t N) {
+                 int64_t M, int64_t K, int64_t N, bool l1 = false) {
   if (M == 0 || N == 0) return;
   if (K == 0) { std::memset(ys, 0, M * N * 4); return; }
   // x as quads of int8 (x[k..k+3], zero beyond K) in one int32: [M, ceil(K / 4)]; and the
@@ -223,7 +230,7 @@ void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int3
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (K * nv) / (128 * 1024)));
   auto job = std::make_shared<Job>();
   job->xp = xp.data(); job->w = ws; job->M = M; job->K = K; job->N = N; job->nv = nv;
-  job->kp = kp; job->parts = parts;
+  job->kp = kp; job->parts = parts; job->l1 = l1;
   std::vector<int32_t> scratch((parts - 1) * M * N);
   job->out.push_back(ys);
   for (int64_t p = 1; p < parts; ++p) job->out.push_back(scratch.data() + (p - 1) * M * N);
@@ -274,7 +281,8 @@ void quantize_rows(const float* xs, int64_t M, int64_t K, int8_t* xq, float* row
 // per row, scale = amax / 127 (1 where amax == 0), q = clip(round_half_even(x / scale), +-127);
 // y = float(q . w) * scale * w_scale[n].
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y,
+                          int32_t prefetch_l1) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || w_scale.element_count() != wd[1])
@@ -285,7 +293,7 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<float> row_scale(M);
   quantize_rows(x.typed_data(), M, K, xq.data(), row_scale.data());
   std::vector<int32_t> acc(M * N);
-  int8_matmul(pool, xq.data(), w.typed_data(), acc.data(), M, K, N);
+  int8_matmul(pool, xq.data(), w.typed_data(), acc.data(), M, K, N, prefetch_l1 != 0);
   const float* ws = w_scale.typed_data();
   float* ys = y->typed_data();
   for (int64_t m = 0; m < M; ++m)
@@ -596,7 +604,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8Matmul, W8A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prefetch_l1"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8NKMatmul, W8A8NKMatmulImpl,
                               ffi::Ffi::Bind()
@@ -711,10 +720,12 @@ def matmul_float(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
   return call(x_MK, w_KN)
 
 
-def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array) -> jax.Array:
+def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array,
+                prefetch_l1: bool = False) -> jax.Array:
   """f32 ``[M, N]``: per-row int8 quantization of f32 ``x`` fused with ``matmul_s8`` and both
   scales, computing exactly what ``models.quant.einsum`` computes for ``act_quant=True``
-  (call only when ``available()``)."""
+  (call only when ``available()``). ``prefetch_l1``: prefetch the next weight block into L1
+  instead of L2 (same result; speed depends on the machine)."""
   m, k = x_MK.shape
   k2, n = w_KN.shape
   if (k != k2 or x_MK.dtype != jnp.float32 or w_KN.dtype != jnp.int8
@@ -724,7 +735,7 @@ def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array) -> jax.A
                      f"{w_scale_N.dtype}")
   call = jax.ffi.ffi_call(_W8A8_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
-  return call(x_MK, w_KN, w_scale_N)
+  return call(x_MK, w_KN, w_scale_N, prefetch_l1=np.int32(1 if prefetch_l1 else 0))
 
 
 def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> jax.Array:

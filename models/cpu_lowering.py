@@ -36,6 +36,8 @@ Contract:
       - ``int8_native_max_rows`` / ``int8_nk_native_max_rows``: W8A8 rows up to which the native
         kernel is used for ``[K, N]`` / ``[N, K]`` (tied unembedding) int8 weights.
       - ``int8_row_multiple``: XLA's W8A8 int8 dot pads rows to a multiple of this.
+      - ``int8_prefetch_l1``: the native ``[K, N]`` W8A8 kernel prefetches the next weight block
+        into L1 instead of L2 (measured at 1 and 8 rows; L2 was faster on Zen 4).
     Robust to a shared machine: candidates are timed round-robin and compared by their best
     time, and a measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN`` (10%).
     A crossover is the largest measured row count up to which the native kernel is chosen at
@@ -67,7 +69,7 @@ from jax import lax
 
 from models import cpu_kernels
 
-VERSION = 3
+VERSION = 4
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -84,6 +86,7 @@ class CpuPolicy:
   int8_native_max_rows: int = 16
   int8_nk_native_max_rows: int = 16
   int8_row_multiple: int = 8
+  int8_prefetch_l1: bool = False  # the [K, N] W8A8 kernel prefetches into L1, not L2
 
   def __post_init__(self) -> None:
     if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
@@ -364,6 +367,7 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
   f32_min = 1
   int8_max = 0
   int8_nk_max = 0
+  prefetch_l1 = DEFAULT.int8_prefetch_l1
   if native:
     # Float decode rows: native vs XLA (bf16 weights; f32 checked at the smallest count).
     crossovers = []
@@ -411,6 +415,18 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
         meas[f"{name}_decode_{m}rows"] = r
       if w_kn:
         int8_max = _crossover(nat, xla, DEFAULT.int8_native_max_rows)
+        # Prefetch target of the same kernel: L2 (DEFAULT) vs L1, at 1 and 8 rows.
+        score: dict[str, float] = {}
+        for m in rows[:2]:
+          xm = jax.random.normal(key, (m, k), jnp.float32)
+          fl = {str(l1): jax.jit(lambda x, ws, l1=l1: _chain(
+              lambda y, w: cpu_kernels.matmul_w8a8(y, w, sc, prefetch_l1=l1), x, ws))
+                for l1 in (False, True)}
+          r = _race({key_: (lambda f=f: f(xm, wq)) for key_, f in fl.items()}, rounds)
+          meas[f"int8_kn_prefetch_l1_{m}rows"] = r
+          for key_, v in r.items():
+            score[key_] = score.get(key_, 0.0) + v / min(r.values())
+        prefetch_l1 = _pick(score, str(DEFAULT.int8_prefetch_l1)) == "True"
       else:
         int8_nk_max = _crossover(nat, xla, DEFAULT.int8_nk_native_max_rows)
       del wq
@@ -433,5 +449,6 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
                 float_native_max_rows=float_max,
                 f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
                 bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
-                int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple)
+                int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
+                int8_prefetch_l1=prefetch_l1)
   return p, meas, time.perf_counter() - t0

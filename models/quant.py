@@ -197,8 +197,11 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
       max_rows = pol.int8_native_max_rows if w_kn else pol.int8_nk_native_max_rows
       if cpu and m <= max_rows and cpu_kernels.available():
         # The same quantization, int32 dot and scaling, in one native call.
-        kernel = cpu_kernels.matmul_w8a8 if w_kn else cpu_kernels.matmul_w8a8_nk
-        y2 = kernel(x32, wq, w.scale.reshape(n))
+        if w_kn:
+          y2 = cpu_kernels.matmul_w8a8(x32, wq, w.scale.reshape(n),
+                                       prefetch_l1=pol.int8_prefetch_l1)
+        else:
+          y2 = cpu_kernels.matmul_w8a8_nk(x32, wq, w.scale.reshape(n))
       else:
         y2 = cpu_lowering.w8a8_xla(x32, wq, w_scale, w_kn, pol.int8_row_multiple if cpu else 1)
   y = y2.astype(x.dtype).reshape([sizes[c] for c in free_x + free_w])

@@ -122,7 +122,8 @@ def test_w8a8_decode_matches_forward(tied):
 
 
 @needs_kernel
-def test_matmul_w8a8_is_the_xla_formula_bit_for_bit():
+@pytest.mark.parametrize("prefetch_l1", [False, True])
+def test_matmul_w8a8_is_the_xla_formula_bit_for_bit(prefetch_l1):
   rng = np.random.default_rng(7)
   m, k, n = 6, 96, 64
   x = rng.standard_normal((m, k)).astype(np.float32) * 3
@@ -139,7 +140,8 @@ def test_matmul_w8a8_is_the_xla_formula_bit_for_bit():
     acc = jax.lax.dot_general(xq, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * x_scale * s[None]
 
-  got = np.asarray(jax.jit(cpu_kernels.matmul_w8a8)(x, w, w_scale))
+  got = np.asarray(jax.jit(lambda x, w, s: cpu_kernels.matmul_w8a8(
+      x, w, s, prefetch_l1=prefetch_l1))(x, w, w_scale))
   np.testing.assert_array_equal(got, np.asarray(jax.jit(xla)(x, w, w_scale)))
 
 

@@ -60,8 +60,8 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   assert set(r["measurements"]["float_prefill_bfloat16"]) == set(cpu_lowering.FLOAT_PREFILL)
   assert set(r["measurements"]["float_prefill_float32"]) == set(cpu_lowering.F32_PREFILL)
   if cpu_kernels.available():
-    assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows",
-            "float_decode_bfloat16_8rows"} <= set(r["measurements"])
+    assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows", "float_decode_bfloat16_8rows",
+            "int8_kn_prefetch_l1_1rows"} <= set(r["measurements"])
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
     stored = json.load(f)[r["key"]]
@@ -133,7 +133,8 @@ def test_int8_candidates_are_bit_identical(spec, x_shape, w_shape, contract):
   for native_rows in (0, 16):
     for mult in (1, 8, 32):
       p = dataclasses.replace(cpu_lowering.DEFAULT, int8_native_max_rows=native_rows,
-                              int8_nk_native_max_rows=native_rows, int8_row_multiple=mult)
+                              int8_nk_native_max_rows=native_rows, int8_row_multiple=mult,
+                              int8_prefetch_l1=mult == 8)
       with cpu_lowering.use_policy(p):
         outs.append(np.asarray(jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)))
   for o in outs[1:]:
