@@ -29,6 +29,13 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     arranges each call's rows by the shard of the slot's pages (read from the plan's page
     table), ``R = n * bucket(most rows on one shard)``; with one shard the rows are the slots
     ``[0, n)`` as before.
+  * Two phases (optional ``decode=PhaseDecode(step, transfer)``): prefill runs ``step`` on its
+    own pool and decode runs ``decode.step`` on another (another layout on the same mesh, or a
+    disaggregated decode sub-mesh), each with its params placed by its step (the same arrays
+    when the two steps' resident shardings are equal). ``insert`` then copies the pages of every
+    sequence whose prompt just finished into the decode pool (``transfer(src_pool, dst_pool,
+    ids, ids)``, same page ids: the host allocator's sub-pools must suit both steps) and its
+    first sampled id into the decode slot state; fork copies run on both pools.
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
 """
@@ -38,7 +45,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +118,16 @@ def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingA
   return kv, last_S.at[slots_N].set(tok_N, mode="drop"), tok_N
 
 
+Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseDecode:
+  """Decode in its own step and pool; ``transfer`` moves pages into it (see the contract)."""
+  step: Step
+  transfer: Transfer
+
+
 @dataclasses.dataclass
 class _Pending:
   step: int
@@ -128,8 +145,10 @@ class _Pending:
 class Engine:
   """Executes plans; see the module contract."""
 
-  def __init__(self, step: Step, params: Params, config: EngineConfig):
+  def __init__(self, step: Step, params: Params, config: EngineConfig,
+               decode: PhaseDecode | None = None):
     self.step = step
+    self.decode = decode
     self.config = config
     self.params = step.place_params(params)
     self.kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
@@ -139,9 +158,18 @@ class Engine:
     self._samp = SamplingArrays.from_params(self._samp_host)
     self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
     self.kv_shards = int(getattr(step, "kv_shards", 1))
-    if config.num_pages % self.kv_shards:
-      raise ValueError(f"num_pages {config.num_pages} does not split into the step's "
-                       f"{self.kv_shards} kv shards")
+    dec = decode.step if decode else step
+    self.decode_shards = int(getattr(dec, "kv_shards", 1))
+    if config.num_pages % self.kv_shards or config.num_pages % self.decode_shards:
+      raise ValueError(f"num_pages {config.num_pages} does not split into the steps' "
+                       f"{self.kv_shards} / {self.decode_shards} kv shards")
+    if decode:
+      self.params_dec = dec.place_params(self.params)  # a no-op when the shardings are equal
+      self.kv_dec = dec.init_kv(config.max_slots, config.num_pages, config.page_size,
+                                config.pages_per_seq, jnp.dtype(config.kv_dtype))
+      self._dec_sharding = self.kv_dec.lengths.sharding  # per-slot state on the decode chips
+      self.last_dec = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32),
+                                     self._dec_sharding)
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
@@ -157,7 +185,7 @@ class Engine:
     self._samp_host[slot] = sampling
 
   def prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[jax.Array, list[tuple[str, int]]]:
-    r, row_of = self._arrange([c.slot for c in chunks])
+    r, row_of = self._arrange([c.slot for c in chunks], self.kv_shards)
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
                maximum=self.config.max_seq_tokens)
     end = max(c.start + len(c.token_ids) for c in chunks)
@@ -180,17 +208,32 @@ class Engine:
     return tok_R, [(c.request_id, i) for c, i in zip(chunks, row_of) if c.sample]
 
   def insert(self, chunks: Sequence[PrefillChunk]) -> None:
-    """Prefill and decode share one layout and one pool here: nothing to re-lay."""
+    """One step and one pool: nothing to re-lay. Two phases: the pages of each sequence whose
+    prompt is complete go to the decode pool (one transfer per sequence, all its table
+    entries, null ones padding), with its first sampled id."""
+    if self.decode is None:
+      return
+    done = [c.slot for c in chunks if c.sample]
+    for slot in done:
+      ids = self._table[slot]
+      self.kv_dec = self.decode.transfer(self.kv, self.kv_dec, ids, ids)
+    if done:
+      mask = np.zeros((self.config.max_slots,), bool)
+      mask[done] = True
+      sharding = self._dec_sharding
+      self.last_dec = jnp.where(jax.device_put(mask, sharding),
+                                jax.device_put(self.last_S, sharding), self.last_dec)
 
   def generate(self, rows: Sequence[DecodeRow]) -> tuple[jax.Array, list[tuple[str, int]]]:
-    if self.kv_shards == 1:  # rows = slots [0, n): the scheduler keeps active slots compact
+    shards = self.decode_shards
+    if shards == 1:  # rows = slots [0, n): the scheduler keeps active slots compact
       n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
       row_of = [r.slot for r in rows]
     else:
-      n, row_of = self._arrange([r.slot for r in rows])
+      n, row_of = self._arrange([r.slot for r in rows], shards)
     attend = self._attend(max(r.position for r in rows) + 1)
     slots = np.full((n,), self.config.max_slots, np.int32)
-    if self.kv_shards == 1:
+    if shards == 1:
       slots[:] = np.arange(n)
     pos = np.zeros((n,), np.int32)
     active = np.zeros((n,), bool)
@@ -198,10 +241,15 @@ class Engine:
       slots[i], pos[i], active[i] = r.slot, r.position, True
     greedy = all(self._samp_host[r.slot].greedy for r in rows)
     self._shapes.add(("decode", n, attend, greedy))
-    self.kv, self.last_S, tok_N = _decode_call(
-        self.params, self.kv, self.last_S, self._samp, jnp.asarray(slots), jnp.asarray(pos),
-        jnp.asarray(active), step=self.step, n=n, attend_len=attend, greedy_only=greedy,
-        valid_vocab=self.valid_vocab)
+    args = (jnp.asarray(slots), jnp.asarray(pos), jnp.asarray(active))
+    kw = dict(n=n, attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab)
+    if self.decode is None:
+      self.kv, self.last_S, tok_N = _decode_call(self.params, self.kv, self.last_S, self._samp,
+                                                 *args, step=self.step, **kw)
+    else:
+      self.kv_dec, self.last_dec, tok_N = _decode_call(
+          self.params_dec, self.kv_dec, self.last_dec, self._samp, *args,
+          step=self.decode.step, **kw)
     return tok_N, [(r.request_id, i) for r, i in zip(rows, row_of)]
 
   def release(self, slots: Sequence[int]) -> None:
@@ -218,10 +266,14 @@ class Engine:
       src = jnp.asarray([c.src for c in plan.copies], jnp.int32)
       dst = jnp.asarray([c.dst for c in plan.copies], jnp.int32)
       self.kv = copy_pages(self.kv, src, dst)
+      if self.decode is not None:
+        self.kv_dec = copy_pages(self.kv_dec, src, dst)
     parts = []
     if not plan.empty:
       self._table = np.asarray(plan.page_table, np.int32)
       self.kv = self.kv.replace(page_table=jnp.asarray(self._table))
+      if self.decode is not None:
+        self.kv_dec = self.kv_dec.replace(page_table=jnp.asarray(self._table))
     if plan.decode:
       parts.append(self.generate(plan.decode))
     if plan.prefill:
@@ -238,12 +290,12 @@ class Engine:
     self._held.clear()
     return out
 
-  def _arrange(self, slots: Sequence[int]) -> tuple[int, list[int]]:
+  def _arrange(self, slots: Sequence[int], shards: int) -> tuple[int, list[int]]:
     """(rows R, row of each slot): unsharded, rows 0..; else grouped by the shard of the slot's
-    pages, ``R = kv_shards * bucket(largest group)``."""
-    if self.kv_shards == 1:
+    pages, ``R = shards * bucket(largest group)``."""
+    if shards == 1:
       return bucket(len(slots), minimum=1), list(range(len(slots)))
-    per_shard = self.config.num_pages // self.kv_shards
+    per_shard = self.config.num_pages // shards
     shard = []
     for s in slots:
       page = int(self._table[s, 0])
@@ -257,7 +309,7 @@ class Engine:
     for sh in shard:
       row_of.append(sh * r_s + seen[sh])
       seen[sh] += 1
-    return self.kv_shards * r_s, row_of
+    return shards * r_s, row_of
 
   def _attend(self, end: int) -> int:
     z = self.config.page_size

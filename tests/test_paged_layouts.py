@@ -4,8 +4,9 @@ over the same PagedKV contents, on 8 fake CPU devices.
 Tolerance as tests/test_layouts.py (f32 activations, f32 or weight-only int8 weights; only the
 summation order changes): ``max |sharded - ref| <= 1e-5 * max(1, max |ref|)`` for logits and the
 KV of valid positions; lengths equal. Covered: chunked ragged prefill over scattered pages within
-each shard's range, then decode with idle rows, under every attention layout with ws_2d and
-wg_xyz (f32; int8 for ws_2d and one wg_xyz); the pool really page-sharded; prefill in one layout
+each shard's range, then decode with idle rows, under every attention layout with ws_2d, and
+wg_xyz + batch_xyz (every other attention layout runs the same program under wg_xyz: checked
+by plan), f32 and int8; the pool really page-sharded; prefill in one layout
 and decode in another with the re-lay; the disaggregated page transfer between sub-meshes; and
 the serving engine over the sharded step (greedy tokens equal the unsharded engine's).
 """
@@ -122,8 +123,8 @@ def _sharded_run(mesh, ffn, attn, quantized):
   return step, got
 
 
-CASES = [(f, a, False) for f in ("ws_2d", "wg_xyz") for a in ATTN]
-CASES += [("ws_2d", a, True) for a in ATTN] + [("wg_xyz", "batch_xyz", True)]
+CASES = [("ws_2d", a, q) for q in (False, True) for a in ATTN]
+CASES += [("wg_xyz", "batch_xyz", q) for q in (False, True)]
 
 
 @pytest.mark.parametrize("ffn,attn,quantized", CASES,
@@ -144,6 +145,16 @@ def test_paged_sharded_matches_unsharded(mesh8, ffn, attn, quantized):
   d = step.describe()
   assert d["kv_shards"] == n and d["ffn"] == ffn and d["attn"] == attn
   assert ("replicated over" in d["kv"]) == (n < 8)
+
+
+@pytest.mark.parametrize("attn", ATTN[:3])
+def test_wg_xyz_runs_one_program_under_every_attention_layout(mesh8, attn):
+  """wg_xyz's residual batch is already xyz, so every attention layout runs exactly the
+  collectives (StepPlan.key) and pool sharding of wg_xyz + batch_xyz, tested numerically above."""
+  step = PS.PagedShardedStep.make(CFG, mesh8, "wg_xyz", attn)
+  ref = PS.PagedShardedStep.make(CFG, mesh8, "wg_xyz", "batch_xyz")
+  assert step.plan(B).key() == ref.plan(B).key() and step.kv_axes == ("x", "y", "z")
+  assert step.kv_sharding() == ref.kv_sharding()
 
 
 def test_rows_must_split_over_kv_shards(mesh8):
@@ -237,7 +248,7 @@ def test_disaggregated_transfer_then_decode():
 
 def test_engine_over_the_sharded_step(mesh8):
   from models.tokenizer import ByteTokenizer
-  from serving.engine import Engine, EngineConfig
+  from serving.engine import Engine, EngineConfig, PhaseDecode
   from serving.kv_pages import PageBudget, PagePool
   from serving.lifecycle import RequestTrace
   from serving.request import Request
@@ -251,11 +262,12 @@ def test_engine_over_the_sharded_step(mesh8):
                   SamplingParams(), StopCriteria(max_tokens=int(rng.integers(3, 8)),
                                                  ignore_eos=True)) for i in range(6)]
 
-  def serve(step, shards):
+  def serve(step, shards, decode=None):
     pool = PagePool(PageBudget(8, 64 // shards, shards), max_seq_tokens=CFG.max_seq_len)
     sched = Scheduler(pool, ByteTokenizer(), max_slots=8, max_step_tokens=40, max_chunk=16)
     engine = Engine(step, params, EngineConfig(max_slots=8, num_pages=64, page_size=8,
-                                               max_seq_tokens=CFG.max_seq_len, lag=1))
+                                               max_seq_tokens=CFG.max_seq_len, lag=1),
+                    decode=decode)
     for r in reqs:
       assert sched.add(r, RequestTrace(r.request_id)) is None
     outs = run_to_completion(sched, engine.execute)
@@ -272,4 +284,14 @@ def test_engine_over_the_sharded_step(mesh8):
   want, _ = serve(UnshardedStep(CFG), 1)
   assert engine.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   assert got == want
-  print(f"[paged engine] {engine.programs} programs over {len(reqs)} requests")
+  # Disaggregated: prefill ws_2d+heads on chips 0-3, decode wg_xyz+batch_xyz on chips 4-7, pages
+  # transferred at insert; the allocator's sub-pools are the finer (decode) ones.
+  pre_mesh, dec_mesh = make_submeshes(jax.devices()[:8], 4)
+  steps = PS.phase_steps(CFG, pre_mesh, ("ws_2d", "heads"), ("wg_xyz", "batch_xyz"),
+                         decode_mesh=dec_mesh)
+  split, split_engine = serve(steps.prefill, steps.kv_shards(),
+                              decode=PhaseDecode(steps.decode, PS.transfer_pages))
+  assert split_engine.kv_dec.k_pages.sharding.mesh == dec_mesh
+  assert split == want
+  print(f"[paged engine] {engine.programs} programs (interleaved), {split_engine.programs} "
+        f"(disaggregated) over {len(reqs)} requests")
