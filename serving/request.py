@@ -1,7 +1,9 @@
 """What a client asks for and what it gets back, as the scheduler and engine see it.
 
 Contract: ``Request`` is immutable: the prompt as token ids (text is tokenized before the
-scheduler), sampling (``serving.sampling.SamplingParams``; every request has its own seed),
+scheduler), sampling (``serving.sampling.SamplingParams``; every request has its own seed: one
+without a seed gets ``fresh_seed()`` here, when the ``Request`` is created, so its recomputation
+after preemption draws the same tokens),
 stop criteria (``serving.stop.StopCriteria``) and a priority (lower runs first; FCFS within one
 priority). ``RequestOutput`` is one update of one request: the token ids and text released since
 the previous update, and, on the last one, the finish reason, a message where useful and the usage
@@ -12,15 +14,11 @@ stop string (``serving.stop``).
 from __future__ import annotations
 
 import dataclasses
-import secrets
 
-from serving.sampling import SamplingParams
+from serving.sampling import SamplingParams, fresh_seed
 from serving.stop import FinishReason, StopCriteria
 
-
-def fresh_seed() -> int:
-  """A random sampling seed for a request that did not ask for one."""
-  return secrets.randbits(32)
+__all__ = ["Request", "RequestOutput", "Usage", "fresh_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +30,8 @@ class Request:
   priority: int = 0
 
   def __post_init__(self):
+    if self.sampling.seed is None:  # the client gave no seed: draw one now, once
+      object.__setattr__(self, "sampling", self.sampling.resolved())
     if not self.prompt_ids:
       raise ValueError("the prompt is empty")
     if any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):

@@ -1,18 +1,61 @@
-"""Token sampling: greedy, temperature, top-k and top-p, per row, deterministic per seed.
+"""Token sampling: greedy, temperature, top-k and top-p, per row, deterministic per seed; logprobs.
 
-Contract: ``sample(logits_BV, seed_B, pos_B, temperature_B, top_k_B, top_p_B)`` returns int32
-tokens [B]. Row b draws from key ``fold_in(key(seed_B[b]), pos_B[b])``, so a request's tokens
-depend only on its own seed and positions, never on which other requests share the batch.
-``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+Contract:
+  * ``sample(logits_BV, pos_B, s, greedy_only)`` returns int32 tokens [B]. Row b draws from key
+    ``fold_in(key(s.seed[b]), pos_B[b])``, so a request's tokens depend only on its own seed,
+    positions and logits, never on which other requests share the batch. Temperature, top-k and
+    top-p are per-row arrays (``SamplingArrays``, a pytree: no retrace per value). Only
+    ``greedy_only`` is static (every row greedy: one ``argmax``, nothing else is traced).
+  * ``temperature == 0`` is greedy: the exact first-index ``argmax`` of the raw logits.
+    ``top_k == 0`` (or ``top_k >= V``) and ``top_p == 1`` disable those filters.
+  * The kept set is the sorted definition's (the vLLM / HF order: temperature, then top-k, then
+    top-p renormalised over the top-k set): rank r (descending scaled logits) is kept iff
+    ``r < top_k`` and the top-k-renormalised probability mass of ranks ``< r`` is ``< top_p``
+    (rank 0 is always kept). Ties at the threshold and float rounding at the top-p boundary
+    aside, it is exact; no full-vocabulary sort runs:
+      - fast path: one ``lax.top_k`` of ``K_MAX`` (static, 64) values per row. It serves rows
+        with ``top_k <= K_MAX``, and rows with top-k off whose nucleus (``top_p < 1``) lies
+        inside the ``K_MAX`` best ids (their mass under the full softmax is ``>= top_p``: then
+        rank ``K_MAX`` is provably dropped, so the cap loses nothing).
+      - exact slow path (only traced work under a ``lax.cond`` that runs when some row needs
+        it): rows with no filter at all draw over all V ids; rows with
+        ``K_MAX < top_k < V``, or whose nucleus is wider than ``K_MAX`` ids, find their
+        thresholds by bisection over the 32-bit order-preserving integer image of the scaled
+        logits (32 masked count / masked sum passes each for top-k and top-p, exact to the
+        float), then draw over all V ids under the mask. Larger ``top_k`` is thus neither
+        clamped nor rejected: it is exact, just slower.
+  * Draws are Gumbel-max over the kept ids (``argmax(z + gumbel)``), using the two-reduction
+    ``argmax`` below. NaN logits of a sampled row are never drawn (they count as ``-inf``); an
+    all-NaN / all ``-inf`` sampled row returns id 0, a greedy all-NaN row ``V - 1``: always a
+    valid id.
+  * ``logprobs(logits_BV, tokens_B, n)`` returns ``(chosen [B] f32, top_ids [B, n] int32,
+    top_logprobs [B, n] f32)``: ``log_softmax`` of the RAW logits (before temperature, top-k and
+    top-p), as vLLM returns by default; ``n <= LOGPROBS_MAX`` is static, 0 gives ``[B, 0]``.
+  * Seeds: ``SamplingParams.seed`` is ``None`` when the client gave none. ``serving.request.Request``
+    replaces it with ``fresh_seed()`` when the request is created (so a preempted and
+    recomputed request keeps its tokens); ``SamplingArrays.from_params`` draws a fresh one for
+    any sampled row still without a seed (``serving.generator.Generator.stream``: once per
+    stream), greedy rows get 0 (unused).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+K_MAX = 64  # top-k cap of the fast path (see the contract; measured in the module's tests/report)
+LOGPROBS_MAX = 8  # the largest top-n logprobs a request may ask for
+_SEARCH_STEPS = 32  # bisection steps over uint32: exact
+
+
+def fresh_seed() -> int:
+  """A random 32-bit sampling seed (for a request that did not ask for one)."""
+  return secrets.randbits(32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +63,8 @@ class SamplingParams:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  seed: int = 0
+  seed: int | None = None  # None: a fresh random seed (see the module contract)
+  logprobs: int = 0  # top-n logprobs to return with each token (0: only if the engine asks)
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -29,12 +73,18 @@ class SamplingParams:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if not 0 <= self.seed < 2**32:
+    if self.seed is not None and not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+    if not 0 <= self.logprobs <= LOGPROBS_MAX:
+      raise ValueError(f"logprobs must be in [0, {LOGPROBS_MAX}], got {self.logprobs}")
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  def resolved(self) -> "SamplingParams":
+    """These parameters with a seed: ``self`` if it has one, else a fresh random one."""
+    return self if self.seed is not None else dataclasses.replace(self, seed=fresh_seed())
 
 
 @jax.tree_util.register_dataclass
@@ -48,24 +98,12 @@ class SamplingArrays:
 
   @staticmethod
   def from_params(rows: list[SamplingParams]) -> "SamplingArrays":
+    seeds = [r.seed if r.seed is not None else (0 if r.greedy else fresh_seed()) for r in rows]
     return SamplingArrays(
-        seed=jnp.asarray(np.array([r.seed for r in rows], np.uint32)),
+        seed=jnp.asarray(np.array(seeds, np.uint32)),
         temperature=jnp.asarray(np.array([r.temperature for r in rows], np.float32)),
         top_k=jnp.asarray(np.array([r.top_k for r in rows], np.int32)),
         top_p=jnp.asarray(np.array([r.top_p for r in rows], np.float32)))
-
-
-def _sample_row(logits_V, key, temperature, top_k, top_p):
-  v = logits_V.shape[0]
-  order_V = jnp.argsort(-logits_V)
-  sorted_V = logits_V[order_V] / jnp.maximum(temperature, 1e-6)
-  rank_V = jnp.arange(v)
-  keep_V = jnp.where(top_k > 0, rank_V < top_k, True)
-  probs_V = jax.nn.softmax(jnp.where(keep_V, sorted_V, -jnp.inf))
-  cum_before_V = jnp.cumsum(probs_V) - probs_V
-  keep_V = keep_V & (cum_before_V < top_p)  # always keeps rank 0
-  choice = jax.random.categorical(key, jnp.where(keep_V, sorted_V, -jnp.inf))
-  return order_V[choice]
 
 
 def argmax(logits_BV: jax.Array) -> jax.Array:
@@ -78,13 +116,148 @@ def argmax(logits_BV: jax.Array) -> jax.Array:
   return jnp.minimum(idx_B, v - 1).astype(jnp.int32)  # an all-NaN row gives v - 1, not v
 
 
+def _gumbel_argmax(keys_B: jax.Array, z_BN: jax.Array) -> jax.Array:
+  """Index drawn from softmax(z) per row (Gumbel-max); masked ids hold -inf."""
+  g_BN = jax.vmap(lambda k: jax.random.gumbel(k, z_BN.shape[-1:], jnp.float32))(keys_B)
+  return argmax(z_BN + g_BN)
+
+
+def _order_keys(z_BV: jax.Array) -> jax.Array:
+  """uint32 image of f32 with the same order (no NaN here): radix-sort's sign flip."""
+  u = jax.lax.bitcast_convert_type(z_BV, jnp.uint32)
+  return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _bisect(ok: Callable[[jax.Array], jax.Array], hi_B: jax.Array) -> jax.Array:
+  """Largest x in [0, hi) with ok(x) [B] true, given ok(0) true, ok(hi) false, ok monotone."""
+  def body(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    good = ok(mid)
+    return jnp.where(good, mid, lo), jnp.where(good, hi, mid)
+  lo, _ = jax.lax.fori_loop(0, _SEARCH_STEPS, body, (jnp.zeros_like(hi_B), hi_B))
+  return lo
+
+
+def _full_vocab_keep(z_BV: jax.Array, zmax_B1: jax.Array, k_B: jax.Array, top_p_B: jax.Array,
+                     search_k_B: jax.Array, search_p_B: jax.Array) -> jax.Array:
+  """Exact kept set over all V ids [B, V] bool: thresholds by bisection where a row needs one."""
+  b = z_BV.shape[0]
+  key_BV = _order_keys(z_BV)
+  hi_B = jnp.max(key_BV, axis=-1) + jnp.uint32(1)  # the largest key is < 0xff800001
+  zero_B = jnp.zeros((b,), jnp.uint32)
+
+  def top_k_threshold() -> jax.Array:  # largest x with count(key >= x) >= k
+    ok = lambda x: jnp.sum(key_BV >= x[:, None], axis=-1, dtype=jnp.int32) >= k_B
+    return _bisect(ok, hi_B)
+  thr_k = jax.lax.cond(jnp.any(search_k_B), top_k_threshold, lambda: zero_B)
+  keep_BV = key_BV >= jnp.where(search_k_B, thr_k, 0)[:, None]
+  e_BV = jnp.where(keep_BV, jnp.exp(z_BV - zmax_B1), 0.0)
+  target_B = top_p_B * jnp.sum(e_BV, axis=-1)
+
+  def top_p_threshold() -> jax.Array:  # largest x with (kept mass at keys >= x) >= target
+    ok = lambda x: jnp.sum(jnp.where(key_BV >= x[:, None], e_BV, 0.0), axis=-1) >= target_B
+    return _bisect(ok, hi_B)
+  thr_p = jax.lax.cond(jnp.any(search_p_B), top_p_threshold, lambda: zero_B)
+  return keep_BV & (key_BV >= jnp.where(search_p_B, thr_p, 0)[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Filter:
+  """One batch's filtered distribution: scaled logits, the K_MAX cap and which rows it serves."""
+  z_BV: jax.Array  # scaled logits, NaN -> -inf
+  vals_BK: jax.Array  # the K_MAX best scaled logits, descending
+  idx_BK: jax.Array  # their ids
+  keep_BK: jax.Array  # kept among them (valid where cap_B)
+  cap_B: jax.Array  # the cap holds the row's whole kept set
+  full_B: jax.Array  # a sampled row that needs the exact full-vocabulary path
+  search_k_B: jax.Array  # ... with a top-k threshold search (K_MAX < top_k < V)
+  search_p_B: jax.Array  # ... with a top-p threshold search
+  zmax_B1: jax.Array
+  k_B: jax.Array
+  top_p_B: jax.Array
+  sampling_B: jax.Array
+
+
+def _filter(logits_BV: jax.Array, s: SamplingArrays) -> _Filter:
+  b, v = logits_BV.shape
+  z_BV = logits_BV.astype(jnp.float32) / jnp.maximum(s.temperature, 1e-6)[:, None]
+  z_BV = jnp.where(jnp.isnan(z_BV), -jnp.inf, z_BV)
+  kcap = min(K_MAX, v)
+  k_B = jnp.where((s.top_k <= 0) | (s.top_k >= v), v, s.top_k)  # v: top-k off
+  top_p_B = s.top_p
+  p_on_B = top_p_B < 1.0
+  sampling_B = s.temperature > 0
+
+  vals_BK, idx_BK = jax.lax.top_k(z_BV, kcap)
+  zmax_B1 = vals_BK[:, :1]
+  zmax_B1 = jnp.where(jnp.isfinite(zmax_B1), zmax_B1, 0.0)
+  in_k_BK = jnp.arange(kcap) < k_B[:, None]
+  e_BK = jnp.where(in_k_BK, jnp.exp(vals_BK - zmax_B1), 0.0)
+  small_k_B = k_B <= kcap
+  nucleus_B = sampling_B & ~small_k_B & (k_B == v) & p_on_B  # needs the full softmax mass
+
+  def full_mass() -> jax.Array:
+    return jnp.sum(jnp.exp(z_BV - zmax_B1), axis=-1)
+  mass_V_B = jax.lax.cond(jnp.any(nucleus_B), full_mass, lambda: jnp.ones((b,), jnp.float32))
+  cap_mass_B = jnp.sum(e_BK, axis=-1)
+  mass_B = jnp.where(small_k_B, cap_mass_B, mass_V_B)
+  cum_before_BK = jnp.cumsum(e_BK, axis=-1) - e_BK
+  keep_BK = in_k_BK & ((cum_before_BK < (top_p_B * mass_B)[:, None]) | ~p_on_B[:, None])
+  # The cap holds the whole kept set: top_k <= K_MAX, or a nucleus inside the K_MAX best ids
+  # (their mass reaches top_p, so rank K_MAX's mass-before does too and it is dropped).
+  cap_B = small_k_B | (nucleus_B & (cap_mass_B >= top_p_B * mass_B))
+  full_B = sampling_B & ~cap_B
+  return _Filter(z_BV, vals_BK, idx_BK, keep_BK, cap_B, full_B, full_B & (k_B < v),
+                 full_B & p_on_B, zmax_B1, k_B, top_p_B, sampling_B)
+
+
+def _full_keep(f: _Filter) -> jax.Array:
+  return _full_vocab_keep(f.z_BV, f.zmax_B1, f.k_B, f.top_p_B, f.search_k_B, f.search_p_B)
+
+
+def kept_mask(logits_BV: jax.Array, s: SamplingArrays) -> jax.Array:
+  """The ids each sampled row may draw, [B, V] bool (the same code as ``sample``; for tests and
+  debugging, it builds the V-wide mask that ``sample`` avoids on its fast path)."""
+  f = _filter(logits_BV, s)
+  b, v = logits_BV.shape
+  rows_BK = jnp.broadcast_to(jnp.arange(b)[:, None], f.idx_BK.shape)
+  cap_BV = jnp.zeros((b, v), bool).at[rows_BK, f.idx_BK].set(f.keep_BK)
+  return jnp.where(f.cap_B[:, None], cap_BV, _full_keep(f))
+
+
 def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_only: bool
            ) -> jax.Array:
-  """Next tokens [B] int32. ``greedy_only`` (static) skips the sort when no row samples."""
+  """Next tokens [B] int32 (see the module contract). ``greedy_only`` is static."""
   greedy_B = argmax(logits_BV)
   if greedy_only:
     return greedy_B
-  keys = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
-  sampled_B = jax.vmap(_sample_row)(logits_BV.astype(jnp.float32), keys, s.temperature,
-                                    s.top_k, s.top_p).astype(jnp.int32)
-  return jnp.where(s.temperature > 0, sampled_B, greedy_B)
+  b = logits_BV.shape[0]
+  keys_B = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
+  f = _filter(logits_BV, s)
+  choice_B = _gumbel_argmax(keys_B, jnp.where(f.keep_BK, f.vals_BK, -jnp.inf))
+  cap_tok_B = jnp.take_along_axis(f.idx_BK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  def full_draw() -> jax.Array:
+    return _gumbel_argmax(keys_B, jnp.where(_full_keep(f), f.z_BV, -jnp.inf))
+  full_tok_B = jax.lax.cond(jnp.any(f.full_B), full_draw, lambda: jnp.zeros((b,), jnp.int32))
+  sampled_B = jnp.where(f.cap_B, cap_tok_B, full_tok_B)
+  return jnp.where(f.sampling_B, sampled_B, greedy_B)
+
+
+def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(chosen [B] f32, top_ids [B, n] int32, top_logprobs [B, n] f32) of the raw distribution
+  ``log_softmax(logits)`` (no temperature, no top-k / top-p), vLLM's default. ``n`` is static,
+  ``0 <= n <= LOGPROBS_MAX``; ties among the best ids come lowest id first."""
+  if not 0 <= n <= LOGPROBS_MAX:
+    raise ValueError(f"n must be in [0, {LOGPROBS_MAX}], got {n}")
+  x_BV = logits_BV.astype(jnp.float32)
+  lse_B1 = jax.nn.logsumexp(x_BV, axis=-1, keepdims=True)
+  chosen_B = jnp.take_along_axis(x_BV, tokens_B.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+  chosen_B = chosen_B - lse_B1[:, 0]
+  b = x_BV.shape[0]
+  if n == 0:
+    return chosen_B, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+  vals_BN, ids_BN = jax.lax.top_k(x_BV, n)
+  return chosen_B, ids_BN.astype(jnp.int32), vals_BN - lse_B1
