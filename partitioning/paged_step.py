@@ -61,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models import kv_cache
 from models.config import ModelConfig
 from models.paged_kv import PagedKV, init_paged
-from models.weights import Params
+from models.weights import Params, abstract_params
 from partitioning import comm
 from partitioning.collectives import shard_params, sharded_forward
 from partitioning.layouts import (
@@ -211,7 +211,6 @@ def _names(choice: LayoutChoice) -> tuple[str, str, str | None]:
 
 def param_bytes(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, quantized: bool) -> int:
   """Bytes of one resident params copy summed over the mesh's chips (replication counted)."""
-  from models.weights import abstract_params
   shapes = jax.tree.leaves(abstract_params(cfg, quantized=quantized))
   shards = jax.tree.leaves(param_shardings(cfg, mesh, ffn, quantized))
   total = 0
