@@ -58,7 +58,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import tempfile
 import threading
 import time
