@@ -48,7 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-K_MAX = 64  # top-k cap of the fast path (see the contract; measured in the module's tests/report)
+# The fast path's cap: lax.top_k of 64 costs 2.2 ms at B=32, V=49152 on XLA:CPU (128: 3.0 ms); 64
+# covers the usual top_k (20-50) and most real nuclei; anything wider takes the exact slow path.
+K_MAX = 64
 LOGPROBS_MAX = 8  # the largest top-n logprobs a request may ask for
 _SEARCH_STEPS = 32  # bisection steps over uint32: exact
 
@@ -189,7 +191,9 @@ def _filter(logits_BV: jax.Array, s: SamplingArrays) -> _Filter:
   p_on_B = top_p_B < 1.0
   sampling_B = s.temperature > 0
 
-  vals_BK, idx_BK = jax.lax.top_k(z_BV, kcap)
+  # The barrier keeps XLA's TopK custom call: a slice of the values fused into their users makes
+  # XLA:CPU fall back to sorting all V (6 -> 0.1 ms at B=1, V=49152).
+  vals_BK, idx_BK = jax.lax.optimization_barrier(jax.lax.top_k(z_BV, kcap))
   zmax_B1 = vals_BK[:, :1]
   zmax_B1 = jnp.where(jnp.isfinite(zmax_B1), zmax_B1, 0.0)
   in_k_BK = jnp.arange(kcap) < k_B[:, None]
@@ -259,5 +263,5 @@ def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int
   b = x_BV.shape[0]
   if n == 0:
     return chosen_B, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-  vals_BN, ids_BN = jax.lax.top_k(x_BV, n)
+  vals_BN, ids_BN = jax.lax.optimization_barrier(jax.lax.top_k(x_BV, n))  # see _filter
   return chosen_B, ids_BN.astype(jnp.int32), vals_BN - lse_B1

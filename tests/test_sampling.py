@@ -222,3 +222,12 @@ def test_nan_temperature_and_out_of_range_seed_raise():
   for seed in (-1, 2**32):
     with pytest.raises(ValueError):
       SamplingParams(seed=seed)
+
+
+def test_no_full_vocabulary_sort_is_compiled():
+  """XLA:CPU keeps lax.top_k as its TopK call (no sort over V) in sample and logprobs."""
+  x = jnp.zeros((4, 500), jnp.float32)
+  s = SamplingArrays.from_params([SamplingParams(1.0, seed=1)] * 4)
+  for text in (_sample.lower(x, jnp.arange(4), s, False).compile().as_text(),
+               jax.jit(logprobs, static_argnums=2).lower(x, jnp.arange(4), 8).compile().as_text()):
+    assert "TopK" in text and " sort(" not in text
