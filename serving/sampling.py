@@ -17,13 +17,17 @@ Contract:
         with ``top_k <= K_MAX``, and rows with top-k off whose nucleus (``top_p < 1``) lies
         inside the ``K_MAX`` best ids (their mass under the full softmax is ``>= top_p``: then
         rank ``K_MAX`` is provably dropped, so the cap loses nothing).
-      - exact slow path (only traced work under a ``lax.cond`` that runs when some row needs
-        it): rows with no filter at all draw over all V ids; rows with
+      - full-vocabulary path (under a ``lax.cond``: it runs only when some row of the batch
+        needs it, and a row's path depends on its own logits and parameters only): rows with
+        no filter at all draw over all V ids; rows with
         ``K_MAX < top_k < V``, or whose nucleus is wider than ``K_MAX`` ids, find their
         thresholds by bisection over the 32-bit order-preserving integer image of the scaled
         logits (32 masked count / masked sum passes each for top-k and top-p, exact to the
         float), then draw over all V ids under the mask. Larger ``top_k`` is thus neither
         clamped nor rejected: it is exact, just slower.
+    Measured (XLA:CPU, 2 shared cores, V=49152, jit, median of 5) against the old per-row
+    argsort (7 / 28 / 124 ms at B = 1 / 8 / 32): fast path 0.2 / 0.8 / 5 ms, no filter
+    0.3 / 2 / 18 ms, bisection path 0.6 / 4 / 30 ms.
   * Draws are Gumbel-max over the kept ids (``argmax(z + gumbel)``), using the two-reduction
     ``argmax`` below. NaN logits of a sampled row are never drawn (they count as ``-inf``); an
     all-NaN / all ``-inf`` sampled row returns id 0, a greedy all-NaN row ``V - 1``: always a
@@ -132,7 +136,7 @@ def _order_keys(z_BV: jax.Array) -> jax.Array:
 
 def _bisect(ok: Callable[[jax.Array], jax.Array], hi_B: jax.Array) -> jax.Array:
   """Largest x in [0, hi) with ok(x) [B] true, given ok(0) true, ok(hi) false, ok monotone."""
-  def body(_, lohi):
+  def body(_: int, lohi: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     lo, hi = lohi
     mid = lo + (hi - lo) // 2
     good = ok(mid)
