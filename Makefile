@@ -29,8 +29,10 @@ $(REF_VENV)/.stamp: tests/reference/requirements.txt
 	$(REF_PY) -m pip install -q -r tests/reference/requirements.txt
 	touch $@
 
+# The embedded default: SmolLM2-135M-Instruct (trained, from its GGUF file), int8 weights.
 run: $(VENV)/.stamp
-	$(PY) -m launch.generate --model tiny --prompt "The two phases of inference" --max_tokens 48 --temperature 0.8 --top_k 40 --seed 0
+	$(PY) -m launch.generate --model smollm2-135m --quantize int8 --max_tokens 128 \
+	  --chat "What are the two phases of LLM inference, and why do they need different hardware layouts?"
 
 test: $(VENV)/.stamp $(REF_VENV)/.stamp
 	$(PY) -m pytest -q

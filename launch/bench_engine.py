@@ -39,6 +39,8 @@ from launch.cli import CliError
 _MODEL = flags.DEFINE_string("model", "small", "model (preset, smollm2-135m, .gguf, checkpoint)")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "param dtype")
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
+                               "int8 compute (default: models.precision's choice, weight_only)")
 _SECTIONS = flags.DEFINE_list("sections", ["decode", "paged", "continuous", "chunked"],
                               "sections to run")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "engine decode batches")
@@ -239,7 +241,6 @@ def run() -> dict:
   import jax
   import jax.numpy as jnp
   from models.loader import load_model
-  from models.weights import quantize
 
   unknown = set(_SECTIONS.value) - {"decode", "paged", "continuous", "chunked"}
   if unknown:
@@ -253,11 +254,10 @@ def run() -> dict:
     raise CliError("--prompt_range must be 1 <= min <= max")
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   try:
-    cfg, params, tok = load_model(_MODEL.value, dtype)
+    cfg, params, tok = load_model(_MODEL.value, dtype, quantize=_QUANTIZE.value,
+                                  int8_mode=_INT8_MODE.value)
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
-  if _QUANTIZE.value == "int8":
-    params = quantize(params, cfg, act_quant=jax.default_backend() == "cpu")
   rng = np.random.default_rng(_SEED.value)
   out: dict = {"model": cfg.name, "dtype": _DTYPE.value, "quantize": _QUANTIZE.value,
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

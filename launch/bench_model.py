@@ -41,9 +41,9 @@ cached; ``PHASESERVE_CPU_AUTOTUNE=0``: the defaults) and reports it as ``cpu_low
 ``smollm2-135m``, or a model directory); float weights are cast to each ``--dtype``.
 The KV cache content does not change the cost of a step, so decode rows start from a cache whose
 lengths are set to ``--context`` (no prefill is run for them). Every figure is the median of
-``--repeats`` timed calls after a compile/warm-up call (``best`` is the fastest). Int8 uses
-``quantize(..., act_quant=True)`` on CPU (W8A8; see ``models/quant.py``) and weight-only int8
-elsewhere, as ``launch/generate.py`` does.
+``--repeats`` timed calls after a compile/warm-up call (``best`` is the fastest). Int8 rows are
+labelled with their mode (``weight_only``: the default of ``models.precision``, as
+``launch.generate`` runs it; ``w8a8``: per-token int8 activations).
 
 ``--json`` prints one JSON object (else a table): {"model", "date", "machine", "jax_version",
 "hardware": {"matmul_peak_flops": {dtype: FLOP/s}, "read_bandwidth": B/s}, "cpu_lowering",
@@ -70,8 +70,10 @@ from launch.cli import CliError
 _MODEL = flags.DEFINE_string("model", "small", "model preset name")
 _DTYPE = flags.DEFINE_list("dtype", ["float32", "bfloat16"],
                            "float param / activation dtypes to measure (float32, bfloat16)")
-_QUANTIZE = flags.DEFINE_enum("quantize", "both", ["none", "int8", "both"],
-                              "float weights, int8 weights, or both")
+_QUANTIZE = flags.DEFINE_enum(
+    "quantize", "both", ["none", "int8", "both", "all", "weight_only", "w8a8"],
+    "float weights; int8 in the default mode (models.precision: weight_only); both = float + "
+    "default int8; all = float + both int8 modes; or one int8 mode")
 _PREFILL_TOKENS = flags.DEFINE_list("prefill_tokens", ["128", "256", "512", "2048"],
                                     "prefill prompt lengths (tokens per row)")
 _PREFILL_BATCHES = flags.DEFINE_list("prefill_batches", ["1", "8"], "prefill batch sizes")
@@ -101,7 +103,7 @@ _FLOOR_TOKENS = flags.DEFINE_integer("floor_tokens", 128, "prompt length of the 
 class BenchConfig:
   model: str = "small"
   dtypes: tuple[str, ...] = ("float32", "bfloat16")
-  quantize: str = "both"  # none | int8 | both
+  quantize: str = "both"  # none | int8 | both | all | weight_only | w8a8
   prefill_tokens: tuple[int, ...] = (128, 256, 512, 2048)
   prefill_batches: tuple[int, ...] = (1, 8)
   prefill_max_tokens: int = 2048
@@ -209,21 +211,20 @@ def _load(cfg_b: BenchConfig, dtype_name: str):
 
 
 def _param_sets(cfg_b: BenchConfig):
-  """Yields (cfg, dtype name, quantize name, params) for every requested combination."""
-  import jax
-  from models.weights import quantize
+  """Yields (cfg, dtype name, quantize name, params) for every requested combination; the
+  quantize name is "none" or the int8 mode (``models.precision``)."""
+  from models import precision
 
-  on_cpu = jax.default_backend() == "cpu"
+  modes = {"none": [], "int8": [precision.default_int8_mode()],
+           "both": [precision.default_int8_mode()], "all": list(precision.INT8_MODES),
+           "weight_only": ["weight_only"], "w8a8": ["w8a8"]}[cfg_b.quantize]
   for name in cfg_b.dtypes:
     cfg, params = _load(cfg_b, name)
-    if cfg_b.quantize in ("none", "both"):
+    if cfg_b.quantize in ("none", "both", "all"):
       yield cfg, name, "none", params
-    if cfg_b.quantize in ("int8", "both"):
-      q = jax.jit(lambda p: quantize(p, cfg, act_quant=on_cpu))(params)
-      del params
-      yield cfg, name, "int8", q
-    else:
-      del params
+    for mode in modes:
+      yield cfg, name, mode, precision.apply(params, cfg, "int8", mode)
+    del params
 
 
 def _prefill_call(cfg, params, b: int, t: int):
@@ -261,8 +262,8 @@ def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: Be
 
   dtype = params["final_norm"].dtype
   med, best = _timed(_prefill_call(cfg, params, b, t), cfg_b.repeats)
-  # int8 W8A8 on CPU multiplies int8 x int8; everything else runs in the activation dtype.
-  int8_dot = quant == "int8" and jax.default_backend() == "cpu"
+  # int8 W8A8 multiplies int8 x int8; everything else runs in the activation dtype.
+  int8_dot = quant == "w8a8"
   peak_dtype = "int8" if int8_dot else dtype_name
   flops, flops_causal = _prefill_flops(cfg, b, t)
   return {"dtype": dtype_name, "quantize": quant, "batch": b, "tokens": t,
@@ -465,7 +466,7 @@ def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig
 def _summary(prefill: list[dict], decode: list[dict]) -> dict:
   out: dict = {}
   float1 = [d for d in decode if d["batch"] == 1 and d["quantize"] == "none"]
-  int81 = [d for d in decode if d["batch"] == 1 and d["quantize"] == "int8"]
+  int81 = [d for d in decode if d["batch"] == 1 and d["quantize"] != "none"]
   if float1:
     f = min(float1, key=lambda d: d["ms_per_step"])
     out["fastest_float_batch1"] = {"dtype": f["dtype"], "ms_per_step": f["ms_per_step"],

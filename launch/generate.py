@@ -27,7 +27,9 @@ from launch.cli import CliError
 if TYPE_CHECKING:
   from models.tokenizer import Tokenizer
 
-_MODEL = flags.DEFINE_string("model", "tiny", "preset name (tiny, small) or checkpoint directory")
+_MODEL = flags.DEFINE_string(
+    "model", "tiny", "smollm2-135m (trained), a random preset (tiny, small), a .gguf file or a "
+    "checkpoint directory")
 _PROMPT = flags.DEFINE_string("prompt", None, "prompt text")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "comma-separated prompt token ids")
 _CHAT = flags.DEFINE_string("chat", None, "a user message, rendered with the model's chat template")
@@ -38,6 +40,8 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "nucleus mass in (0, 1]")
 _SEED = flags.DEFINE_integer("seed", 0, "sampling seed", lower_bound=0)
 _PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for preset (random) weights")
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
+                               "int8 compute (default: models.precision's choice, weight_only)")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of streaming text")
 _STEPS_PER_CALL = flags.DEFINE_integer("steps_per_call", 8, "decode steps per jitted call",
@@ -87,7 +91,7 @@ def run() -> dict:
   import jax.numpy as jnp
   from models.loader import load_model
   from models.tokenizer import StreamDecoder
-  from models.weights import quantize
+  from models.precision import int8_mode_of
   from serving.generator import Generator
   from serving.sampling import SamplingParams
 
@@ -98,14 +102,11 @@ def run() -> dict:
   _given_prompt_ids()
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   try:
-    cfg, params, tokenizer = load_model(_MODEL.value, dtype, _PARAM_SEED.value)
+    cfg, params, tokenizer = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
+                                        quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
   prompt = _prompt_ids(tokenizer)
-  import jax
-  on_cpu = jax.default_backend() == "cpu"
-  if _QUANTIZE.value == "int8":
-    params = quantize(params, cfg, act_quant=on_cpu)
   gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value,
                   valid_vocab=tokenizer.vocab_size)
   try:
@@ -138,9 +139,15 @@ def run() -> dict:
     sys.stdout.write(decoder.flush() + "\n")
   ttft_ms = (times[0] - start) * 1e3
   tpot_ms = (times[-1] - times[0]) * 1e3 / (len(times) - 1) if len(times) > 1 else 0.0
+  if not _JSON.value:
+    rate = f"{1e3 / tpot_ms:.1f} tok/s" if tpot_ms > 0 else "n/a"
+    print(f"[{len(ids)} tokens: TTFT {ttft_ms:.0f} ms, decode {rate} "
+          f"({cfg.name}, {_DTYPE.value}, {int8_mode_of(params) or 'float'} weights; compiled "
+          f"in {compile_s:.1f} s)]")
   return {"token_ids": ids, "text": tokenizer.decode(ids), "ttft_ms": ttft_ms,
           "tpot_ms": tpot_ms, "prompt_tokens": len(prompt), "compile_s": compile_s,
-          "model": cfg.name, "quantize": _QUANTIZE.value, "dtype": _DTYPE.value}
+          "model": cfg.name, "quantize": _QUANTIZE.value, "int8_mode": int8_mode_of(params),
+          "dtype": _DTYPE.value}
 
 
 def main(argv: list[str]) -> None:

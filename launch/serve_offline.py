@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
 _REQUESTS = flags.DEFINE_string("requests", None, "JSONL file, one request per line")
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
+                               "int8 compute (default: models.precision's choice, weight_only)")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
 _MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
                           "prefill and decode on one mesh, or on two sub-meshes")
@@ -44,6 +46,16 @@ _STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per st
                                     lower_bound=1)
 _MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the Chrome trace JSON here")
+_PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
+                                      "ffn:attn for prefill (default: the planner's choice)")
+_DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
+                                     "ffn:attn for decode (default: the planner's choice)")
+_PREFILL_DEVICES = flags.DEFINE_integer("prefill_devices", None,
+                                        "disaggregated: devices for prefill (default half)")
+_HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+_FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0,
+                                     "split the CPU into N fake devices (tests, experiments)",
+                                     lower_bound=0)
 _PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
 
 _FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_k", "top_p",
@@ -130,31 +142,39 @@ def _read_lines(path: str) -> Iterator[str]:
 
 
 def run() -> list[dict]:
+  import os
+  if _FAKE_DEVICES.value:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
   import jax
   import jax.numpy as jnp
   from models.loader import load_model
-  from models.step import UnshardedStep
-  from models.weights import quantize
   from serving import stack
+  from serving.deployment import Deployment, make_steps
   from serving.lifecycle import chrome_trace
 
   if _REQUESTS.value is None:
     raise CliError("--requests is required")
-  if _MODE.value == "disaggregated":
-    raise CliError("--mode disaggregated is not implemented yet (see BUILD_NOTES.md)")
   lines = list(_read_lines(_REQUESTS.value))
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   try:
-    cfg, params, tok = load_model(_MODEL.value, dtype, _PARAM_SEED.value)
+    cfg, params, tok = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
+                                  quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
-  if _QUANTIZE.value == "int8":
-    params = quantize(params, cfg, act_quant=jax.default_backend() == "cpu")
+  mode = _MODE.value
+  if mode == "interleaved" and jax.device_count() == 1:
+    mode = "single"
   try:
     config = stack.ServingConfig(max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value,
                                  kv_pages=_KV_PAGES.value, max_step_tokens=_STEP_TOKENS.value,
                                  max_chunk=_MAX_CHUNK.value, max_waiting=max(1, len(lines)))
-    loop = stack.build(UnshardedStep(cfg), params, tok, config)
+    steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
+                                       _PREFILL_DEVICES.value, _HARDWARE.value),
+                       max_slots=config.max_slots, max_chunk=config.max_chunk,
+                       max_context=cfg.max_seq_len, quantized=_QUANTIZE.value == "int8")
+    loop = stack.build(steps.step, params, tok, config, decode=steps.decode,
+                       kv_shards=steps.kv_shards)
   except ValueError as e:
     raise CliError(str(e))
   results: list[dict | None] = [None] * len(lines)
@@ -197,7 +217,8 @@ def run() -> list[dict]:
              "throughput_tok_s": round(completion / seconds, 2) if seconds > 0 else None,
              "kv_pages_in_use": loop.scheduler.pool.pages_used,
              "programs": loop.engine.programs, "model": cfg.name, "quantize": _QUANTIZE.value,
-             "dtype": _DTYPE.value, "mode": _MODE.value, "stack": stack.describe(loop),
+             "dtype": _DTYPE.value, "mode": mode, "deployment": steps.description,
+             "stack": stack.describe(loop),
              "machine": machine.describe()}
   return [r for r in results if r is not None] + [{"summary": summary}]
 

@@ -60,6 +60,7 @@ import numpy as np
 
 _TARGET = "phaseserve_int8_matmul"
 _FLOAT_TARGET = "phaseserve_float_matmul"
+_FLOAT_NK_TARGET = "phaseserve_float_nk_matmul"
 _W8A8_TARGET = "phaseserve_w8a8_matmul"
 _W8A8_NK_TARGET = "phaseserve_w8a8_nk_matmul"
 _lock = threading.Lock()
@@ -435,6 +436,17 @@ static inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the bits, shif
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+static inline __m512 load16(const int8_t* p) {  // int8 -> f32 (exact): weight-only int8
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline float scalar(float v) { return v; }
+static inline float scalar(int8_t v) { return float(v); }
+static inline float scalar(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Columns [0, nv) (multiple of kTileN), weight rows [0, kb) of this block, M rows of x.
 template <int M, typename W>
@@ -532,16 +544,7 @@ void float_matmul(ffi::ThreadPool& pool, const float* xs, const W* ws, float* ys
   for (int64_t n = nv; n < N; ++n)  // scalar tail columns
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) {
-        float wv;
-        if constexpr (sizeof(W) == 2) {
-          uint32_t bits = uint32_t(ws[k * N + n]) << 16;
-          std::memcpy(&wv, &bits, 4);
-        } else {
-          wv = ws[k * N + n];
-        }
-        s += xs[m * K + k] * wv;
-      }
+      for (int64_t k = 0; k < K; ++k) s += xs[m * K + k] * scalar(ws[k * N + n]);
       ys[m * N + n] = s;
     }
   if (nv == 0) return;
@@ -583,8 +586,118 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     float_matmul<uint16_t>(pool, x.typed_data(),
                            reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(),
                            M, K, N);
+  } else if (w.element_type() == ffi::S8) {
+    float_matmul<int8_t>(pool, x.typed_data(), reinterpret_cast<const int8_t*>(w.untyped_data()),
+                         y->typed_data(), M, K, N);
   } else {
-    return ffi::Error::InvalidArgument("phaseserve_float_matmul: w must be f32 or bf16");
+    return ffi::Error::InvalidArgument("phaseserve_float_matmul: w must be f32, bf16 or int8");
+  }
+  return ffi::Error::Success();
+}
+
+// ---- float x [N, K] weights: y[M, N] = x[M, K] . w[N, K]^T (tied unembedding), f32 ---------
+// R weight rows at a time (R * M independent accumulators hide the FMA latency: R = 8 for one
+// activation row, fewer for more) against up to kMaxM activation rows, 16 columns of K per FMA,
+// one horizontal sum per output at the end.
+
+template <int M>
+constexpr int kNKRows = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+
+template <int M, typename W>
+static void nkf_block(const float* __restrict x, int64_t K, const W* __restrict w, int64_t n,
+                      int64_t nb, float* __restrict y, int64_t ldy) {
+  constexpr int R = kNKRows<M>;
+  const int64_t kv = (K / 16) * 16;
+  const W* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = w + (n + std::min<int64_t>(i, nb - 1)) * K;
+  __m512 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 16) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int i = 0; i < R; ++i) {
+      const __m512 wv = load16(rows[i] + k);
+      for (int m = 0; m < M; ++m) acc[i][m] = _mm512_fmadd_ps(wv, xv[m], acc[i][m]);
+    }
+  }
+  for (int i = 0; i < nb; ++i)
+    for (int m = 0; m < M; ++m) {
+      float sum = _mm512_reduce_add_ps(acc[i][m]);
+      for (int64_t k = kv; k < K; ++k) sum += x[m * K + k] * scalar(rows[i][k]);
+      y[m * ldy + n + i] = sum;
+    }
+}
+
+template <typename W>
+using NKFBlockFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t);
+template <typename W>
+const NKFBlockFn<W> kNKF[kMaxM + 1] = {nullptr, nkf_block<1, W>, nkf_block<2, W>,
+                                       nkf_block<3, W>, nkf_block<4, W>, nkf_block<5, W>,
+                                       nkf_block<6, W>, nkf_block<7, W>, nkf_block<8, W>};
+constexpr int kNKFBlock = 8;  // output rows per unit of work (a multiple of every kNKRows)
+
+template <typename W>
+struct NKFJob {
+  const float* x; const W* w; float* y; int64_t M, K, N, parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename W>
+void nkf_work(const std::shared_ptr<NKFJob<W>>& j) {
+  static constexpr int kRows[kMaxM + 1] = {0, kNKRows<1>, kNKRows<2>, kNKRows<3>, kNKRows<4>,
+                                           kNKRows<5>, kNKRows<6>, kNKRows<7>, kNKRows<8>};
+  while (true) {
+    const int64_t p = j->next.fetch_add(1);
+    if (p >= j->parts) return;
+    const int64_t blocks = (j->N + kNKFBlock - 1) / kNKFBlock;
+    const int64_t n0 = kNKFBlock * (blocks * p / j->parts);
+    const int64_t n1 = std::min(j->N, kNKFBlock * (blocks * (p + 1) / j->parts));
+    for (int64_t m0 = 0; m0 < j->M; m0 += kMaxM) {
+      const int64_t mb = std::min<int64_t>(kMaxM, j->M - m0);
+      const int64_t r = kRows[mb];
+      for (int64_t n = n0; n < n1; n += r)
+        kNKF<W>[mb](j->x + m0 * j->K, j->K, j->w, n, std::min<int64_t>(r, n1 - n),
+                    j->y + m0 * j->N, j->N);
+    }
+    j->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename W>
+void float_nk_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M,
+                     int64_t K, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t bytes = N * K * int64_t(sizeof(W));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
+  auto job = std::make_shared<NKFJob<W>>();
+  job->x = x; job->w = w; job->y = y; job->M = M; job->K = K; job->N = N; job->parts = parts;
+  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { nkf_work<W>(job); });
+  nkf_work<W>(job);
+  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+}
+
+ffi::Error FloatNKMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("phaseserve_float_nk_matmul: want x [M, K], w [N, K]");
+  const int64_t M = xd[0], K = xd[1], N = wd[0];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (w.element_type() == ffi::F32) {
+    float_nk_matmul<float>(pool, x.typed_data(), w.typed_data<float>(), y->typed_data(), M, K, N);
+  } else if (w.element_type() == ffi::BF16) {
+    float_nk_matmul<uint16_t>(pool, x.typed_data(),
+                              reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                              y->typed_data(), M, K, N);
+  } else if (w.element_type() == ffi::S8) {
+    float_nk_matmul<int8_t>(pool, x.typed_data(),
+                            reinterpret_cast<const int8_t*>(w.untyped_data()), y->typed_data(),
+                            M, K, N);
+  } else {
+    return ffi::Error::InvalidArgument("phaseserve_float_nk_matmul: w must be f32, bf16 or int8");
   }
   return ffi::Error::Success();
 }
@@ -616,6 +729,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8NKMatmul, W8A8NKMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatMatmul, FloatMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatNKMatmul, FloatNKMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -682,6 +802,9 @@ def available() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(_FLOAT_TARGET, jax.ffi.pycapsule(lib.PhaseserveFloatMatmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_FLOAT_NK_TARGET,
+                                    jax.ffi.pycapsule(lib.PhaseserveFloatNKMatmul),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(_W8A8_TARGET, jax.ffi.pycapsule(lib.PhaseserveW8A8Matmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_W8A8_NK_TARGET,
@@ -707,17 +830,34 @@ def matmul_s8(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
   return call(x_MK, w_KN)
 
 
+FLOAT_WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
 def matmul_float(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
-  """f32 ``x_MK @ w_KN`` for f32 ``x`` and f32 or bf16 ``w`` (call only when ``available()``)."""
+  """f32 ``x_MK @ w_KN`` for f32 ``x`` and an f32, bf16 or int8 ``w`` (int8: the raw integer
+  values; the caller applies the scales), f32 products and accumulation (call only when
+  ``available()``)."""
   m, k = x_MK.shape
   k2, n = w_KN.shape
-  if (k != k2 or x_MK.dtype != jnp.float32
-      or w_KN.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))):
-    raise ValueError(f"matmul_float wants f32 [M, K] x f32|bf16 [K, N], got {x_MK.shape} "
+  if k != k2 or x_MK.dtype != jnp.float32 or w_KN.dtype not in FLOAT_WEIGHT_DTYPES:
+    raise ValueError(f"matmul_float wants f32 [M, K] x f32|bf16|int8 [K, N], got {x_MK.shape} "
                      f"{x_MK.dtype} and {w_KN.shape} {w_KN.dtype}")
   call = jax.ffi.ffi_call(_FLOAT_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_KN)
+
+
+def matmul_float_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
+  """``matmul_float`` for a weight laid out ``[N, K]`` (contracted on its trailing axis, e.g. a
+  tied ``[V, D]`` unembedding): f32 ``x_MK @ w_NK.T``."""
+  m, k = x_MK.shape
+  n, k2 = w_NK.shape
+  if k != k2 or x_MK.dtype != jnp.float32 or w_NK.dtype not in FLOAT_WEIGHT_DTYPES:
+    raise ValueError(f"matmul_float_nk wants f32 [M, K] x f32|bf16|int8 [N, K], got "
+                     f"{x_MK.shape} {x_MK.dtype} and {w_NK.shape} {w_NK.dtype}")
+  call = jax.ffi.ffi_call(_FLOAT_NK_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_NK)
 
 
 def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array,

@@ -18,7 +18,10 @@ import os
 import jax
 import jax.numpy as jnp
 
+from models import precision
 from models.config import ModelConfig, PRESET_NAMES, get_preset
+from models.precision import Int8Mode, Quantize
+from models.quant import QuantArray
 from models.tokenizer import Tokenizer, load_tokenizer
 from models.weights import Params, init_params
 
@@ -34,8 +37,15 @@ def _load_gguf(path: str, dtype) -> tuple[ModelConfig, Params, Tokenizer]:
   return cfg, params, gguf_tokenizer_from_reader(reader, os.path.basename(path))
 
 
-def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0
-               ) -> tuple[ModelConfig, Params, Tokenizer]:
+def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0, *, quantize: Quantize = "none",
+               int8_mode: Int8Mode | None = None) -> tuple[ModelConfig, Params, Tokenizer]:
+  """``quantize`` / ``int8_mode``: the compute policy, applied once here
+  (``models.precision.apply``)."""
+  cfg, params, tok = _load(spec, dtype, param_seed)
+  return cfg, precision.apply(params, cfg, quantize, int8_mode), tok
+
+
+def _load(spec: str, dtype, param_seed: int) -> tuple[ModelConfig, Params, Tokenizer]:
   if spec in TRAINED_MODELS:
     from models.gguf_import import installed_smollm2_path
     cfg, params, tok = _load_gguf(str(installed_smollm2_path()), dtype)
@@ -60,7 +70,9 @@ def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0
     return cfg, params, load_tokenizer(spec)
   from models.checkpoint import load_config, restore_params
   cfg = load_config(spec)
-  params = restore_params(spec)
+  params = jax.tree.map(  # float leaves in the dtype asked for (int8 weights and scales kept)
+      lambda a: a if isinstance(a, QuantArray) else a.astype(dtype), restore_params(spec),
+      is_leaf=lambda a: isinstance(a, QuantArray))
   tok_dir = spec if os.path.exists(os.path.join(spec, "tokenizer.json")) else "tiny"
   return cfg, params, load_tokenizer(tok_dir)
 

@@ -27,8 +27,12 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     ``f32_native_max_rows`` rows (decode) go to the native kernel of ``models.cpu_kernels``
     (same products and f32 accumulation; it reads bf16 weights at memory bandwidth, where XLA's
     bf16 dot reaches about half, and f32 weights a little faster than XLA's f32 matrix-vector).
-  * int8, ``act_quant=False``: the weight is converted to the activation dtype inside the dot and
-    the per-channel scale applied to the result (weight-only int8; GPU/TPU fuse the convert).
+  * int8, ``act_quant=False`` (weight-only, the default of ``models.precision`` on every
+    backend): the weight is converted to the activation dtype inside the dot and the
+    per-channel scale applied to the result (GPU/TPU fuse the convert). On XLA:CPU, decode rows
+    (up to the policy's int8 crossover) go to the native float kernels with int8 weights
+    (``matmul_float`` for ``[K, N]``, ``matmul_float_nk`` for a tied ``[V, D]``): the int8
+    values are widened in registers, so the weight is read once at memory bandwidth.
   * int8, ``act_quant=True`` (W8A8 dynamic, like llama.cpp's Q8_0 dot): each row of the activation
     is quantized to int8 with its own scale (amax / 127), the dot is int8 x int8 -> int32 (exact),
     and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to the policy's
@@ -169,10 +173,12 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
     # in w's dtype anyway (x.dtype == w.dtype) or cast w up to f32 (x is f32).
     f32 = w.dtype == jnp.dtype(jnp.float32)
     native_rows = pol.f32_native_max_rows if f32 else pol.float_native_max_rows
-    if (cpu and w_kn and m <= native_rows and (not f32 or m >= pol.f32_native_min_rows)
+    if (cpu and (w_kn or not f32) and m <= native_rows
+        and (not f32 or m >= pol.f32_native_min_rows)
         and w.dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
         and (x.dtype == w.dtype or x.dtype == jnp.float32) and cpu_kernels.available()):
-      y2 = cpu_kernels.matmul_float(x2.astype(jnp.float32), w.reshape(wshape))
+      kernel = cpu_kernels.matmul_float if w_kn else cpu_kernels.matmul_float_nk
+      y2 = kernel(x2.astype(jnp.float32), w.reshape(wshape))
     elif cpu:
       w2 = w.reshape(wshape).astype(x.dtype)
       if x.dtype == jnp.bfloat16 and m < pol.bf16_min_rows:
@@ -190,7 +196,14 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
     w_scale = w.scale.reshape(1, n)
     wq = w.quant.reshape(wshape)
     if not w.act_quant:
-      y2 = lax.dot_general(x2, wq.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+      max_rows = pol.int8_native_max_rows if w_kn else pol.int8_nk_native_max_rows
+      if cpu and m <= max_rows and cpu_kernels.available():
+        # Weight-only int8 at memory bandwidth: the int8 values widened in registers, f32
+        # products and sums (exact products for f32 and bf16 activations), then the scales.
+        kernel = cpu_kernels.matmul_float if w_kn else cpu_kernels.matmul_float_nk
+        y2 = kernel(x2.astype(jnp.float32), wq)
+      else:
+        y2 = lax.dot_general(x2, wq.astype(x.dtype), dims, preferred_element_type=jnp.float32)
       y2 = y2 * w_scale
     else:
       x32 = x2.astype(jnp.float32)

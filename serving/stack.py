@@ -1,8 +1,11 @@
 """Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
 
-Contract: ``build(step, params, tokenizer, ServingConfig) -> ServingLoop``. The KV budget is
-``kv_pages`` pages of ``page_size`` positions (the bytes are reported by ``describe``); the page
-pool, the scheduler and the engine are sized from one ``ServingConfig`` so they always agree.
+Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards=1) ->
+ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``serving.deployment.make_steps`` for
+meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
+``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
+``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
+so they always agree.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import prometheus_client as prom
 from models.step import Step
 from models.tokenizer import Tokenizer
 from models.weights import Params
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, PhaseDecode
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
@@ -36,11 +39,13 @@ class ServingConfig:
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
-          registry: prom.CollectorRegistry | None = None) -> ServingLoop:
+          registry: prom.CollectorRegistry | None = None, *, decode: PhaseDecode | None = None,
+          kv_shards: int = 1) -> ServingLoop:
   cfg = step.cfg
   context = min(config.max_context or cfg.max_seq_len, cfg.max_seq_len)
   kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
-  budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages)
+  budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages,
+                       num_shards=kv_shards)
   pool = PagePool(budget, max_seq_tokens=context)
   sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
                     max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
@@ -48,7 +53,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=config.lag))
+      lag=config.lag), decode=decode)
   return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()))
 
 

@@ -17,7 +17,7 @@ def _run(*args, timeout=120):
 
 
 def test_tiny_bench_json():
-  r = _run("--model", "tiny", "--json", "--dtype", "float32", "--quantize", "both",
+  r = _run("--model", "tiny", "--json", "--dtype", "float32", "--quantize", "all",
            "--prefill_tokens", "16", "--prefill_batches", "2", "--decode_batches", "1",
            "--steps", "2", "--context", "8", "--repeats", "1", "--peak_size", "128",
            "--bandwidth_mb", "8", "--floor_batches", "2", "--floor_tokens", "16")
@@ -28,12 +28,13 @@ def test_tiny_bench_json():
   assert set(hw["matmul_peak_flops"]) == {"float32", "bfloat16", "int8"}
   assert all(v > 0 for v in hw["matmul_peak_flops"].values()) and hw["read_bandwidth"] > 0
   assert [(p["quantize"], p["batch"], p["tokens"]) for p in out["prefill"]] == [
-      ("none", 2, 16), ("int8", 2, 16)]
+      ("none", 2, 16), ("weight_only", 2, 16), ("w8a8", 2, 16)]
   for p in out["prefill"]:
     for key in ("seconds", "tokens_per_s", "flops_per_token", "flops_per_s", "mfu", "mfu_causal"):
       assert p[key] > 0, (key, p)
     assert p["mfu_causal"] < p["mfu"]
-  assert [(d["quantize"], d["batch"]) for d in out["decode"]] == [("none", 1), ("int8", 1)]
+  assert [(d["quantize"], d["batch"]) for d in out["decode"]] == [
+      ("none", 1), ("weight_only", 1), ("w8a8", 1)]
   for d in out["decode"]:
     for key in ("ms_per_step", "tokens_per_s", "weight_bytes", "kv_bytes", "bound_ms",
                 "x_of_bound", "bw_util"):

@@ -192,3 +192,25 @@ def test_kernels_build_where_the_cpu_supports_them():
     assert cpu_kernels.available(), "native kernels failed to build on a capable CPU"
   else:
     assert not cpu_kernels.available()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1000), (3, 100, 37), (8, 64, 33), (16, 48, 70)])
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
+def test_float_kernels_both_layouts(m, k, n, wdtype):
+  """matmul_float ([K, N]) and matmul_float_nk ([N, K], the tied unembedding), including int8
+  weights (weight-only int8: raw integer values), against float64: f32 products and sums, so
+  within f32 rounding of the magnitude (K and N tails included)."""
+  assert cpu_kernels.available()
+  rng = np.random.default_rng(m * k + n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  if wdtype == "int8":
+    w = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+  else:
+    w = jnp.asarray(rng.standard_normal((n, k)), wdtype)
+  w64 = np.asarray(w.astype(jnp.float32), np.float64)
+  ref = np.asarray(x, np.float64) @ w64.T
+  scale = np.max(np.abs(ref))
+  got_nk = np.asarray(jax.jit(cpu_kernels.matmul_float_nk)(x, w))
+  got_kn = np.asarray(jax.jit(cpu_kernels.matmul_float)(x, jnp.asarray(w64.T).astype(w.dtype)))
+  assert np.max(np.abs(got_nk - ref)) <= 1e-5 * scale
+  assert np.max(np.abs(got_kn - ref)) <= 1e-5 * scale

@@ -164,3 +164,14 @@ def test_build_prompt():
                                chat_template="{{ raise_exception('no chats here') }}")
   with pytest.raises(CliError, match="--chat: chat template raised an exception: no chats here"):
     build_prompt(broken, chat="hi")
+
+
+def test_make_run_chats_in_english_int8():
+  """What `make run` does: SmolLM2-135M-Instruct, int8 (the default weight-only mode), a chat
+  prompt streamed as text, TTFT and tokens/s on the last line."""
+  r = _run("--model", "smollm2-135m", "--quantize", "int8", "--max_tokens", "16",
+           "--chat", "What is the capital of France?")
+  assert r.returncode == 0, r.stderr
+  text, stats = r.stdout.rstrip("\n").rsplit("\n", 1)
+  assert "Paris" in text, text
+  assert "TTFT" in stats and "tok/s" in stats and "weight_only" in stats, stats

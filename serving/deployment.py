@@ -1,0 +1,100 @@
+"""Where the phases run: one device, one mesh with a layout per phase, or two sub-meshes.
+
+Contract: ``Deployment`` names the mode and (optionally) each phase's layout as ``"ffn:attn"``;
+``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized)`` returns
+``Steps(step, decode, kv_shards, describe)`` for ``serving.engine.Engine(step, ...,
+decode=decode)``:
+  * ``single``: ``models.step.UnshardedStep`` on the first device.
+  * ``interleaved``: one mesh over ``devices`` (default all); prefill and decode each in its own
+    layout (``partitioning.paged_step.phase_steps``: one resident params copy when the layouts
+    share a stored weight layout, else decode kept in the prefill layout's family). When the two
+    layouts shard the KV pool alike, the engine keeps one pool; otherwise decode gets its own pool
+    and the inserted pages are re-laid into it (``transfer_pages``).
+  * ``disaggregated`` (Splitwise): the first ``prefill_devices`` devices (default half) run
+    prefill, the rest decode, each with its own params copy and pool; KV pages move at insert.
+A layout left unset is chosen by ``partitioning.planner`` for the live mesh and the phase's
+shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
+``hardware`` preset (``local`` measures this machine once), and the reason is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+import jax
+
+from models.config import ModelConfig
+from models.step import Step, UnshardedStep
+from serving.engine import PhaseDecode
+
+Mode = Literal["single", "interleaved", "disaggregated"]
+MODES: tuple[Mode, ...] = ("single", "interleaved", "disaggregated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+  mode: Mode = "single"
+  prefill_layout: str | None = None  # "ffn:attn", e.g. "ws_2d:heads"; None = planner
+  decode_layout: str | None = None
+  prefill_devices: int | None = None  # disaggregated: devices for prefill (default half)
+  hardware: str = "local"
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+    for name in ("prefill_layout", "decode_layout"):
+      v = getattr(self, name)
+      if v is not None and len(v.split(":")) != 2:
+        raise ValueError(f"{name} must be 'ffn:attn' (e.g. ws_2d:batch_xyz), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  step: Step
+  decode: PhaseDecode | None
+  kv_shards: int
+  description: dict[str, object]
+
+
+def _choose(cfg: ModelConfig, given: str | None, phase: str, chips: int, batch: int,
+            context: int, quantized: bool, hardware: str) -> tuple[tuple[str, str], str]:
+  if given is not None:
+    ffn, attn = given.split(":")
+    return (ffn, attn), "given"
+  from partitioning.hardware import get_hardware
+  from partitioning.planner import plan
+  best = plan(cfg, get_hardware(hardware), chips, phase, batch, context,  # type: ignore[arg-type]
+              weights="int8" if quantized else "bf16").best
+  return (best.layout, best.attention), (
+      f"planner ({hardware}): {best.layout}+{best.attention}, predicted "
+      f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
+
+
+def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_chunk: int,
+               max_context: int, quantized: bool,
+               devices: Sequence[jax.Device] | None = None) -> Steps:
+  if deployment.mode == "single":
+    step = UnshardedStep(cfg)
+    return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
+  from partitioning import paged_step as PS
+  from partitioning.mesh import make_mesh, make_submeshes
+  devices = list(jax.devices() if devices is None else devices)
+  if deployment.mode == "interleaved":
+    pre_mesh = dec_mesh = make_mesh(devices)
+    n_pre = n_dec = len(devices)
+  else:
+    n_pre = deployment.prefill_devices or len(devices) // 2
+    pre_mesh, dec_mesh = make_submeshes(devices, n_pre)
+    n_dec = len(devices) - n_pre
+  pre, pre_why = _choose(cfg, deployment.prefill_layout, "prefill", n_pre, 1, max_chunk,
+                         quantized, deployment.hardware)
+  dec, dec_why = _choose(cfg, deployment.decode_layout, "decode", n_dec, max_slots,
+                         max_context, quantized, deployment.hardware)
+  steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
+                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None)
+  one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
+  decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
+  desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,
+          "kv_pools": 1 if one_pool else 2, **steps.describe(quantized)}
+  return Steps(steps.prefill, decode, steps.kv_shards(), desc)
