@@ -55,7 +55,8 @@ from models.paged_kv import PagedKV, copy_pages
 from models.step import Step
 from models.transformer import bucket
 from models.weights import Params
-from serving.sampling import SamplingArrays, SamplingParams, sample
+from serving.request import TokenLogprobs
+from serving.sampling import LOGPROBS_MAX, SamplingArrays, SamplingParams, logprobs, sample
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
 
 
@@ -82,12 +83,17 @@ def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
   return jax.tree.map(lambda a: _rows(a, idx, 0), s)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab"),
+def _logprobs(logits_BV: jax.Array, tok_B: jax.Array, n: int) -> LogprobArrays | None:
+  return logprobs(logits_BV, tok_B, n) if n else None
+
+
+@functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab",
+                                             "logprobs_n"),
                    donate_argnames=("kv", "last_S"))
 def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
                   tokens_RT: jax.Array, slots_R: jax.Array, start_R: jax.Array,
                   lens_R: jax.Array, sample_R: jax.Array, *, step: Step, attend_len: int,
-                  greedy_only: bool, valid_vocab: int):
+                  greedy_only: bool, valid_vocab: int, logprobs_n: int):
   sub = kv.replace(page_table=_rows(kv.page_table, slots_R, kv.num_pages),
                    lengths=_rows(kv.lengths, slots_R, 0))
   logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
@@ -97,15 +103,16 @@ def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: Sampling
                   lengths=kv.lengths.at[slots_R].set(sub.lengths, mode="drop"))
   keep_R = _rows(last_S, slots_R, 0)
   last_S = last_S.at[slots_R].set(jnp.where(sample_R, tok_R, keep_R), mode="drop")
-  return kv, last_S, tok_R
+  return kv, last_S, tok_R, _logprobs(logits_RV[:, :valid_vocab], tok_R, logprobs_n)
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("step", "n", "attend_len", "greedy_only", "valid_vocab"),
+                   static_argnames=("step", "n", "attend_len", "greedy_only", "valid_vocab",
+                                    "logprobs_n"),
                    donate_argnames=("kv", "last_S"))
 def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
                  slots_N: jax.Array, pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int,
-                 attend_len: int, greedy_only: bool, valid_vocab: int):
+                 attend_len: int, greedy_only: bool, valid_vocab: int, logprobs_n: int):
   # Row i runs slot slots_N[i] (padding rows: slot max_slots, the null page, inactive).
   sub = kv.replace(page_table=_rows(kv.page_table, slots_N, kv.num_pages), lengths=pos_N)
   last_N = _rows(last_S, slots_N, 0)
@@ -115,9 +122,11 @@ def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingA
   keep_N = _rows(kv.lengths, slots_N, 0)
   lengths = kv.lengths.at[slots_N].set(jnp.where(active_N, sub.lengths, keep_N), mode="drop")
   kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths)
-  return kv, last_S.at[slots_N].set(tok_N, mode="drop"), tok_N
+  return (kv, last_S.at[slots_N].set(tok_N, mode="drop"), tok_N,
+          _logprobs(logits_NV[:, :valid_vocab], tok_N, logprobs_n))
 
 
+LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [B], top ids [B, n], top [B, n]
 Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
 
 
@@ -128,18 +137,33 @@ class PhaseDecode:
   transfer: Transfer
 
 
+Row = tuple[str, int, int]  # (request id, row of the call, top-n logprobs it asked for)
+
+
+@dataclasses.dataclass
+class _Part:
+  ids: jax.Array
+  rows: list[Row]
+  lp: LogprobArrays | None = None
+
+
 @dataclasses.dataclass
 class _Pending:
   step: int
-  parts: list[tuple[jax.Array, list[tuple[str, int]]]]  # (device ids, [(request id, row)])
+  parts: list[_Part]
 
   def result(self) -> StepResult:
     tokens: dict[str, int] = {}
-    for arr, rows in self.parts:
-      host = np.asarray(arr)
-      for rid, i in rows:
+    lps: dict[str, TokenLogprobs] = {}
+    for part in self.parts:
+      host = np.asarray(part.ids)
+      lp = None if part.lp is None else [np.asarray(a) for a in part.lp]
+      for rid, i, k in part.rows:
         tokens[rid] = int(host[i])
-    return StepResult(self.step, tokens)
+        if lp is not None and k:
+          lps[rid] = TokenLogprobs(int(host[i]), float(lp[0][i]),
+                                   tuple(zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist())))
+    return StepResult(self.step, tokens, lps)
 
 
 class Engine:
@@ -184,7 +208,7 @@ class Engine:
   def setup(self, slot: int, sampling: SamplingParams) -> None:
     self._samp_host[slot] = sampling
 
-  def prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[jax.Array, list[tuple[str, int]]]:
+  def prefill(self, chunks: Sequence[PrefillChunk]) -> "_Part":
     r, row_of = self._arrange([c.slot for c in chunks], self.kv_shards)
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
                maximum=self.config.max_seq_tokens)
@@ -199,13 +223,19 @@ class Engine:
       toks[i, :len(c.token_ids)] = c.token_ids
       slots[i], start[i], lens[i], want[i] = c.slot, c.start, len(c.token_ids), c.sample
     greedy = all(self._samp_host[c.slot].greedy for c in chunks)
-    self._shapes.add(("prefill", r, t, attend, greedy))
-    self.kv, self.last_S, tok_R = _prefill_call(
+    lp_n = self._logprobs_n([c.slot for c in chunks if c.sample])
+    self._shapes.add(("prefill", r, t, attend, greedy, lp_n))
+    self.kv, self.last_S, tok_R, lp = _prefill_call(
         self.params, self.kv, self.last_S, self._samp, jnp.asarray(toks), jnp.asarray(slots),
         jnp.asarray(start), jnp.asarray(lens), jnp.asarray(want), step=self.step,
-        attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab)
+        attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab, logprobs_n=lp_n)
     self.insert(chunks)
-    return tok_R, [(c.request_id, i) for c, i in zip(chunks, row_of) if c.sample]
+    return _Part(tok_R, [(c.request_id, i, self._samp_host[c.slot].logprobs)
+                         for c, i in zip(chunks, row_of) if c.sample], lp)
+
+  def _logprobs_n(self, slots: Sequence[int]) -> int:
+    """The static top-n of a call: the cap when any sampled row asked for logprobs, else 0."""
+    return LOGPROBS_MAX if any(self._samp_host[s].logprobs for s in slots) else 0
 
   def insert(self, chunks: Sequence[PrefillChunk]) -> None:
     """One step and one pool: nothing to re-lay. Two phases: the pages of each sequence whose
@@ -224,7 +254,7 @@ class Engine:
       self.last_dec = jnp.where(jax.device_put(mask, sharding),
                                 jax.device_put(self.last_S, sharding), self.last_dec)
 
-  def generate(self, rows: Sequence[DecodeRow]) -> tuple[jax.Array, list[tuple[str, int]]]:
+  def generate(self, rows: Sequence[DecodeRow]) -> "_Part":
     shards = self.decode_shards
     if shards == 1:  # rows = slots [0, n): the scheduler keeps active slots compact
       n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
@@ -240,17 +270,20 @@ class Engine:
     for r, i in zip(rows, row_of):
       slots[i], pos[i], active[i] = r.slot, r.position, True
     greedy = all(self._samp_host[r.slot].greedy for r in rows)
-    self._shapes.add(("decode", n, attend, greedy))
+    lp_n = self._logprobs_n([r.slot for r in rows])
+    self._shapes.add(("decode", n, attend, greedy, lp_n))
     args = (jnp.asarray(slots), jnp.asarray(pos), jnp.asarray(active))
-    kw = dict(n=n, attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab)
+    kw = dict(n=n, attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab,
+              logprobs_n=lp_n)
     if self.decode is None:
-      self.kv, self.last_S, tok_N = _decode_call(self.params, self.kv, self.last_S, self._samp,
-                                                 *args, step=self.step, **kw)
+      self.kv, self.last_S, tok_N, lp = _decode_call(
+          self.params, self.kv, self.last_S, self._samp, *args, step=self.step, **kw)
     else:
-      self.kv_dec, self.last_dec, tok_N = _decode_call(
+      self.kv_dec, self.last_dec, tok_N, lp = _decode_call(
           self.params_dec, self.kv_dec, self.last_dec, self._samp, *args,
           step=self.decode.step, **kw)
-    return tok_N, [(r.request_id, i) for r, i in zip(rows, row_of)]
+    return _Part(tok_N, [(r.request_id, i, self._samp_host[r.slot].logprobs)
+                         for r, i in zip(rows, row_of)], lp)
 
   def release(self, slots: Sequence[int]) -> None:
     """Nothing on the device (see the module contract)."""
@@ -278,8 +311,9 @@ class Engine:
       parts.append(self.generate(plan.decode))
     if plan.prefill:
       parts.append(self.prefill(plan.prefill))
-    for arr, _ in parts:
-      arr.copy_to_host_async()
+    for part in parts:
+      for arr in (part.ids, *(part.lp or ())):
+        arr.copy_to_host_async()
     self._held.append(_Pending(plan.step, parts))
     if len(self._held) > self.config.lag:
       return self._held.popleft().result()

@@ -46,6 +46,14 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+  """Log-probabilities (of the raw model distribution) of a generated id and the top ids."""
+  token_id: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()  # (id, logprob), best first
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
   request_id: str
   token_ids: tuple[int, ...] = ()
@@ -53,6 +61,7 @@ class RequestOutput:
   finish_reason: FinishReason | None = None
   message: str = ""
   usage: Usage | None = None
+  logprobs: tuple[TokenLogprobs, ...] = ()  # one per id of token_ids, when asked for
 
   @property
   def finished(self) -> bool:

@@ -40,7 +40,7 @@ import numpy as np
 from models.tokenizer import Tokenizer
 from serving.kv_pages import PageCopy, PagePool, Refusal
 from serving.lifecycle import RequestTrace
-from serving.request import Request, RequestOutput, Usage
+from serving.request import Request, RequestOutput, TokenLogprobs, Usage
 from serving.sampling import SamplingParams
 from serving.stop import FinishReason, StopChecker
 
@@ -90,6 +90,7 @@ class StepPlan:
 class StepResult:
   step: int
   tokens: dict[str, int]  # request id -> id sampled by this step
+  logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
 
 
 class _State(enum.Enum):
@@ -315,15 +316,17 @@ class Scheduler:
       seq.trace.record("first_token" if seq.generated == 1 else "token")
       step = seq.checker.push(tok)
       ids = (int(tok),)
+      lp = (result.logprobs[rid],) if rid in result.logprobs else ()
       if step.finish is not None:
-        self._finish(seq, step.finish, "", ids, step.text)
+        self._finish(seq, step.finish, "", ids, step.text, lp)
       else:
-        self._outputs.append(RequestOutput(rid, ids, step.text))
+        self._outputs.append(RequestOutput(rid, ids, step.text, logprobs=lp))
     out, self._outputs = self._outputs, []
     return out
 
   def _finish(self, seq: _Seq, reason: FinishReason, message: str,
-              ids: tuple[int, ...] = (), text: str = "") -> None:
+              ids: tuple[int, ...] = (), text: str = "",
+              lp: tuple[TokenLogprobs, ...] = ()) -> None:
     self._drop_running(seq)
     if seq.state is _State.WAITING:
       self._waiting = [w for w in self._waiting if w[2] != seq.req.request_id]
@@ -333,7 +336,7 @@ class Scheduler:
     del self._seqs[seq.req.request_id]
     self._outputs.append(RequestOutput(
         seq.req.request_id, ids, text, reason, message,
-        Usage(len(seq.req.prompt_ids), seq.generated)))
+        Usage(len(seq.req.prompt_ids), seq.generated), lp))
 
   def _apply_cancellations(self) -> None:
     with self._cancel_lock:

@@ -140,3 +140,35 @@ def test_sampling_is_independent_of_the_batch(params):
                        pages=100, chunk=16, lag=1)
   assert alone["t"] == crowd["t"]
   assert alone["t"] == _reference(params, target)
+
+
+def test_logprobs_of_chosen_and_best_tokens(params):
+  """top-n logprobs through the batched engine equal log_softmax of the model's own logits."""
+  from models.transformer import forward
+  target = Request("lp", tuple(range(30, 45)), SamplingParams(logprobs=3),
+                   StopCriteria(max_tokens=5, ignore_eos=True))
+  other = Request("plain", tuple(range(5, 12)), SamplingParams(),
+                  StopCriteria(max_tokens=5, ignore_eos=True))
+  pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=32, max_chunk=16)
+  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+      max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
+  for r in (target, other):
+    sched.add(r, RequestTrace(r.request_id))
+  outs = run_to_completion(sched, engine.execute)
+  for res in engine.flush():
+    outs += sched.update(res)
+  ids = [i for o in outs if o.request_id == "lp" for i in o.token_ids]
+  lps = [lp for o in outs if o.request_id == "lp" for lp in o.logprobs]
+  assert len(lps) == len(ids) == 5
+  assert all(not o.logprobs for o in outs if o.request_id == "plain")
+  seq = list(target.prompt_ids) + ids
+  ref = np.asarray(jax.nn.log_softmax(forward(params, jnp.asarray([seq]), cfg=CFG)[0], axis=-1))
+  for j, lp in enumerate(lps):
+    row = ref[len(target.prompt_ids) - 1 + j]
+    assert lp.token_id == ids[j] and len(lp.top) == 3
+    assert lp.top[0][0] == ids[j]  # greedy: the chosen id is the best one
+    assert abs(lp.logprob - row[ids[j]]) <= 1e-4 * max(1.0, abs(row[ids[j]]))
+    best = np.argsort(-row)[:3]
+    assert [t for t, _ in lp.top] == best.tolist()
+    assert np.allclose([v for _, v in lp.top], row[best], rtol=1e-4, atol=1e-4)

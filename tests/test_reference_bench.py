@@ -5,15 +5,15 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.test_hf_import import _ref_python
+from tests.refenv import ref_env, ref_python
 
 
 def test_bench_hf_smoke():
   script = Path(__file__).resolve().parent / "reference" / "bench_hf.py"
-  r = subprocess.run([str(_ref_python()), str(script), "--hidden", "64", "--layers", "2",
+  r = subprocess.run([str(ref_python()), str(script), "--hidden", "64", "--layers", "2",
                       "--heads", "4", "--ffn", "128", "--vocab", "300", "--prompt", "16",
                       "--new_tokens", "16", "--batches", "1,2", "--repeats", "1", "--json"],
-                     capture_output=True, text=True, timeout=300)
+                     env=ref_env(), capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert [p["batch"] for p in out["prefill"]] == [1, 2]
