@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # One short, prepared check for a lent accelerator (the device tool runs it from the repo root).
-# The device machine has JAX installed and reaches no registry: run from the source tree.
-# Writes results under $OUT (default ./device_out). Not yet run on a device (none was lent when
-# this was written); record what it prints in BUILD_NOTES.md with the date.
+# The device machine has JAX (0.11.2 on the lent H200) installed and reaches no registry: run from
+# the source tree with PYTHONPATH=. (pyproject's jax>=0.12 pin is for the CPU venv; the code keeps
+# working on 0.11.2). The tests run ON THE ACCELERATOR: PHASESERVE_TEST_ACCELERATOR=1 stops
+# tests/conftest.py from forcing JAX_PLATFORMS=cpu. Results under $OUT (default ./device_out);
+# record what it prints in BUILD_NOTES.md with the date.
 set -uo pipefail
-export PYTHONPATH=.
+export PYTHONPATH=. PHASESERVE_TEST_ACCELERATOR=1
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
-python -c "import jax, sys; print('jax', jax.__version__, jax.devices(), file=sys.stderr)"
-# Numerics first (f32 tolerances assume full-precision matmuls).
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout 180 python -m pytest -q -x -p no:cacheprovider \
-  tests/test_transformer.py tests/test_attention.py tests/test_generator.py 2>&1 | tail -3
-timeout 300 python -m launch.bench_model --model small --json --dtype bfloat16 --quantize both \
+python -c "import jax, sys; print('jax', jax.__version__, jax.devices(), file=sys.stderr); \
+assert jax.default_backend() != 'cpu', 'no accelerator visible'"
+# Numerics first (f32 tolerances assume full-precision matmuls), then the engine on the device.
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python -m pytest -q -x -p no:cacheprovider \
+  tests/test_transformer.py tests/test_attention.py tests/test_paged_kv.py tests/test_engine.py \
+  tests/test_precision.py 2>&1 | tail -3
+timeout 240 python -m launch.bench_model --model small --json --dtype bfloat16 --quantize both \
   --prefill_tokens 128,512,2048 --prefill_batches 1,8 --decode_batches 1,8,64 \
-  > "$OUT/bench_model.json" && tail -c 3000 "$OUT/bench_model.json"
+  > "$OUT/bench_model.json" && tail -c 2000 "$OUT/bench_model.json"
+timeout 240 python -m launch.bench_engine --model small --json --sections decode,continuous \
+  --trace_requests 64 --slots 32 > "$OUT/bench_engine.json" && tail -c 2000 "$OUT/bench_engine.json"
 python -m launch.plan --model palm-8b --hardware h200 --chips 1 --phase decode --batch 64 \
   --context 2048 --weights int8 --json > "$OUT/plan_h200.json"

@@ -9,8 +9,11 @@ rendered with the model's template), plus optional "max_tokens" (default 64), "t
 order: {"index", "token_ids", "text", "finish_reason", "message", "ttft_ms", "tpot_ms",
 "queue_ms", "e2e_ms", "prompt_tokens", "completion_tokens"}; a bad line gets {"index", "error"}
 naming the field, and the others still run. The last line is {"summary": {"requests",
-"completion_tokens", "seconds", "throughput_tok_s", "kv_pages_in_use", "programs", ...}}
-(``kv_pages_in_use`` must be 0). ``--trace_out FILE`` writes every request's Chrome trace.
+"completion_tokens", "seconds", "throughput_tok_s", "kv_pages_in_use", "programs",
+"programs_warmed", "warmup_s", "deployment", ...}} (``kv_pages_in_use`` must be 0; ``--warmup``,
+the default, compiles every bucketed program before the clock starts). ``--mode disaggregated``
+(with ``--fake_devices 8`` on a CPU) runs prefill and decode on two sub-meshes; layouts per phase
+come from ``--prefill_layout`` / ``--decode_layout`` (``ffn:attn``) or the planner. ``--trace_out FILE`` writes every request's Chrome trace.
 Bad flags exit 2 with one line.
 """
 
@@ -45,6 +48,10 @@ _KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV pages in the pool", lower_
 _STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
                                     lower_bound=1)
 _MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
+_MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
+                                    "longest prompt + output served (capped at the model's)",
+                                    lower_bound=2)
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before serving")
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the Chrome trace JSON here")
 _PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
                                       "ffn:attn for prefill (default: the planner's choice)")
@@ -168,15 +175,19 @@ def run() -> list[dict]:
   try:
     config = stack.ServingConfig(max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value,
                                  kv_pages=_KV_PAGES.value, max_step_tokens=_STEP_TOKENS.value,
-                                 max_chunk=_MAX_CHUNK.value, max_waiting=max(1, len(lines)))
+                                 max_chunk=_MAX_CHUNK.value, max_waiting=max(1, len(lines)),
+                                 max_context=min(_MAX_CONTEXT.value, cfg.max_seq_len))
     steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
                                        _PREFILL_DEVICES.value, _HARDWARE.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
-                       max_context=cfg.max_seq_len, quantized=_QUANTIZE.value == "int8")
+                       max_context=config.max_context, quantized=_QUANTIZE.value == "int8")
     loop = stack.build(steps.step, params, tok, config, decode=steps.decode,
                        kv_shards=steps.kv_shards)
   except ValueError as e:
     raise CliError(str(e))
+  t0 = time.perf_counter()
+  warmed = stack.warmup(loop) if _WARMUP.value else 0
+  warmup_s = time.perf_counter() - t0
   results: list[dict | None] = [None] * len(lines)
   texts: dict[int, list[str]] = {}
   ids: dict[int, list[int]] = {}
@@ -216,7 +227,8 @@ def run() -> list[dict]:
              "completion_tokens": completion, "seconds": round(seconds, 3),
              "throughput_tok_s": round(completion / seconds, 2) if seconds > 0 else None,
              "kv_pages_in_use": loop.scheduler.pool.pages_used,
-             "programs": loop.engine.programs, "model": cfg.name, "quantize": _QUANTIZE.value,
+             "programs": loop.engine.programs, "programs_warmed": warmed,
+             "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": _QUANTIZE.value,
              "dtype": _DTYPE.value, "mode": mode, "deployment": steps.description,
              "stack": stack.describe(loop),
              "machine": machine.describe()}

@@ -38,6 +38,8 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     first sampled id into the decode slot state; fork copies run on both pools.
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
+    ``warmup()`` compiles every bucket a plan can reach (``buckets()``) before serving by running
+    each with all rows inactive (no state changes).
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ class EngineConfig:
   @property
   def pages_per_seq(self) -> int:
     return -(-self.max_seq_tokens // self.page_size)
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+  """Powers of two from ``lo`` up to ``hi``, and ``hi`` itself."""
+  out, v = [], lo
+  while v < hi:
+    out.append(v)
+    v *= 2
+  return out + [hi]
 
 
 def _rows(x: jax.Array, idx: jax.Array, fill) -> jax.Array:
@@ -287,6 +298,60 @@ class Engine:
 
   def release(self, slots: Sequence[int]) -> None:
     """Nothing on the device (see the module contract)."""
+
+  # -- warm-up ------------------------------------------------------------------------------
+
+  def buckets(self, max_prefill_rows: int = 1, max_chunk: int | None = None
+              ) -> list[tuple[str, int, int, int]]:
+    """Every (phase, rows, chunk length (prefill) or 0, attended length) program the scheduler's
+    plans can reach with at most ``max_prefill_rows`` chunks per step of at most ``max_chunk``
+    tokens (decode rows: every power of two up to the slots)."""
+    z, cap = self.config.page_size, self.config.pages_per_seq * self.config.page_size
+    attends = sorted({self._attend(e) for e in _powers(1, cap)})
+    chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
+    chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
+                     for c in _powers(1, chunk_cap)})
+    out = []
+    for r in sorted({bucket(n, minimum=1) for n in _powers(1, max_prefill_rows)}):
+      for t in chunks:
+        out += [("prefill", r * self.kv_shards, t, a) for a in attends
+                if a >= min(t, cap) or a == attends[-1]]
+    for n in sorted({min(bucket(n, minimum=1), self.config.max_slots)
+                     for n in _powers(1, self.config.max_slots)}):
+      out += [("decode", n * (self.decode_shards if self.decode_shards > 1 else 1), 0, a)
+              for a in attends]
+    return out
+
+  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None) -> int:
+    """Compiles every program of ``buckets`` (greedy, no logprobs: the common variants; others
+    compile on first use) by running it with every row inactive, which changes no state.
+    Returns the number of programs compiled."""
+    before = len(self._shapes)
+    none = self.config.max_slots  # an out-of-range slot: null pages, nothing written
+    for phase, r, t, attend in self.buckets(max_prefill_rows, max_chunk):
+      if phase == "prefill":
+        z = np.zeros((r,), np.int32)
+        self._shapes.add(("prefill", r, t, attend, True, 0))
+        self.kv, self.last_S, _, _ = _prefill_call(
+            self.params, self.kv, self.last_S, self._samp, jnp.zeros((r, t), jnp.int32),
+            jnp.full((r,), none, jnp.int32), jnp.asarray(z), jnp.asarray(z),
+            jnp.zeros((r,), bool), step=self.step, attend_len=attend, greedy_only=True,
+            valid_vocab=self.valid_vocab, logprobs_n=0)
+      else:
+        self._shapes.add(("decode", r, attend, True, 0))
+        args = (jnp.full((r,), none, jnp.int32), jnp.zeros((r,), jnp.int32),
+                jnp.zeros((r,), bool))
+        kw = dict(n=r, attend_len=attend, greedy_only=True, valid_vocab=self.valid_vocab,
+                  logprobs_n=0)
+        if self.decode is None:
+          self.kv, self.last_S, _, _ = _decode_call(self.params, self.kv, self.last_S,
+                                                    self._samp, *args, step=self.step, **kw)
+        else:
+          self.kv_dec, self.last_dec, _, _ = _decode_call(
+              self.params_dec, self.kv_dec, self.last_dec, self._samp, *args,
+              step=self.decode.step, **kw)
+    jax.block_until_ready(self.last_S)
+    return len(self._shapes) - before
 
   # -- one scheduler step -------------------------------------------------------------------
 

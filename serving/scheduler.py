@@ -8,7 +8,8 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     step planned after the call, and it finishes as ``cancelled``.
   * ``schedule() -> StepPlan``: every running, decoding sequence gets one token (decode first:
     their TPOT is the step time, which the token budget bounds); the rest of
-    ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each): sequences in
+    ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each, at most
+    ``max_prefill_chunks`` per step): sequences in
     the middle of their prompt first, then waiting requests by priority, FCFS within one, while a
     slot (a row of the decode batch; the lowest free one, so active slots stay compact) is free.
     Pages come from the ``PagePool`` before the step that writes them. When a decode cannot get a
@@ -127,7 +128,7 @@ class Scheduler:
 
   def __init__(self, pool: PagePool, tokenizer: Tokenizer, *, max_slots: int,
                max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
-               max_context: int | None = None):
+               max_context: int | None = None, max_prefill_chunks: int | None = None):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     self.pool = pool
@@ -137,6 +138,8 @@ class Scheduler:
     self.max_chunk = max_chunk
     self.max_waiting = max_waiting
     self.max_context = min(max_context or pool.max_seq_tokens, pool.max_seq_tokens)
+    # Chunks per step (bounds the prefill rows bucket, hence the programs to warm up).
+    self.max_prefill_chunks = max(1, min(max_prefill_chunks or max_slots, max_slots))
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -215,11 +218,12 @@ class Scheduler:
       seq.inflight += 1
       budget -= 1
     for seq in sorted(self._running, key=lambda s: s.key):
-      if budget < 1:
+      if budget < 1 or len(prefill) >= self.max_prefill_chunks:
         break
       if seq.state is _State.RUNNING and not seq.decoding:
         budget -= self._plan_chunk(seq, budget, prefill)
-    while budget > 0 and self._waiting and self._free_slots:
+    while (budget > 0 and self._waiting and self._free_slots
+           and len(prefill) < self.max_prefill_chunks):
       _, _, rid = self._waiting[0]
       seq = self._seqs[rid]
       if seq.inflight:  # preempted with an id still in flight: wait for it

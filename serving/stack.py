@@ -32,6 +32,7 @@ class ServingConfig:
   kv_pages: int = 512
   max_step_tokens: int = 512  # per-step token budget: bounds the step time, hence TPOT
   max_chunk: int = 256  # longest prefill chunk
+  max_prefill_chunks: int = 4  # chunks per step (bounds the prefill programs to warm up)
   max_waiting: int = 1024
   max_context: int | None = None  # default: the model's
   kv_dtype: str | None = None  # default: the params' activation dtype
@@ -49,12 +50,19 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   pool = PagePool(budget, max_seq_tokens=context)
   sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
                     max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
-                    max_waiting=config.max_waiting, max_context=context)
+                    max_waiting=config.max_waiting, max_context=context,
+                    max_prefill_chunks=config.max_prefill_chunks)
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=config.lag), decode=decode)
   return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()))
+
+
+def warmup(loop: ServingLoop) -> int:
+  """Compiles every program the loop's plans can reach; returns how many."""
+  s = loop.scheduler
+  return loop.engine.warmup(s.max_prefill_chunks, s.max_chunk)
 
 
 def describe(loop: ServingLoop) -> dict[str, object]:

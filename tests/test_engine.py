@@ -172,3 +172,26 @@ def test_logprobs_of_chosen_and_best_tokens(params):
     best = np.argsort(-row)[:3]
     assert [t for t, _ in lp.top] == best.tolist()
     assert np.allclose([v for _, v in lp.top], row[best], rtol=1e-4, atol=1e-4)
+
+
+def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
+  """After warmup(), a mixed trace dispatches no program that was not compiled (greedy)."""
+  pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=24, max_chunk=16,
+                    max_prefill_chunks=2)
+  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+      max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
+  n = engine.warmup(max_prefill_rows=2, max_chunk=16)
+  assert n == engine.programs == len(engine.buckets(2, 16))
+  reqs = _requests(np.random.default_rng(2), n=6)
+  for r in reqs:
+    sched.add(r, RequestTrace(r.request_id))
+  outs = run_to_completion(sched, engine.execute)
+  for res in engine.flush():
+    outs += sched.update(res)
+  assert engine.programs == n, "serving compiled a program the warm-up missed"
+  got = {}
+  for o in outs:
+    got.setdefault(o.request_id, []).extend(o.token_ids)
+  for r in reqs[:2]:  # the warm-up changed no state
+    assert got[r.request_id] == _reference(params, r)

@@ -48,6 +48,7 @@ def test_serve_offline_tiny(tmp_path):
   assert "max_tokens" in errors[2] and "bogus" in errors[4] and "JSON" in errors[5]
   assert "prompt_ids" in errors[6]
   assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
+  assert summary["programs_warmed"] > 0 and summary["mode"] == "single"
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)  # --param_seed 0
   gen = Generator(cfg, params, steps_per_call=4)
@@ -71,3 +72,30 @@ def test_bad_flags_exit_2(tmp_path):
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "requests" in r.stderr
+
+
+def test_serve_offline_disaggregated_same_tokens(tmp_path):
+  """--mode disaggregated on 8 fake devices (prefill ws_2d+heads on 4, decode wg_xyz+batch_xyz
+  on the other 4): the same greedy tokens as the single-device run."""
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(json.dumps({"prompt_ids": list(range(3 + i, 20 + 3 * i)),
+                                         "max_tokens": 6, "ignore_eos": True})
+                            for i in range(4)) + "\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  base = [sys.executable, "-m", "launch.serve_offline", "--model", "tiny", "--requests",
+          str(reqs), "--json", "--kv_pages", "64", "--page_size", "16", "--max_slots", "8",
+          "--max_context", "128", "--nowarmup"]
+  runs = {}
+  for mode, extra in (("single", []), ("disaggregated", [
+      "--mode", "disaggregated", "--fake_devices", "8", "--prefill_layout", "ws_2d:heads",
+      "--decode_layout", "wg_xyz:batch_xyz"])):
+    r = subprocess.run(base + extra, cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
+    assert rows[-1]["summary"]["kv_pages_in_use"] == 0
+    runs[mode] = [row["token_ids"] for row in rows[:-1]]
+    if mode == "disaggregated":
+      dep = rows[-1]["summary"]["deployment"]
+      assert dep["mode"] == "disaggregated" and dep["kv_pools"] == 2
+  assert runs["single"] == runs["disaggregated"]
