@@ -55,10 +55,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Callable, Iterator
@@ -67,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import cpu_kernels
+from models import cpu_kernels, json_cache
 
 VERSION = 4
 CACHE_FILE = "cpu_lowering.json"
@@ -251,22 +249,11 @@ def report() -> dict:
 
 
 def _load(path: str) -> dict:
-  try:
-    with open(path) as f:
-      data = json.load(f)
-    return data if isinstance(data, dict) else {}
-  except (OSError, json.JSONDecodeError):
-    return {}
+  return json_cache.load(path)
 
 
 def _store(path: str, key: str, entry: dict) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  data = _load(path)
-  data[key] = entry
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu_lowering.")
-  with os.fdopen(fd, "w") as f:
-    json.dump(data, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)  # atomic: readers see the old or the new file
+  json_cache.store(path, key, entry)
 
 
 # ---- measuring ---------------------------------------------------------------------------------

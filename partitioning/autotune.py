@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
-import tempfile
 import time
 from typing import Sequence
 
@@ -32,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from models import json_cache
 from models.config import ModelConfig
 from models.weights import Params, init_params, quantize
 from partitioning import collectives, layouts
@@ -91,22 +90,11 @@ def cache_key(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, qu
 
 
 def _load(path: str) -> dict:
-  try:
-    with open(path) as f:
-      data = json.load(f)
-    return data if isinstance(data, dict) else {}
-  except (FileNotFoundError, json.JSONDecodeError):
-    return {}
+  return json_cache.load(path)
 
 
 def _store(path: str, key: str, entry: dict) -> None:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  data = _load(path)
-  data[key] = entry
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".autotune.")
-  with os.fdopen(fd, "w") as f:
-    json.dump(data, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)  # atomic: readers see the old or the new file
+  json_cache.store(path, key, entry)
 
 
 def predict(cfg: ModelConfig, hardware, ffn: str, attn: str, mesh: Mesh, phase: str, batch: int,

@@ -25,20 +25,12 @@ from models.step import UnshardedStep
 from models.weights import init_params, quantize
 from partitioning import paged_step as PS
 from partitioning.mesh import make_mesh, make_submeshes
+from tests.test_layouts import assert_close
 
 CFG = get_preset("tiny").replace(num_heads=8, vocab_size=256, max_seq_len=64)
 B, Z, M, NP = 8, 4, 8, 64  # rows, page size, table width (max_len 32), pages (8 per row's shard)
 S = Z * M
-RTOL = 1e-5
 ATTN = ("heads", "batch_z", "batch_yz", "batch_xyz")
-
-
-def assert_close(got, ref, what=""):
-  got, ref = np.asarray(got), np.asarray(ref)
-  assert got.shape == ref.shape, (what, got.shape, ref.shape)
-  err = float(np.max(np.abs(got - ref))) if got.size else 0.0
-  bound = RTOL * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
-  assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
 @pytest.fixture(scope="module")

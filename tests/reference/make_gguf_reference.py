@@ -23,7 +23,6 @@ own tokenizer. Imports nothing from phaseserve; writes nothing outside OUT_DIR.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+
+from make_hf_reference import _cache_kw, _out_cache  # the sibling script (same directory)
 
 PREFIX = 6
 NEW_TOKENS = 32
@@ -44,16 +45,6 @@ TEXTS = [
     " is written one token at a time.",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
-
-
-def _cache_kw(model: torch.nn.Module) -> str:
-  params = inspect.signature(model.forward).parameters
-  return "cache" if "cache" in params else "past_key_values"
-
-
-def _out_cache(out):
-  cache = getattr(out, "cache", None)
-  return cache if cache is not None else out.past_key_values
 
 
 def main(argv: list[str]) -> int:
