@@ -238,7 +238,6 @@ def _chunked_section(cfg, params, tok, rng) -> dict:
 
 
 def run() -> dict:
-  import jax
   import jax.numpy as jnp
   from models.loader import load_model
 

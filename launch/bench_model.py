@@ -258,9 +258,6 @@ def _prefill_call(cfg, params, b: int, t: int):
 def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: BenchConfig
              ) -> dict:
   """One prefill shape; "mfu" is filled in by ``run`` once the peaks are final."""
-  import jax
-
-  dtype = params["final_norm"].dtype
   med, best = _timed(_prefill_call(cfg, params, b, t), cfg_b.repeats)
   # int8 W8A8 multiplies int8 x int8; everything else runs in the activation dtype.
   int8_dot = quant == "w8a8"

@@ -18,12 +18,7 @@ Bad flags exit 2 with a one-line error.
 
 from __future__ import annotations
 
-import datetime
-import functools
 import json
-import os
-import statistics
-import time
 
 from absl import flags, logging
 

@@ -20,7 +20,6 @@ Bad flags exit 2 with one line.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import TYPE_CHECKING, Iterator
 

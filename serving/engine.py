@@ -306,7 +306,7 @@ class Engine:
     """Every (phase, rows, chunk length (prefill) or 0, attended length) program the scheduler's
     plans can reach with at most ``max_prefill_rows`` chunks per step of at most ``max_chunk``
     tokens (decode rows: every power of two up to the slots)."""
-    z, cap = self.config.page_size, self.config.pages_per_seq * self.config.page_size
+    cap = self.config.pages_per_seq * self.config.page_size
     attends = sorted({self._attend(e) for e in _powers(1, cap)})
     chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
     chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)

@@ -27,7 +27,7 @@ from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler, run_to_completion
-from serving.stop import FinishReason, StopCriteria
+from serving.stop import StopCriteria
 
 CFG = get_preset("tiny").replace(max_seq_len=128)
 MARGIN_EPS = 1e-4

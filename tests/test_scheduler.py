@@ -12,7 +12,7 @@ from serving.kv_pages import PageBudget, PagePool
 from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler, run_to_completion
+from serving.scheduler import Scheduler
 from serving.stop import FinishReason, StopCriteria
 
 VOCAB = ByteTokenizer.VOCAB_SIZE  # the fake engine's ids include EOS (257): natural stops
