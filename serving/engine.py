@@ -368,10 +368,14 @@ class Engine:
         self.kv_dec = copy_pages(self.kv_dec, src, dst)
     parts = []
     if not plan.empty:
+      # Placed like the pool's own table (committed, same sharding): an uncommitted array would
+      # be a different jit signature from the warm-up's and recompile every program once.
       self._table = np.asarray(plan.page_table, np.int32)
-      self.kv = self.kv.replace(page_table=jnp.asarray(self._table))
+      self.kv = self.kv.replace(
+          page_table=jax.device_put(self._table, self.kv.page_table.sharding))
       if self.decode is not None:
-        self.kv_dec = self.kv_dec.replace(page_table=jnp.asarray(self._table))
+        self.kv_dec = self.kv_dec.replace(
+            page_table=jax.device_put(self._table, self.kv_dec.page_table.sharding))
     if plan.decode:
       parts.append(self.generate(plan.decode))
     if plan.prefill:
