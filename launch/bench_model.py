@@ -57,14 +57,13 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 from absl import flags, logging
 
-from launch import cli
+from launch import cli, machine
 from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "small", "model preset name")
@@ -165,25 +164,6 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     fn()
     times.append(time.perf_counter() - t0)
   return statistics.median(times), min(times)
-
-
-def _machine() -> dict:
-  import jax
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
-  dev = jax.devices()[0]
-  info = {"platform": dev.platform, "device_kind": dev.device_kind, "cpu": cpu,
-          "cpu_count": os.cpu_count(), "devices": jax.device_count()}
-  if hasattr(os, "getloadavg"):
-    info["load_avg_1m"] = round(os.getloadavg()[0], 2)
-  return info
 
 
 def _weight_bytes(params, cfg) -> int:
@@ -545,7 +525,7 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
   return {
       "model": cfg.name, "param_count": cfg.param_count(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": _machine(), "jax_version": jax.__version__,
+      "machine": machine.describe(), "jax_version": jax.__version__,
       "config": dataclasses.asdict(cfg_b),
       "hardware": {"matmul_peak_flops": peaks, "read_bandwidth": bandwidth,
                    "peak_size": cfg_b.peak_size,
