@@ -46,17 +46,15 @@ Inside ``shard_map`` the kernels run on each shard's local block like any op; un
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models import native_build
 
 _TARGET = "phaseserve_int8_matmul"
 _FLOAT_TARGET = "phaseserve_float_matmul"
@@ -744,44 +742,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatNKMatmul, FloatNKMatmulImpl,
 """
 
 
-def _cpu_flags() -> set[str]:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return set(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  return set()
-
-
-def _build() -> str:
-  """Compiles the kernels (once per source / jax version / flags); returns the library path."""
-  compiler = shutil.which("c++") or shutil.which("g++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler (c++ / g++) on PATH")
-  include = jax.ffi.include_dir()
-  flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-mavx2", "-mfma", "-mavx512f",
-           "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi"]
-  key = hashlib.sha256("\n".join([_SOURCE, jax.__version__, include, *flags]).encode()
-                       ).hexdigest()[:16]
-  cache = os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve")
-  os.makedirs(cache, exist_ok=True)
-  lib = os.path.join(cache, f"matmul_kernels_{key}.so")
-  if os.path.exists(lib):
-    return lib
-  with tempfile.TemporaryDirectory(dir=cache) as tmp:
-    src = os.path.join(tmp, "matmul_kernels.cc")
-    with open(src, "w") as f:
-      f.write(_SOURCE)
-    out = os.path.join(tmp, "lib.so")
-    cmd = [compiler, *flags, f"-I{include}", src, "-o", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode:
-      raise RuntimeError(f"compiling the CPU kernels failed: {proc.stderr[-2000:]}")
-    os.replace(out, lib)  # atomic: concurrent builders race benignly
-  return lib
+_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+          "-mavx512vnni", "-mavx512vbmi"]
 
 
 def available() -> bool:
@@ -794,10 +756,10 @@ def available() -> bool:
     if "ok" not in _state:
       try:
         need = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
-        missing = need - _cpu_flags()
+        missing = need - native_build.cpu_flags()
         if missing:
           raise RuntimeError(f"CPU lacks {sorted(missing)}")
-        lib = ctypes.cdll.LoadLibrary(_build())
+        lib = ctypes.cdll.LoadLibrary(native_build.build("matmul_kernels", _SOURCE, _FLAGS))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseserveInt8Matmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_FLOAT_TARGET, jax.ffi.pycapsule(lib.PhaseserveFloatMatmul),

@@ -10,7 +10,10 @@ Contract:
   * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
     can hold; a write position ``>= max_len`` is padding and is dropped), ``write(layer, wpos_BT,
     k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
-    with ``S = attend_len``, and ``replace(**fields)``.
+    with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
+    (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
+    layer ``layer``; a store may compute it without ``read``, as ``PagedKV`` does for decode),
+    and ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
     ``t`` tokens per row (absolute positions, write positions with padding routed to ``max_len``,
     last valid index, new lengths), shared by ``models.transformer`` and the sharded step.
@@ -24,6 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from models import attention
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -40,6 +44,9 @@ class KVStore(Protocol):
             ) -> Self: ...
 
   def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]: ...
+
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
+             ) -> jax.Array: ...
 
   def replace(self, **changes: jax.Array) -> Self: ...
 
@@ -69,6 +76,10 @@ class KVCache:
 
   def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]:
     return self.k[layer, :, :, :attend_len], self.v[layer, :, :, :attend_len]
+
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
+             ) -> jax.Array:
+    return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,

@@ -6,7 +6,7 @@ dtype.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +30,34 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool,
   return (y * scale).astype(x.dtype)
 
 
-def rope(x_BTnH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotates pairs (i, i + H/2) by angle pos * theta^(-2i/H)."""
-  h = x_BTnH.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+class Rotation(NamedTuple):
+  """sin and cos of every (query position, frequency) of a chunk: ``[B, T, 1, H/2]`` f32."""
+  sin: jax.Array
+  cos: jax.Array
+
+
+def rotation(pos_BT: jax.Array, head_dim: int, theta: float) -> Rotation:
+  """The rotary angles of ``pos_BT``, computed once per step for every layer's q and k: the
+  optimization barrier keeps XLA from fusing (and so recomputing) sin and cos into each layer's
+  rotation of each head (measured: ~10% of a 512-token prefill on XLA:CPU)."""
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [H/2]
   ang = pos_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]
+  sin, cos = jax.lax.optimization_barrier((jnp.sin(ang), jnp.cos(ang)))
+  return Rotation(sin[:, :, None, :], cos[:, :, None, :])
+
+
+def rotate(x_BTnH: jax.Array, rot: Rotation) -> jax.Array:
+  """Rotates pairs (i, i + H/2) by the angles of ``rot``."""
+  h = x_BTnH.shape[-1]
   x = x_BTnH.astype(jnp.float32)
   x1, x2 = x[..., : h // 2], x[..., h // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = jnp.concatenate([x1 * rot.cos - x2 * rot.sin, x2 * rot.cos + x1 * rot.sin], axis=-1)
   return out.astype(x_BTnH.dtype)
+
+
+def rope(x_BTnH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotates pairs (i, i + H/2) by angle pos * theta^(-2i/H)."""
+  return rotate(x_BTnH, rotation(pos_BT, x_BTnH.shape[-1], theta))
 
 
 def glu(gate: jax.Array, up: jax.Array, activation: str, dtype) -> jax.Array:

@@ -22,6 +22,10 @@ Contract:
     read of ``2 * B * K * attend_len * H`` elements over the contiguous cache's slice (decode at
     batch 8, context 2048, ``small`` bf16: 4 MiB per layer); ``notes_paged_kv.md`` has the
     measured price. A paged attention kernel that walks the table per key block would remove it.
+  * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
+    Decode (``T == 1``) on XLA:CPU runs ``models.cpu_paged_attention`` when it is available and
+    takes the shapes: it walks the table itself and reads only each row's visible keys (no
+    gather); otherwise ``read`` then ``models.attention.attend``.
   * Pages shared by several slots (a fork) are only ever read: the allocator copies a partly
     filled last page (``copy_pages``) before the child writes.
   * Attention is causal in absolute position, so stale or foreign values past a slot's length are
@@ -35,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kv_cache
+from models import attention, cpu_paged_attention, kv_cache
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 
@@ -91,6 +95,21 @@ class PagedKV:
     ids_BM = self.page_table[:, :n]
     return _gather(self.k_pages, layer, ids_BM, attend_len), _gather(self.v_pages, layer,
                                                                      ids_BM, attend_len)
+
+
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
+             ) -> jax.Array:
+    b, t, n, h = q_BTNH.shape
+    if (t == 1 and cpu_paged_attention.available()
+        and cpu_paged_attention.supported(n, self.k_pages.shape[2], h, self.k_pages.dtype)):
+      if attend_len > self.max_len:
+        raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
+      q_BNH = (q_BTNH[:, 0].astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
+      out_BNH = cpu_paged_attention.decode_attention(q_BNH, self.k_pages, self.v_pages,
+                                                     self.page_table, pos_BT[:, 0], layer,
+                                                     attend_len)
+      return out_BNH[:, None].astype(q_BTNH.dtype)
+    return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 
 def _gather(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -> jax.Array:

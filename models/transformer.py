@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from models import kv_cache, quant
-from models.attention import attend
 from models.config import ModelConfig
 from models.kv_cache import KVStore
-from models.layers import mlp, rms_norm, rope
+from models.layers import Rotation, mlp, rms_norm, rotate, rotation
 from models.weights import Params
 
 Store = TypeVar("Store", bound=KVStore)  # KVCache or paged_kv.PagedKV
@@ -52,15 +51,14 @@ def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
   return logits.astype(jnp.float32)
 
 
-def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, cfg: ModelConfig, attend_len: int
-           ) -> tuple[jax.Array, Store]:
+def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, cfg: ModelConfig,
+           attend_len: int) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  q_BTNH = rope(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), pos_BT, cfg.rope_theta)
-  k_BTKH = rope(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), pos_BT, cfg.rope_theta)
+  q_BTNH = rotate(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), rot)
+  k_BTKH = rotate(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), rot)
   v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
-  k_BKSH, v_BKSH = cache.read(l, attend_len)
-  attn_BTNH = attend(q_BTNH, k_BKSH, v_BKSH, pos_BT)
+  attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
   attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
   if cfg.parallel_block:
     x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg)
@@ -81,8 +79,9 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
   # start None: continue each row; padding writes go to max_len = out of range -> dropped.
   c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   x_BTD = embed(params, tokens_BT, cfg, dtype)
+  rot = rotation(c.pos_BT, cfg.head_dim, cfg.rope_theta)
   for l, layer in enumerate(params["layers"]):
-    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, cfg, attend_len)
+    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, cfg, attend_len)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
   logits = _unembed(params, x_BTD, cfg)

@@ -47,7 +47,7 @@ from models.attention import attend
 from models.config import ModelConfig
 from models import kv_cache
 from models.kv_cache import KVCache, KVStore, init_cache
-from models.layers import glu, mlp, rms_norm, rope
+from models.layers import Rotation, glu, mlp, rms_norm, rotate, rotation
 from models.quant import QuantArray
 from models.transformer import embed as embed_lookup
 from models.weights import Params
@@ -112,7 +112,8 @@ def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Arr
   return comm.reduce(x, 2, plan.wv, plan.we, plan.re)
 
 
-def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan,
+def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation,
+               plan: StepPlan,
                cfg: ModelConfig, attend_len: int):
   # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
   q = quant.einsum("btd,dnh->btnh", h, layer["q"])  # [B.rb, T, N.wh, H]{we}
@@ -121,9 +122,7 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan
   q = comm.reduce(q, 2, plan.we, plan.wh, plan.wh + plan.q_scatter)  # [B.rb, T, N.wh+qs, H]
   ids = comm.slice_chunk(ids, 0, plan.q_scatter)
   k, v = comm.psum(k, plan.we), comm.psum(v, plan.we)  # [B.rb, T, K, H], same on head shards
-  pos_q = comm.slice_chunk(pos_BT, 0, plan.rb)
-  q = rope(q, pos_q, cfg.rope_theta)
-  k = rope(k, pos_q, cfg.rope_theta)
+  q, k = rotate(q, rot_q), rotate(k, rot_q)  # angles of this chip's rows [B.rb, T]
   # Heads -> batch: [B.rb, T, N.qh, H] --A2A(move)--> [B.ab, T, N.(qh - move), H].
   q = comm.all_to_all(q, plan.move, 0, 2)
   ids = comm.all_gather(ids, 0, plan.move)
@@ -133,12 +132,14 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan
   # This chip's store holds rows [B.ab] (cache [L, B.ab, K, S, H], or pages [L, P.ab, K, Z, H]
   # with a [B.ab, M] table): write this chunk (padding positions are dropped), then attend.
   store = store.write(l, wpos_a, k, v)
-  k_att, v_att = store.read(l, attend_len)  # [B.ab, K, S, H]
   if cfg.num_kv_heads > 1 and (plan.wh or plan.q_scatter):
     # GQA with sharded query heads: give each local query head its own kv head (K -> N.local).
+    k_att, v_att = store.read(l, attend_len)  # [B.ab, K, S, H]
     kv_of_head = ids // cfg.q_per_kv
     k_att, v_att = jnp.take(k_att, kv_of_head, axis=1), jnp.take(v_att, kv_of_head, axis=1)
-  out = attend(q, k_att, v_att, pos_a)  # [B.ab, T, N.(qh - move), H]
+    out = attend(q, k_att, v_att, pos_a)  # [B.ab, T, N.(qh - move), H]
+  else:
+    out = store.attend(l, q, pos_a, attend_len)  # [B.ab, T, N.(qh - move), H]
   out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
   out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
   y = quant.einsum("btnh,nhd->btd", out, layer["o"])  # [B.rb, T, E.we]{wh}
@@ -158,11 +159,12 @@ def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
   return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
 
 
-def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, plan: StepPlan,
+def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: StepPlan,
            cfg: ModelConfig, attend_len: int):
   # x: [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
-  attn, store = _attention(h, layer, l, store, ids, pos_BT, wpos_BT, plan, cfg, attend_len)
+  attn, store = _attention(h, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg,
+                           attend_len)
   if cfg.parallel_block:
     ffn = _mlp(h, layer, plan, cfg)
     if plan.wh == plan.wf:  # one reduce-scatter for both (PaLM's fused collective)
@@ -198,9 +200,10 @@ def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, store: KVStore,
   dtype = top["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
   ids = comm.gather_weight(ids, 0, plan.sh, plan.wh, permute=True)
   x = _embed(top["embed"], comm.slice_chunk(tokens_BT, 0, plan.rb), plan, cfg, dtype)
+  rot_q = rotation(comm.slice_chunk(pos_BT, 0, plan.rb), cfg.head_dim, cfg.rope_theta)
   for l, layer in enumerate(params["layers"]):
     layer = _gather(layer, stored["layers"][l], gathered["layers"][l])
-    x, store = _block(x, layer, l, store, ids, pos_BT, wpos_BT, plan, cfg, attend_len)
+    x, store = _block(x, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg, attend_len)
   return _unembed(x, top, last_B, plan, cfg, all_logits), store
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import dataclasses
 
-from models import cpu_kernels, cpu_lowering, quant
+from models import cpu_kernels, cpu_lowering, native_build, quant
 from models.quant import quantize_array
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
@@ -185,7 +185,7 @@ def test_kernels_build_where_the_cpu_supports_them():
   import os
   import shutil
   need = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
-  capable = (jax.default_backend() == "cpu" and need <= cpu_kernels._cpu_flags()
+  capable = (jax.default_backend() == "cpu" and need <= native_build.cpu_flags()
              and any(shutil.which(c) for c in ("c++", "g++"))
              and os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") != "0")
   if capable:

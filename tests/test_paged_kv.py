@@ -3,9 +3,10 @@ the pool) and decode equal the contiguous KVCache (logits and KV contents), for 
 weights; padding and unbacked positions write nothing; a row at its page capacity is stopped by
 the allocator and cannot write outside its pages; a fork's copy-on-write page decodes correctly.
 
-Tolerance (f32): ``max|paged - contiguous| <= 1e-5 * max(1, max|contiguous|)``. The paged read
-gathers the same values into the same [B, K, S, H] shape, so the attention runs the same
-arithmetic; observed difference 0 on XLA:CPU.
+Tolerance (f32): ``max|paged - contiguous| <= 1e-5 * max(1, max|contiguous|)``. Paged prefill
+gathers the same values into the same [B, K, S, H] shape and runs the same arithmetic; paged
+decode on XLA:CPU runs ``models.cpu_paged_attention`` (the same products summed in another
+order, page by page), so the decode logits differ by rounding only.
 """
 
 import jax

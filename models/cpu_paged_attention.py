@@ -1,0 +1,491 @@
+"""A native XLA:CPU decode attention that reads the KV page pool through the page table.
+
+Contract:
+  * ``available() -> bool``: the default backend is CPU, the CPU has AVX-512 F, the environment
+    does not say ``PHASESERVE_NATIVE_KERNELS=0``, and the C++ below compiled
+    (``models.native_build``) and registered as the XLA FFI target
+    ``phaseserve_paged_decode_attention``. Any failure means ``False`` (logged once); the caller
+    then uses the gather + ``models.attention.attend`` path.
+  * ``supported(n_heads, kv_heads, head_dim, dtype) -> bool``: shapes and dtypes the kernel takes
+    (``head_dim % 16 == 0``, at most 16 query heads per kv head, pages f32 or bf16).
+  * ``decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B, layer, max_keys) -> [B, N, H]``
+    f32: for row b and query head n (kv head ``n // G``), softmax attention of ``q_BNH[b, n]``
+    (f32, already scaled by ``H ** -0.5`` and rounded as the caller wants) over keys
+    ``s < min(pos_B[b] + 1, max_keys)`` of layer ``layer`` of the pool ``[L, P, K, Z, H]``,
+    key ``s`` read at page ``table_BM[b, s // Z]``, offset ``s % Z``. A table entry outside
+    ``[0, P)`` reads as zeros (the null page of ``models.paged_kv``). A row with no visible key
+    gives zeros. Only the visible keys are touched: nothing is gathered or materialised.
+  * Numerics: f32 products and accumulation, an online softmax over pages (as FlashAttention)
+    with a polynomial ``exp`` (relative error below 1e-6); equal to the gather path up to
+    summation order (and, for bf16 pages, up to the gather path's rounding of the probabilities
+    to bf16 before the value product: this kernel keeps them f32).
+
+How: one work item per (row, kv head), handed out to XLA's intra-op threads from an atomic
+counter (rows of unequal length balance themselves). Per page: the G query heads' logits
+(one row of K per key, dot over H in 16-lane FMAs), the running max / sum update, then the value
+product with the G x H accumulators held across the page's keys.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import native_build
+
+_TARGET = "phaseserve_paged_decode_attention"
+_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+          "-mavx512bf16"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+MAX_GROUP = 16
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxG = 16;
+
+inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 ld(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38): 2^(x log2 e) = 2^n * 2^f, f in [-.5, .5].
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252734e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Job {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* table;
+  const int32_t* pos;
+  float* out;
+  int64_t B, N, K, G, H, Z, M, P, layer, max_keys;
+  int64_t parts;
+  bool dp;
+  std::atomic<int64_t> next{0};     // the next work item to hand out
+  std::atomic<int64_t> started{0};  // helpers that began taking items
+  std::atomic<int64_t> finished{0};  // helpers that stopped
+};
+
+template <typename T, int G>
+void item(const Job& j, int64_t it, float* s, float* acc, const T* zeros) {
+  const int64_t b = it / j.K, kh = it % j.K;
+  const int64_t H = j.H, Z = j.Z;
+  const float* q = j.q + (b * j.N + kh * G) * H;
+  float* o = j.out + (b * j.N + kh * G) * H;
+  const int64_t nkeys = std::min<int64_t>(int64_t(j.pos[b]) + 1, j.max_keys);
+  if (nkeys <= 0) {
+    std::memset(o, 0, sizeof(float) * G * H);
+    return;
+  }
+  float mrun[G], lrun[G];
+  for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
+  std::memset(acc, 0, sizeof(float) * G * H);
+  const int64_t page_elems = j.K * Z * H;
+  const T* kbase = static_cast<const T*>(j.k) + j.layer * j.P * page_elems + kh * Z * H;
+  const T* vbase = static_cast<const T*>(j.v) + j.layer * j.P * page_elems + kh * Z * H;
+  const int32_t* tab = j.table + b * j.M;
+  const int64_t pages = (nkeys + Z - 1) / Z;
+  for (int64_t m = 0; m < pages; ++m) {
+    const int64_t nz = std::min<int64_t>(Z, nkeys - m * Z);
+    const int64_t p = tab[m];
+    const bool real = p >= 0 && p < j.P;
+    const T* kp = real ? kbase + p * page_elems : zeros;
+    const T* vp = real ? vbase + p * page_elems : zeros;
+    // logits s[g, z] = q[g] . k[z]
+    for (int64_t z = 0; z < nz; ++z) {
+      __m512 a[G];
+      for (int64_t g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; h += 16) {
+        const __m512 kv = ld(kp + z * H + h);
+        for (int64_t g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(ld(q + g * H + h), kv, a[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) s[g * Z + z] = _mm512_reduce_add_ps(a[g]);
+    }
+    // online softmax: s <- exp(s - m_new), rescale the running sum and accumulators
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * Z;
+      float mx = sg[0];
+      for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
+      const float mnew = std::max(mrun[g], mx);
+      const float corr = std::isinf(mrun[g]) ? 0.f : std::exp(mrun[g] - mnew);
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t z = 0; z < nz; z += 16) {
+        const __mmask16 mk = nz - z >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nz - z)) - 1);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + z), mv));
+        e = _mm512_maskz_mov_ps(mk, e);
+        _mm512_mask_storeu_ps(sg + z, mk, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      lrun[g] = lrun[g] * corr + _mm512_reduce_add_ps(sum);
+      mrun[g] = mnew;
+      if (corr != 1.f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t h = 0; h < H; h += 16)
+          _mm512_storeu_ps(acc + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), cv));
+      }
+    }
+    // acc[g] += sum_z p[g, z] v[z], 16 columns of H at a time, G accumulators in registers
+    for (int64_t h = 0; h < H; h += 16) {
+      __m512 a[G];
+      for (int64_t g = 0; g < G; ++g) a[g] = ld(acc + g * H + h);
+      for (int64_t z = 0; z < nz; ++z) {
+        const __m512 vv = ld(vp + z * H + h);
+        for (int64_t g = 0; g < G; ++g)
+          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * Z + z]), vv, a[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * H + h, a[g]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / lrun[g]);
+    for (int64_t h = 0; h < H; h += 16)
+      _mm512_storeu_ps(o + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), inv));
+  }
+}
+
+// r[i] = sum of the 16 lanes of v[i].
+inline __m512 reduce16(__m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  // d[4 j + t] = sum(v[4 t + j]) -> r[k] = d[4 (k % 4) + k / 4]
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, d);
+}
+
+inline uint16_t to_bf16(float x) {  // round to nearest even (x finite)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// bf16 pages with AVX-512 BF16 (Z % 16 == 0, H % 32 == 0): logits by vdpbf16ps over bf16 q
+// (exact: q arrives rounded to bf16), 16 keys per transpose-reduce; the value product by
+// vdpbf16ps over key pairs with the probabilities rounded to bf16 (as the gather path rounds
+// them before its value product). The accumulators hold each 32-column block of H in the lane
+// order of _mm512_unpack{lo,hi}_epi16 (undone at the end).
+template <int G>
+void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
+               const uint16_t* zeros, uint16_t* qb, uint32_t* pp) {
+  const int64_t b = it / j.K, kh = it % j.K;
+  const int64_t H = j.H, Z = j.Z;
+  const float* q = j.q + (b * j.N + kh * G) * H;
+  float* o = j.out + (b * j.N + kh * G) * H;
+  const int64_t nkeys = std::min<int64_t>(int64_t(j.pos[b]) + 1, j.max_keys);
+  if (nkeys <= 0) {
+    std::memset(o, 0, sizeof(float) * G * H);
+    return;
+  }
+  for (int64_t i = 0; i < G * H; ++i) {
+    uint32_t u;
+    std::memcpy(&u, q + i, 4);
+    qb[i] = uint16_t(u >> 16);
+  }
+  float mrun[G], lrun[G];
+  for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
+  std::memset(acc, 0, sizeof(float) * G * H);
+  const int64_t page_elems = j.K * Z * H;
+  const uint16_t* kbase = static_cast<const uint16_t*>(j.k) + j.layer * j.P * page_elems + kh * Z * H;
+  const uint16_t* vbase = static_cast<const uint16_t*>(j.v) + j.layer * j.P * page_elems + kh * Z * H;
+  const int32_t* tab = j.table + b * j.M;
+  const int64_t pages = (nkeys + Z - 1) / Z;
+  const int64_t Z2 = Z / 2;
+  for (int64_t m = 0; m < pages; ++m) {
+    const int64_t nz = std::min<int64_t>(Z, nkeys - m * Z);
+    const int64_t p = tab[m];
+    const bool real = p >= 0 && p < j.P;
+    const uint16_t* kp = real ? kbase + p * page_elems : zeros;
+    const uint16_t* vp = real ? vbase + p * page_elems : zeros;
+    // prefetch the next page: this row's, or the first of the next item (kh of the next item)
+    int64_t pn = -1, kn = kh;
+    if (m + 1 < pages) {
+      pn = tab[m + 1];
+    } else if (next_it < j.B * j.K) {
+      pn = j.table[(next_it / j.K) * j.M];
+      kn = next_it % j.K;
+    }
+    const bool pf = pn >= 0 && pn < j.P;
+    for (int64_t z0 = 0; z0 < nz; z0 += 16) {
+      if (pf) {
+        const uint16_t* kb0 = kbase + (kn - kh) * Z * H;
+        const uint16_t* vb0 = vbase + (kn - kh) * Z * H;
+        const char* nk = reinterpret_cast<const char*>(kb0 + pn * page_elems + z0 * H);
+        const char* nv = reinterpret_cast<const char*>(vb0 + pn * page_elems + z0 * H);
+        for (int64_t c = 0; c < 16 * H * 2; c += 64) {
+          _mm_prefetch(nk + c, _MM_HINT_T0);
+          _mm_prefetch(nv + c, _MM_HINT_T0);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+        for (int64_t h = 0; h < H; h += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * H + h);
+          for (int i = 0; i < 16; ++i)
+            a[i] = _mm512_dpbf16_ps(a[i], qv,
+                                    (__m512bh)_mm512_loadu_si512(kp + (z0 + i) * H + h));
+        }
+        _mm512_storeu_ps(s + g * Z + z0, reduce16(a));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * Z;
+      float mx = sg[0];
+      for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
+      const float mnew = std::max(mrun[g], mx);
+      const float corr = std::isinf(mrun[g]) ? 0.f : std::exp(mrun[g] - mnew);
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t z = 0; z < Z; z += 16) {
+        const int64_t left = nz - z;
+        const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF)
+                             : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+        __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + z), mv)));
+        _mm512_storeu_ps(sg + z, e);  // zeros past nz: their value rows add nothing
+        sum = _mm512_add_ps(sum, e);
+      }
+      lrun[g] = lrun[g] * corr + _mm512_reduce_add_ps(sum);
+      mrun[g] = mnew;
+      for (int64_t z2 = 0; z2 < Z2; ++z2)
+        pp[g * Z2 + z2] = uint32_t(to_bf16(sg[2 * z2])) | (uint32_t(to_bf16(sg[2 * z2 + 1])) << 16);
+      if (corr != 1.f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t h = 0; h < H; h += 16)
+          _mm512_storeu_ps(acc + g * H + h, _mm512_mul_ps(_mm512_loadu_ps(acc + g * H + h), cv));
+      }
+    }
+    const int64_t npair = (nz + 1) / 2;  // an odd tail pairs with a zero probability
+    const bool odd = nz & 1;
+    for (int64_t h = 0; h < H; h += 32) {
+      __m512 lo[G], hi[G];
+      for (int64_t g = 0; g < G; ++g) {
+        lo[g] = _mm512_loadu_ps(acc + g * H + h);
+        hi[g] = _mm512_loadu_ps(acc + g * H + h + 16);
+      }
+      for (int64_t z2 = 0; z2 < npair; ++z2) {
+        const __m512i v0 = _mm512_loadu_si512(vp + (2 * z2) * H + h);
+        // the row after an odd tail may be unwritten (any bits): use zeros, never 0 * NaN
+        const __m512i v1 = (odd && z2 == npair - 1) ? _mm512_setzero_si512()
+                                                     : _mm512_loadu_si512(vp + (2 * z2 + 1) * H + h);
+        const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pp[g * Z2 + z2]));
+          lo[g] = _mm512_dpbf16_ps(lo[g], pb, vl);
+          hi[g] = _mm512_dpbf16_ps(hi[g], pb, vh);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        _mm512_storeu_ps(acc + g * H + h, lo[g]);
+        _mm512_storeu_ps(acc + g * H + h + 16, hi[g]);
+      }
+    }
+  }
+  // lane l of lo (hi) in 128-bit lane c, element e < 4 holds column 8 c + e (+ 4)
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / lrun[g];
+    for (int64_t h = 0; h < H; h += 32)
+      for (int l = 0; l < 32; ++l) {
+        const int half = l / 16, c = (l % 16) / 4, e = l % 4;
+        o[g * H + h + 8 * c + e + 4 * half] = acc[g * H + h + l] * inv;
+      }
+  }
+}
+
+template <typename T, int G>
+void run_items(const std::shared_ptr<Job>& jp) {
+  const Job& j = *jp;
+  std::vector<float> s(G * j.Z), acc(G * j.H);
+  std::vector<T> zeros(j.Z * j.H, T(0));
+  const int64_t items = j.B * j.K;
+  if constexpr (sizeof(T) == 2) {
+    if (j.dp) {
+      std::vector<uint16_t> qb(G * j.H);
+      std::vector<uint32_t> pp(G * j.Z / 2);
+      int64_t it = jp->next.fetch_add(1);
+      while (it < items) {
+        const int64_t nxt = jp->next.fetch_add(1);  // known early: its first page is prefetched
+        item_bf16<G>(j, it, nxt, s.data(), acc.data(), zeros.data(), qb.data(), pp.data());
+        it = nxt;
+      }
+      return;
+    }
+  }
+  for (int64_t it = jp->next.fetch_add(1); it < items; it = jp->next.fetch_add(1))
+    item<T, G>(j, it, s.data(), acc.data(), zeros.data());
+}
+
+template <typename T>
+void work(const std::shared_ptr<Job>& jp) {
+  switch (jp->G) {
+#define PS_CASE(g) case g: run_items<T, g>(jp); break;
+    PS_CASE(1) PS_CASE(2) PS_CASE(3) PS_CASE(4) PS_CASE(5) PS_CASE(6) PS_CASE(7) PS_CASE(8)
+    PS_CASE(9) PS_CASE(10) PS_CASE(11) PS_CASE(12) PS_CASE(13) PS_CASE(14) PS_CASE(15)
+    PS_CASE(16)
+#undef PS_CASE
+    default: break;
+  }
+}
+
+// A helper may start late or never (the pool's threads may all be busy, e.g. running the other
+// fake devices' calls): the caller takes items until none is left, then waits only for the
+// helpers that took one. A helper starting after that finds no item and touches no buffer.
+template <typename T>
+void helper(const std::shared_ptr<Job>& jp) {
+  jp->started.fetch_add(1);
+  work<T>(jp);
+  jp->finished.fetch_add(1);
+}
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
+                                    ffi::ResultBuffer<ffi::F32> out, int64_t layer,
+                                    int64_t max_keys, int32_t bf16_dot) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  auto td = table.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2 || td[0] != qd[0] ||
+      pos.dimensions().size() != 1 || pos.dimensions()[0] != qd[0] || kd[4] != qd[2] ||
+      qd[1] % kd[2] != 0 || qd[1] / kd[2] > kMaxG || qd[2] % 16 != 0 ||
+      k.element_type() != v.element_type() || layer < 0 || layer >= kd[0])
+    return ffi::Error::InvalidArgument(
+        "phaseserve_paged_decode_attention: want q [B, N, H], pages [L, P, K, Z, H] "
+        "(H % 16 == 0, N / K <= 16), table [B, M], pos [B], 0 <= layer < L");
+  auto job = std::make_shared<Job>();
+  Job& j = *job;
+  j.q = q.typed_data(); j.k = k.untyped_data(); j.v = v.untyped_data();
+  j.table = table.typed_data(); j.pos = pos.typed_data(); j.out = out->typed_data();
+  j.B = qd[0]; j.N = qd[1]; j.H = qd[2]; j.P = kd[1]; j.K = kd[2]; j.Z = kd[3];
+  j.G = j.N / j.K; j.M = td[1]; j.layer = layer;
+  j.max_keys = std::min<int64_t>(max_keys, j.M * j.Z);
+  if (j.B == 0) return ffi::Error::Success();
+  const bool bf16 = k.element_type() == ffi::BF16;
+  j.dp = bf16 && bf16_dot && j.Z % 16 == 0 && j.H % 32 == 0;
+  if (!bf16 && k.element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("phaseserve_paged_decode_attention: pages f32 or bf16");
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  j.parts = std::max<int64_t>(1, std::min<int64_t>(threads, j.B * j.K));
+  for (int64_t i = 0; i + 1 < j.parts; ++i)
+    pool.Schedule([job, bf16] { bf16 ? helper<uint16_t>(job) : helper<float>(job); });
+  bf16 ? work<uint16_t>(job) : work<float>(job);
+  while (job->started.load() != job->finished.load()) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseservePagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("max_keys")
+                                  .Attr<int32_t>("bf16_dot"));
+"""
+
+
+def available() -> bool:
+  """True when the kernel may be used (see the module contract); builds on first call."""
+  if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0":
+    return False
+  if jax.default_backend() != "cpu":
+    return False
+  with _lock:
+    if "ok" not in _state:
+      try:
+        if "avx512f" not in native_build.cpu_flags():
+          raise RuntimeError("CPU lacks avx512f")
+        lib = ctypes.cdll.LoadLibrary(native_build.build("paged_attention", _SOURCE, _FLAGS))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseservePagedDecodeAttention),
+                                    platform="cpu")
+        _state["ok"] = True
+      except Exception as e:  # noqa: BLE001 - any failure means "use the gather path"
+        logging.getLogger(__name__).warning("native paged attention unavailable: %s", e)
+        _state["ok"] = False
+    return bool(_state["ok"])
+
+
+def supported(n_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
+  return (head_dim % 16 == 0 and n_heads % kv_heads == 0 and n_heads // kv_heads <= MAX_GROUP
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+
+
+def decode_attention(q_BNH: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                     table_BM: jax.Array, pos_B: jax.Array, layer: int, max_keys: int
+                     ) -> jax.Array:
+  """See the module contract (call only when ``available()`` and ``supported(...)``)."""
+  if not available():
+    raise RuntimeError("the native paged attention is not available in this process")
+  b, n, h = q_BNH.shape
+  if (k_pages.ndim != 5 or k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype
+      or not supported(n, k_pages.shape[2], h, k_pages.dtype) or k_pages.shape[4] != h
+      or table_BM.shape[0] != b or pos_B.shape != (b,)):
+    raise ValueError(f"decode_attention: unsupported shapes q {q_BNH.shape}, pages "
+                     f"{k_pages.shape} {k_pages.dtype}, table {table_BM.shape}, pos {pos_B.shape}")
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, n, h), jnp.float32),
+                          vmap_method="sequential")
+  return call(q_BNH.astype(jnp.float32), k_pages, v_pages, table_BM.astype(jnp.int32),
+              pos_B.astype(jnp.int32), layer=np.int64(layer), max_keys=np.int64(max_keys),
+              bf16_dot=np.int32(1 if bf16_dot() else 0))
+
+
+def bf16_dot() -> bool:
+  """Whether bf16 pages take the AVX-512 BF16 dot-product path (the CPU has ``avx512_bf16``
+  and ``PHASESERVE_PAGED_BF16_DOT`` is not ``0``); read at trace time."""
+  return (os.environ.get("PHASESERVE_PAGED_BF16_DOT", "1") != "0"
+          and "avx512_bf16" in native_build.cpu_flags())
+
+
+__all__ = ["available", "supported", "decode_attention", "MAX_GROUP"]

@@ -1,0 +1,128 @@
+"""models.cpu_paged_attention: the native decode attention over the page pool equals the gather
+path (``PagedKV.read`` + ``models.attention.attend``) for f32 and bf16 pages, both bf16 code
+paths (AVX-512 BF16 dot products, and f32 FMAs), null table entries, rows of every length from 1
+key to the full table, ``max_keys`` below the table's capacity, multiquery and grouped heads;
+``PagedKV.attend`` picks it for decode and the model's decode logits agree with the gather path.
+
+Tolerances, relative to the reference's magnitude ``max(1, max|ref|)``: f32 pages 1e-5 (the
+same products, summed in another order); bf16 pages 2e-2 (both paths round q and the
+probabilities to bf16 and the output to bf16: one bf16 rounding step is 2^-8 = 3.9e-3 relative).
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import attention, cpu_paged_attention as cpa, native_build, paged_kv as PK
+from models import transformer as T
+from models.config import get_preset
+from models.weights import init_params
+
+needs_kernel = pytest.mark.skipif(not cpa.available(),
+                                  reason="native paged attention unavailable (CPU / compiler)")
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def assert_close(got, ref, c: float) -> None:
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  err = float(np.max(np.abs(got - ref)))
+  bound = c * max(1.0, float(np.max(np.abs(ref))))
+  assert err <= bound, f"max |diff| {err:.3g} > {c:g} * max(1, max|ref|) = {bound:.3g}"
+
+
+def test_kernel_builds_where_the_cpu_supports_it():
+  """The skips here are for other CPUs only: with AVX-512 F and a compiler (the dev and CI
+  machines), a failed build fails the suite."""
+  capable = (jax.default_backend() == "cpu" and "avx512f" in native_build.cpu_flags()
+             and any(shutil.which(c) for c in ("c++", "g++"))
+             and os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") != "0")
+  assert cpa.available() == capable
+
+
+def _case(rng, b, n, kh, h, z, m, dtype, layers=2):
+  p = b * m + 3
+  k = jnp.asarray(rng.standard_normal((layers, p, kh, z, h)), dtype)
+  v = jnp.asarray(rng.standard_normal((layers, p, kh, z, h)), dtype)
+  table = rng.permutation(p)[:b * m].reshape(b, m).astype(np.int32)
+  table[0, -1] = p  # a null entry (reads as zeros) inside row 0's visible range
+  pos = rng.integers(0, m * z, size=b).astype(np.int32)
+  pos[0], pos[-1] = m * z - 1, 0  # the full table; a single visible key
+  q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+  return q, k, v, jnp.asarray(table), jnp.asarray(pos)
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,n,kh,h,z,m", [(5, 9, 3, 64, 16, 4), (6, 12, 1, 64, 64, 2),
+                                          (4, 4, 1, 16, 8, 5), (3, 2, 2, 32, 16, 3)])
+@pytest.mark.parametrize("dtype,bf16_dot", [("float32", "1"), ("bfloat16", "1"),
+                                            ("bfloat16", "0")])
+def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monkeypatch):
+  monkeypatch.setenv("PHASESERVE_PAGED_BF16_DOT", bf16_dot)
+  rng = np.random.default_rng(b * 100 + n)
+  q, k, v, table, pos = _case(rng, b, n, kh, h, z, m, jnp.dtype(dtype))
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos)
+  for layer in range(k.shape[0]):
+    for max_keys in (m * z, m * z - z // 2):
+      ref = attention.attend(q, *kv.read(layer, max_keys), jnp.minimum(pos, max_keys - 1)[:, None])
+      got = jax.jit(kv.attend, static_argnums=(0, 3))(layer, q, pos[:, None], max_keys)
+      assert got.shape == ref.shape and got.dtype == ref.dtype
+      assert_close(got, ref, TOL[dtype])
+
+
+@needs_kernel
+def test_rows_past_max_keys_see_only_max_keys():
+  """A row whose position is past ``max_keys`` attends to the first ``max_keys`` keys (what the
+  gather path reads), never to the positions after them."""
+  rng = np.random.default_rng(7)
+  q, k, v, table, _ = _case(rng, 3, 4, 1, 16, 8, 4, jnp.float32)
+  pos = jnp.asarray([31, 20, 12], jnp.int32)
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos)
+  q_BNH = (q[:, 0] * 16 ** -0.5)
+  got = cpa.decode_attention(q_BNH, k, v, table, pos, 0, 12)
+  ref = attention.attend(q, *kv.read(0, 12), jnp.full((3, 1), 11, jnp.int32))[:, 0]
+  assert_close(got, ref, TOL["float32"])
+
+
+@needs_kernel
+def test_bad_shapes_are_refused():
+  q = jnp.zeros((2, 3, 24), jnp.float32)  # head dim 24: not a multiple of 16
+  pages = jnp.zeros((1, 4, 1, 8, 24), jnp.float32)
+  assert not cpa.supported(3, 1, 24, jnp.float32)
+  with pytest.raises(ValueError, match="unsupported shapes"):
+    cpa.decode_attention(q, pages, pages, jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
+                         0, 16)
+  assert not cpa.supported(34, 2, 64, jnp.float32)  # 17 query heads per kv head
+  assert not cpa.supported(4, 1, 64, jnp.float16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_decode_through_the_kernel_equals_the_gather_path(dtype, monkeypatch):
+  """``small``-shaped heads (multiquery, 64-wide) on a two-layer model: decode logits with the
+  kernel equal those with it switched off, at the model's own tolerance for the dtype."""
+  cfg = get_preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=32)
+  dt = jnp.dtype(dtype)
+  params = init_params(cfg, jax.random.key(1), dt)
+  rng = np.random.default_rng(3)
+  z, m, b = 16, 4, 3
+  table = jnp.asarray(rng.permutation(b * m + 2)[:b * m].reshape(b, m), jnp.int32)
+  kv = PK.init_paged(cfg, b, b * m + 2, z, m, dt).replace(page_table=table)
+  lens = jnp.asarray([37, 9, 50], jnp.int32)
+  toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 64)), jnp.int32)
+  _, kv = T.prefill(params, toks, kv, None, lens, cfg=cfg, attend_len=64)
+  nxt = toks[:, 0]
+
+  def decode():
+    fn = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=cfg, attend_len=64))  # new trace
+    hlo = fn.lower(params, nxt, kv).as_text()
+    return fn(params, nxt, kv)[0], "phaseserve_paged_decode" in hlo
+
+  got, native = decode()
+  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")  # the gather path (a fresh trace)
+  ref, native_off = decode()
+  assert native and not native_off
+  assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2}[dtype])
