@@ -285,5 +285,24 @@ def test_engine_over_the_sharded_step(mesh8):
                               decode=PhaseDecode(steps.decode, PS.transfer_pages))
   assert split_engine.kv_dec.k_pages.sharding.mesh == dec_mesh
   assert split == want
-  print(f"[paged engine] {engine.programs} programs (interleaved), {split_engine.programs} "
-        f"(disaggregated) over {len(reqs)} requests")
+  # Interleaved on one mesh, a layout per phase through serving.deployment: prefill ws_2d+heads,
+  # decode ws_2d+batch_xyz (one params copy, the KV re-laid into decode's own pool at insert);
+  # then both layouts left to the planner (a fixed hardware preset: no measuring in tests).
+  from serving.deployment import Deployment, make_steps
+  two = make_steps(CFG, Deployment("interleaved", "ws_2d:heads", "ws_2d:batch_xyz"),
+                   max_slots=8, max_chunk=16, max_context=CFG.max_seq_len, quantized=False)
+  assert two.decode is not None and two.description["kv_pools"] == 2
+  assert two.description["param_copies"] == 1 and two.description["kv_relayout"]
+  inter, inter_engine = serve(two.step, two.kv_shards, decode=two.decode)
+  assert inter == want
+  assert inter_engine.kv_dec.k_pages.sharding.spec == P(None, ("x", "y", "z"))
+  planned = make_steps(CFG, Deployment("interleaved", hardware="tpu-v4"), max_slots=8,
+                       max_chunk=16, max_context=CFG.max_seq_len, quantized=False)
+  assert planned.description["prefill_choice"].startswith("planner (tpu-v4)")
+  assert planned.description["decode_choice"].startswith("planner (tpu-v4)")
+  auto, _ = serve(planned.step, planned.kv_shards, decode=planned.decode)
+  assert auto == want
+  print(f"[paged engine] {engine.programs} programs (one layout), {split_engine.programs} "
+        f"(disaggregated), {inter_engine.programs} (two layouts, one mesh) over {len(reqs)} "
+        f"requests; planner: {planned.description['prefill_choice']} / "
+        f"{planned.description['decode_choice']}")
