@@ -47,6 +47,9 @@ _KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV pages in the pool", lower_
 _STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
                                     lower_bound=1)
 _MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
+_PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
+                                       "prefill chunks per step (more: bigger prefill batches, "
+                                       "more programs to warm up)", lower_bound=1)
 _MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                     "longest prompt + output served (capped at the model's)",
                                     lower_bound=2)
@@ -174,7 +177,9 @@ def run() -> list[dict]:
   try:
     config = stack.ServingConfig(max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value,
                                  kv_pages=_KV_PAGES.value, max_step_tokens=_STEP_TOKENS.value,
-                                 max_chunk=_MAX_CHUNK.value, max_waiting=max(1, len(lines)),
+                                 max_chunk=_MAX_CHUNK.value,
+                                 max_prefill_chunks=_PREFILL_CHUNKS.value,
+                                 max_waiting=max(1, len(lines)),
                                  max_context=min(_MAX_CONTEXT.value, cfg.max_seq_len))
     steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
                                        _PREFILL_DEVICES.value, _HARDWARE.value),

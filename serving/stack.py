@@ -69,4 +69,7 @@ def describe(loop: ServingLoop) -> dict[str, object]:
   pool = loop.scheduler.pool
   return {"kv_pages": pool.budget.num_pages, "page_size": pool.page_size,
           "kv_bytes": pool.budget.bytes, "max_slots": loop.scheduler.max_slots,
-          "max_context": loop.scheduler.max_context, "step": loop.engine.step.describe()}
+          "max_context": loop.scheduler.max_context,
+          "max_step_tokens": loop.scheduler.max_step_tokens,
+          "max_prefill_chunks": loop.scheduler.max_prefill_chunks,
+          "step": loop.engine.step.describe()}

@@ -36,7 +36,7 @@ def test_serve_offline_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
                       "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
-                      "--max_slots", "4", "--trace_out", str(trace)],
+                      "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace)],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
@@ -48,6 +48,7 @@ def test_serve_offline_tiny(tmp_path):
   assert "max_tokens" in errors[2] and "bogus" in errors[4] and "JSON" in errors[5]
   assert "prompt_ids" in errors[6]
   assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
+  assert summary["stack"]["max_prefill_chunks"] == 2
   assert summary["programs_warmed"] > 0 and summary["mode"] == "single"
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)  # --param_seed 0
