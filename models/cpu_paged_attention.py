@@ -86,6 +86,31 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// One page of the online softmax: sg[0, nz) <- exp(sg - m_new), zeros on [nz, span); updates the
+// running max and sum; returns the factor the accumulators are to be scaled by.
+inline float softmax_page(float* sg, int64_t nz, int64_t span, float& mrun, float& lrun) {
+  float mx = sg[0];
+  for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
+  const float mnew = std::max(mrun, mx);
+  const float corr = std::isinf(mrun) ? 0.f : std::exp(mrun - mnew);
+  const __m512 mv = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t z = 0; z < span; z += 16) {
+    const __mmask16 mk = lanes(nz - z);
+    const __m512 e = _mm512_maskz_mov_ps(
+        mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + z), mv)));
+    _mm512_mask_storeu_ps(sg + z, lanes(span - z), e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  lrun = lrun * corr + _mm512_reduce_add_ps(sum);
+  mrun = mnew;
+  return corr;
+}
+
 struct Job {
   const float* q;
   const void* k;
@@ -139,21 +164,7 @@ void item(const Job& j, int64_t it, float* s, float* acc, const T* zeros) {
     // online softmax: s <- exp(s - m_new), rescale the running sum and accumulators
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * Z;
-      float mx = sg[0];
-      for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
-      const float mnew = std::max(mrun[g], mx);
-      const float corr = std::isinf(mrun[g]) ? 0.f : std::exp(mrun[g] - mnew);
-      const __m512 mv = _mm512_set1_ps(mnew);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t z = 0; z < nz; z += 16) {
-        const __mmask16 mk = nz - z >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nz - z)) - 1);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sg + z), mv));
-        e = _mm512_maskz_mov_ps(mk, e);
-        _mm512_mask_storeu_ps(sg + z, mk, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      lrun[g] = lrun[g] * corr + _mm512_reduce_add_ps(sum);
-      mrun[g] = mnew;
+      const float corr = softmax_page(sg, nz, nz, mrun[g], lrun[g]);
       if (corr != 1.f) {
         const __m512 cv = _mm512_set1_ps(corr);
         for (int64_t h = 0; h < H; h += 16)
@@ -276,22 +287,7 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * Z;
-      float mx = sg[0];
-      for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
-      const float mnew = std::max(mrun[g], mx);
-      const float corr = std::isinf(mrun[g]) ? 0.f : std::exp(mrun[g] - mnew);
-      const __m512 mv = _mm512_set1_ps(mnew);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t z = 0; z < Z; z += 16) {
-        const int64_t left = nz - z;
-        const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF)
-                             : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-        __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + z), mv)));
-        _mm512_storeu_ps(sg + z, e);  // zeros past nz: their value rows add nothing
-        sum = _mm512_add_ps(sum, e);
-      }
-      lrun[g] = lrun[g] * corr + _mm512_reduce_add_ps(sum);
-      mrun[g] = mnew;
+      const float corr = softmax_page(sg, nz, Z, mrun[g], lrun[g]);  // zeros past nz
       for (int64_t z2 = 0; z2 < Z2; ++z2)
         pp[g * Z2 + z2] = uint32_t(to_bf16(sg[2 * z2])) | (uint32_t(to_bf16(sg[2 * z2 + 1])) << 16);
       if (corr != 1.f) {
