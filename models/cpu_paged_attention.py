@@ -126,17 +126,32 @@ struct Job {
   std::atomic<int64_t> finished{0};  // helpers that stopped
 };
 
+// Work item ``it`` = (row b, kv head kh): its G query heads, output rows and visible keys. A
+// row with no visible key gets zeros here (nkeys <= 0: nothing else to do).
+struct Item {
+  int64_t b, kh, nkeys;
+  const float* q;
+  float* o;
+};
+
+inline Item locate(const Job& j, int64_t it, int64_t G) {
+  Item r;
+  r.b = it / j.K;
+  r.kh = it % j.K;
+  r.q = j.q + (r.b * j.N + r.kh * G) * j.H;
+  r.o = j.out + (r.b * j.N + r.kh * G) * j.H;
+  r.nkeys = std::min<int64_t>(int64_t(j.pos[r.b]) + 1, j.max_keys);
+  if (r.nkeys <= 0) std::memset(r.o, 0, sizeof(float) * G * j.H);
+  return r;
+}
+
 template <typename T, int G>
 void item(const Job& j, int64_t it, float* s, float* acc, const T* zeros) {
-  const int64_t b = it / j.K, kh = it % j.K;
-  const int64_t H = j.H, Z = j.Z;
-  const float* q = j.q + (b * j.N + kh * G) * H;
-  float* o = j.out + (b * j.N + kh * G) * H;
-  const int64_t nkeys = std::min<int64_t>(int64_t(j.pos[b]) + 1, j.max_keys);
-  if (nkeys <= 0) {
-    std::memset(o, 0, sizeof(float) * G * H);
-    return;
-  }
+  const Item r = locate(j, it, G);
+  if (r.nkeys <= 0) return;
+  const int64_t b = r.b, kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
+  const float* q = r.q;
+  float* o = r.o;
   float mrun[G], lrun[G];
   for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
   std::memset(acc, 0, sizeof(float) * G * H);
@@ -224,15 +239,11 @@ inline uint16_t to_bf16(float x) {  // round to nearest even (x finite)
 template <int G>
 void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
                const uint16_t* zeros, uint16_t* qb, uint32_t* pp) {
-  const int64_t b = it / j.K, kh = it % j.K;
-  const int64_t H = j.H, Z = j.Z;
-  const float* q = j.q + (b * j.N + kh * G) * H;
-  float* o = j.out + (b * j.N + kh * G) * H;
-  const int64_t nkeys = std::min<int64_t>(int64_t(j.pos[b]) + 1, j.max_keys);
-  if (nkeys <= 0) {
-    std::memset(o, 0, sizeof(float) * G * H);
-    return;
-  }
+  const Item r = locate(j, it, G);
+  if (r.nkeys <= 0) return;
+  const int64_t b = r.b, kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
+  const float* q = r.q;
+  float* o = r.o;
   for (int64_t i = 0; i < G * H; ++i) {
     uint32_t u;
     std::memcpy(&u, q + i, 4);
