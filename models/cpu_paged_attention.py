@@ -130,6 +130,10 @@ struct Job {
 // row with no visible key gets zeros here (nkeys <= 0: nothing else to do).
 struct Item {
   int64_t b, kh, nkeys;
+  int64_t pages;       // pages holding the visible keys
+  int64_t page_elems;  // elements of one pool page (K * Z * H)
+  int64_t base;        // offset of this layer's page 0, this kv head, in the K and V pools
+  const int32_t* tab;  // the row's page table
   const float* q;
   float* o;
 };
@@ -141,6 +145,10 @@ inline Item locate(const Job& j, int64_t it, int64_t G) {
   r.q = j.q + (r.b * j.N + r.kh * G) * j.H;
   r.o = j.out + (r.b * j.N + r.kh * G) * j.H;
   r.nkeys = std::min<int64_t>(int64_t(j.pos[r.b]) + 1, j.max_keys);
+  r.pages = (r.nkeys + j.Z - 1) / j.Z;
+  r.page_elems = j.K * j.Z * j.H;
+  r.base = j.layer * j.P * r.page_elems + r.kh * j.Z * j.H;
+  r.tab = j.table + r.b * j.M;
   if (r.nkeys <= 0) std::memset(r.o, 0, sizeof(float) * G * j.H);
   return r;
 }
@@ -149,17 +157,16 @@ template <typename T, int G>
 void item(const Job& j, int64_t it, float* s, float* acc, const T* zeros) {
   const Item r = locate(j, it, G);
   if (r.nkeys <= 0) return;
-  const int64_t b = r.b, kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
+  const int64_t kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
   const float* q = r.q;
   float* o = r.o;
   float mrun[G], lrun[G];
   for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
   std::memset(acc, 0, sizeof(float) * G * H);
-  const int64_t page_elems = j.K * Z * H;
-  const T* kbase = static_cast<const T*>(j.k) + j.layer * j.P * page_elems + kh * Z * H;
-  const T* vbase = static_cast<const T*>(j.v) + j.layer * j.P * page_elems + kh * Z * H;
-  const int32_t* tab = j.table + b * j.M;
-  const int64_t pages = (nkeys + Z - 1) / Z;
+  const int64_t page_elems = r.page_elems, pages = r.pages;
+  const T* kbase = static_cast<const T*>(j.k) + r.base;
+  const T* vbase = static_cast<const T*>(j.v) + r.base;
+  const int32_t* tab = r.tab;
   for (int64_t m = 0; m < pages; ++m) {
     const int64_t nz = std::min<int64_t>(Z, nkeys - m * Z);
     const int64_t p = tab[m];
@@ -241,7 +248,7 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
                const uint16_t* zeros, uint16_t* qb, uint32_t* pp) {
   const Item r = locate(j, it, G);
   if (r.nkeys <= 0) return;
-  const int64_t b = r.b, kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
+  const int64_t kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
   const float* q = r.q;
   float* o = r.o;
   for (int64_t i = 0; i < G * H; ++i) {
@@ -252,11 +259,10 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
   float mrun[G], lrun[G];
   for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
   std::memset(acc, 0, sizeof(float) * G * H);
-  const int64_t page_elems = j.K * Z * H;
-  const uint16_t* kbase = static_cast<const uint16_t*>(j.k) + j.layer * j.P * page_elems + kh * Z * H;
-  const uint16_t* vbase = static_cast<const uint16_t*>(j.v) + j.layer * j.P * page_elems + kh * Z * H;
-  const int32_t* tab = j.table + b * j.M;
-  const int64_t pages = (nkeys + Z - 1) / Z;
+  const int64_t page_elems = r.page_elems, pages = r.pages;
+  const uint16_t* kbase = static_cast<const uint16_t*>(j.k) + r.base;
+  const uint16_t* vbase = static_cast<const uint16_t*>(j.v) + r.base;
+  const int32_t* tab = r.tab;
   const int64_t Z2 = Z / 2;
   for (int64_t m = 0; m < pages; ++m) {
     const int64_t nz = std::min<int64_t>(Z, nkeys - m * Z);
