@@ -2,7 +2,8 @@
 ``models.cpu_paged_attention``).
 
 Contract:
-  * ``cpu_flags() -> set[str]``: the ``flags`` line of ``/proc/cpuinfo`` (empty if unreadable).
+  * ``cpu_flags() -> frozenset[str]``: the ``flags`` line of ``/proc/cpuinfo`` (empty if
+    unreadable), read once per process.
   * ``build(name, source, flags) -> path``: compiles C++ ``source`` (with ``c++`` / ``g++``,
     ``-O3 -std=c++17 -shared -fPIC`` plus ``flags``, against ``jax.ffi.include_dir()``) into
     ``<cache dir>/<name>_<key>.so`` and returns its path; ``key`` hashes the source, the jax
@@ -14,6 +15,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -23,15 +25,16 @@ import tempfile
 import jax
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
         if line.startswith("flags"):
-          return set(line.split(":", 1)[1].split())
+          return frozenset(line.split(":", 1)[1].split())
   except OSError:
     pass
-  return set()
+  return frozenset()
 
 
 def build(name: str, source: str, flags: list[str]) -> str:
