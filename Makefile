@@ -12,7 +12,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3; do \
   $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test test-slow bench proto clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
@@ -40,6 +40,11 @@ test: $(VENV)/.stamp $(REF_VENV)/.stamp
 # pytest exits 5 when it collects no test: not an error for a marker selection.
 test-slow: $(VENV)/.stamp $(REF_VENV)/.stamp
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+# The gRPC modules are checked in (tests/test_proto.py checks they are current); regenerate after a .proto edit.
+PROTOS := serving/proto/phaseserve/v1/generation.proto serving/proto/jetstream/jetstream.proto
+proto: $(VENV)/.stamp
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 bench: $(VENV)/.stamp
 	$(PY) -m launch.bench_model --model small --json

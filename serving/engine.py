@@ -18,7 +18,7 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     and decode, all dispatched asynchronously; the sampled ids are copied to the host with
     ``copy_to_host_async``. With ``lag=1`` (the default) it returns the PREVIOUS step's
     result, so the host plans step n+1 while the device runs step n; ``lag=0`` returns this
-    step's (tests). ``flush()`` returns what is held.
+    step's (tests). ``flush()`` returns what is held; ``reset()`` drops it (after a fault).
   * Sampling per slot: seed, temperature, top-k, top-p; a slot's key is
     ``fold_in(key(seed), position)``, so the ids do not depend on the batch (same as
     ``serving.generator``).
@@ -189,6 +189,10 @@ class Engine:
     self.kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
                            config.pages_per_seq, jnp.dtype(config.kv_dtype))
     self.last_S = jnp.zeros((config.max_slots,), jnp.int32)
+    # Committed from the start, as every later step's outputs are: the warm-up's first program
+    # would otherwise compile for uncommitted inputs and the first real step compile it again.
+    self.kv = jax.tree.map(lambda a: jax.device_put(a, a.sharding), self.kv)
+    self.last_S = jax.device_put(self.last_S, self.kv.lengths.sharding)
     self._samp_host = [SamplingParams()] * config.max_slots
     self._samp = SamplingArrays.from_params(self._samp_host)
     self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
@@ -202,6 +206,7 @@ class Engine:
       self.params_dec = dec.place_params(self.params)  # a no-op when the shardings are equal
       self.kv_dec = dec.init_kv(config.max_slots, config.num_pages, config.page_size,
                                 config.pages_per_seq, jnp.dtype(config.kv_dtype))
+      self.kv_dec = jax.tree.map(lambda a: jax.device_put(a, a.sharding), self.kv_dec)
       self._dec_sharding = self.kv_dec.lengths.sharding  # per-slot state on the decode chips
       self.last_dec = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32),
                                      self._dec_sharding)
@@ -392,6 +397,11 @@ class Engine:
     out = [p.result() for p in self._held]
     self._held.clear()
     return out
+
+  def reset(self) -> None:
+    """Drops the results in flight (after a failed step: the scheduler has ended their
+    sequences). Device state needs nothing: freed slots' table rows are the null page."""
+    self._held.clear()
 
   def _arrange(self, slots: Sequence[int], shards: int) -> tuple[int, list[int]]:
     """(rows R, row of each slot): unsharded, rows 0..; else grouped by the shard of the slot's

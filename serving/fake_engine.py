@@ -87,3 +87,6 @@ class FakeEngine:
     out = list(self._held)
     self._held.clear()
     return out
+
+  def reset(self) -> None:
+    self._held.clear()

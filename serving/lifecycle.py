@@ -67,20 +67,24 @@ class RequestTrace:
     return next((e.detail for e in reversed(self.events) if e.kind == "finished"), None)
 
   def timings(self) -> dict[str, float | None]:
-    """queue_s, ttft_s, tpot_s, e2e_s (None where the request never got there)."""
+    """queue_s, prefill_s, ttft_s, tpot_s, e2e_s (None where the request never got there);
+    prefill_s spans the first chunk's start to the last chunk's end."""
     arrival = self._first("arrival")
     start = self._first("prefill_start")
     end = self._first("finished")
     toks = self.token_times()
+    last_chunk = next((e.t for e in reversed(self.events) if e.kind == "prefill_end"), None)
+    prefill = None if start is None or last_chunk is None else last_chunk - start
     if arrival is None:
-      return {"queue_s": None, "ttft_s": None, "tpot_s": None, "e2e_s": None}
+      return {"queue_s": None, "prefill_s": None, "ttft_s": None, "tpot_s": None,
+              "e2e_s": None}
     ttft = toks[0] - arrival if toks else None
     e2e = end - arrival if end is not None else None
     tpot = None
     if ttft is not None and e2e is not None and len(toks) > 1:
       tpot = (e2e - ttft) / (len(toks) - 1)
-    return {"queue_s": None if start is None else start - arrival, "ttft_s": ttft,
-            "tpot_s": tpot, "e2e_s": e2e}
+    return {"queue_s": None if start is None else start - arrival, "prefill_s": prefill,
+            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
 
   def inter_token_s(self) -> list[float]:
     toks = self.token_times()

@@ -14,11 +14,21 @@ Contract:
     background thread (servers); ``stop`` joins it.
   * Prefill events: ``prefill_start`` / ``prefill_end`` bracket each step that ran a chunk of the
     request (the device time is not separable per request inside a batched step).
-  * ``traces`` keeps every request's ``RequestTrace`` by id (for Chrome-trace export).
+  * ``traces`` keeps every request's ``RequestTrace`` by id (for Chrome-trace export); with
+    ``max_traces`` (servers) only that many finished ones are kept, oldest dropped first.
+  * Faults: an exception from the engine (or the test-only ``fault_hook(plan)``, called before
+    each execute) ends every running sequence as ``error`` with the exception in the message
+    (``Scheduler.fail``), drops the engine's results in flight, and the loop goes on with the
+    queued requests. A ``FatalEngineError``, or ``max_faults`` faults in a row, means the engine
+    cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
+    end at once. ``step_started`` is the clock time the current engine call began (None between
+    calls), for a watchdog. An ``on_output`` callback that raises is dropped, never the loop.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import queue
 import threading
 import time
@@ -27,19 +37,35 @@ from typing import Callable
 from serving.engine import Engine
 from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, StepPlan
+from serving.stop import FinishReason
 
 OutputFn = Callable[[RequestOutput], None]
+_log = logging.getLogger(__name__)
+
+
+class FatalEngineError(RuntimeError):
+  """The engine cannot run another step (device lost, state corrupt)."""
 
 
 class ServingLoop:
   def __init__(self, scheduler: Scheduler, engine: Engine, metrics: Metrics | None = None,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic, *, max_traces: int | None = None,
+               fault_hook: Callable[[StepPlan], None] | None = None, max_faults: int = 3):
     self.scheduler = scheduler
     self.engine = engine
     self.metrics = metrics
     self.clock = clock
     self.traces: dict[str, RequestTrace] = {}
+    self.max_traces = max_traces
+    self._finished_ids: collections.deque[str] = collections.deque()
+    self.fault_hook = fault_hook
+    self.max_faults = max_faults
+    self.faults = 0  # faults so far
+    self._faults_in_row = 0
+    self.failed: str | None = None  # why the engine cannot continue
+    self.step_started: float | None = None
+    self.step_s = 0.0  # moving average of a busy step's wall time (admission predictions)
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()
     self._thread: threading.Thread | None = None
@@ -63,6 +89,11 @@ class ServingLoop:
   def idle(self) -> bool:
     return self._inbox.empty() and self.scheduler.idle
 
+  @property
+  def num_arriving(self) -> int:
+    """Submitted, not yet admitted by the loop."""
+    return self._inbox.qsize()
+
   def _admit(self) -> None:
     while True:
       try:
@@ -70,6 +101,11 @@ class ServingLoop:
       except queue.Empty:
         return
       self.traces[req.request_id] = trace
+      if self.failed is not None:
+        trace.record("finished", FinishReason.ERROR.value)
+        self._deliver_one(RequestOutput(req.request_id, finish_reason=FinishReason.ERROR,
+                                        message=self.failed), cb)
+        continue
       rejected = self.scheduler.add(req, trace)
       if rejected is not None:
         self._deliver_one(rejected, cb)
@@ -77,9 +113,17 @@ class ServingLoop:
         self._callbacks[req.request_id] = cb
 
   def _deliver_one(self, out: RequestOutput, cb: OutputFn) -> None:
-    if out.finished and self.metrics is not None:
-      self.metrics.observe(self.traces[out.request_id])
-    cb(out)
+    if out.finished:
+      if self.metrics is not None:
+        self.metrics.observe(self.traces[out.request_id])
+      if self.max_traces is not None:
+        self._finished_ids.append(out.request_id)
+        while len(self._finished_ids) > self.max_traces:
+          self.traces.pop(self._finished_ids.popleft(), None)
+    try:
+      cb(out)
+    except Exception:  # a consumer's bug must not stop the loop for everyone
+      _log.exception("on_output callback for %s raised", out.request_id)
 
   def _deliver(self, outs: list[RequestOutput]) -> None:
     for o in outs:
@@ -94,23 +138,62 @@ class ServingLoop:
     """One iteration; returns False when there was nothing to do."""
     self._admit()
     self._deliver(self.scheduler.drain_outputs())
+    if self.failed is not None:
+      return False
     if self.scheduler.idle:
-      for res in self.engine.flush():
-        self._deliver(self.scheduler.update(res))
+      try:
+        for res in self.engine.flush():
+          self._deliver(self.scheduler.update(res))
+      except Exception as e:
+        self._fault(e)
       return False
     plan = self.scheduler.schedule()
     self._deliver(self.scheduler.drain_outputs())
     started = {c.request_id for c in plan.prefill}
     for rid in started:
       self.traces[rid].record("prefill_start")
-    result = self.engine.execute(plan)
-    results = [result] if result is not None else []
-    if plan.empty:  # everything planned is in flight: collect it
-      results += self.engine.flush()
+    t0 = self.step_started = self.clock()
+    try:
+      if self.fault_hook is not None:
+        self.fault_hook(plan)
+      result = self.engine.execute(plan)
+      results = [result] if result is not None else []
+      if plan.empty:  # everything planned is in flight: collect it
+        results += self.engine.flush()
+    except Exception as e:
+      self.step_started = None
+      self._fault(e)
+      return True
+    self.step_started = None
+    if not plan.empty:
+      self.step_s = 0.9 * self.step_s + 0.1 * (self.clock() - t0) if self.step_s else (
+          self.clock() - t0)
+    self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")
     for res in results:
       self._deliver(self.scheduler.update(res))
+    self._update_gauges()
+    return True
+
+  def _fault(self, exc: Exception) -> None:
+    self.faults += 1
+    self._faults_in_row += 1
+    message = f"engine step failed: {type(exc).__name__}: {exc}"
+    _log.error("%s", message)
+    fatal = isinstance(exc, FatalEngineError) or self._faults_in_row >= self.max_faults
+    if fatal:
+      self.failed = f"the engine cannot continue ({message})"
+    self.engine.reset()
+    self._deliver(self.scheduler.fail(self.failed or message, waiting=fatal))
+    self._update_gauges()
+
+  def fail(self, message: str) -> None:
+    """Marks the engine as unable to continue (a watchdog saw a step hang): no later step
+    runs. Streams are ended by the caller (the loop thread may be stuck in the engine)."""
+    self.failed = message
+
+  def _update_gauges(self) -> None:
     if self.metrics is not None:
       self.metrics.queue_length.set(self.scheduler.num_waiting)
       self.metrics.running.set(self.scheduler.num_running)
@@ -135,13 +218,18 @@ class ServingLoop:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      if not self.step():
+      if self.failed is not None:
+        self._admit()  # later submissions end at once
+        self._wake.wait(0.05)
+        self._wake.clear()
+      elif not self.step():
         self._wake.wait(0.05)
         self._wake.clear()
 
-  def stop(self) -> None:
+  def stop(self, timeout: float | None = None) -> None:
+    """Stops the background thread; ``timeout`` bounds the wait (a hung engine call)."""
     self._stop.set()
     self._wake.set()
     if self._thread is not None:
-      self._thread.join()
+      self._thread.join(timeout)
       self._thread = None

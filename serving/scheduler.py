@@ -23,6 +23,9 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     keeps ``inflight`` ids planned but not yet received; ids arriving for a finished request
     are dropped; a preempted request is re-admitted only once nothing of it is in flight.
   * Lifecycle events (``serving.lifecycle``) are recorded on the traces given to ``add``.
+  * ``fail(message, waiting=False)`` ends every running sequence (and, with ``waiting``, every
+    queued one) as ``error`` after an engine fault: pages and slots are released and nothing is
+    left in flight; it returns the outputs at once.
   * ``idle`` is True when nothing is waiting, running or in flight.
 Imports nothing from JAX: the plan is plain data.
 """
@@ -349,6 +352,14 @@ class Scheduler:
       seq = self._seqs.get(rid)
       if seq is not None:
         self._finish(seq, FinishReason.CANCELLED, "cancelled by the client")
+
+  def fail(self, message: str, waiting: bool = False) -> list[RequestOutput]:
+    """After an engine fault: see the module contract."""
+    for seq in list(self._seqs.values()):
+      seq.inflight = 0  # whatever was in flight is lost with the failed step
+      if seq.state is _State.RUNNING or waiting:
+        self._finish(seq, FinishReason.ERROR, message)
+    return self.drain_outputs()
 
   def drain_outputs(self) -> list[RequestOutput]:
     """Outputs produced outside ``update`` (cancellations, length stops while planning)."""

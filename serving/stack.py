@@ -1,7 +1,7 @@
 """Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
 
-Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards=1) ->
-ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``serving.deployment.make_steps`` for
+Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards=1, max_traces=None)
+-> ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``serving.deployment.make_steps`` for
 meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
 ``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
@@ -41,7 +41,7 @@ class ServingConfig:
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
           registry: prom.CollectorRegistry | None = None, *, decode: PhaseDecode | None = None,
-          kv_shards: int = 1) -> ServingLoop:
+          kv_shards: int = 1, max_traces: int | None = None) -> ServingLoop:
   cfg = step.cfg
   context = min(config.max_context or cfg.max_seq_len, cfg.max_seq_len)
   kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
@@ -56,7 +56,8 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=config.lag), decode=decode)
-  return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()))
+  return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
+                     max_traces=max_traces)
 
 
 def warmup(loop: ServingLoop) -> int:

@@ -1,0 +1,236 @@
+"""The gRPC service: phaseserve's API and JetStream's on one port, with health and reflection.
+
+  python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100
+
+Start-up: load the model, choose each phase's layout (the planner's unless given; logged with
+its numbers), build the engine, bind the port (health NOT_SERVING), compile every bucketed
+program, then readiness turns SERVING; the start-up time is logged and exported
+(``phaseserve_startup_seconds``). ``--port 0`` binds a free port; ``--port_file`` receives the
+bound one (tests). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
+ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
+flushed, exit 0. Bad flags exit 2 with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from absl import flags, logging
+
+from launch import cli
+from launch.cli import CliError
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"], "int8 compute")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
+_PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
+_MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
+                          "prefill and decode on one mesh, or on two sub-meshes")
+_FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0, "split the CPU into N fake devices",
+                                     lower_bound=0)
+_PREFILL_DEVICES = flags.DEFINE_integer("prefill_devices", None,
+                                        "disaggregated: devices for prefill (default half)")
+_PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None, "ffn:attn (default: planner)")
+_DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None, "ffn:attn (default: planner)")
+_HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+_MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode slots (batch rows)", lower_bound=1)
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
+_KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
+_STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
+                                    lower_bound=1)
+_MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
+_PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4, "prefill chunks per step",
+                                       lower_bound=1)
+_MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048, "prompt + output (capped at the "
+                                    "model's)", lower_bound=2)
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests waiting for prefill",
+                                  lower_bound=1)
+_DEFAULT_MAX_TOKENS = flags.DEFINE_integer("default_max_tokens", 256,
+                                           "max_tokens when a request gives none",
+                                           lower_bound=1)
+_MAX_N = flags.DEFINE_integer("max_n", 8, "samples per request", lower_bound=1)
+_SLO_CLASSES = flags.DEFINE_string(
+    "slo_classes", "interactive:0.45:0.04,server:2:0.2,long:6:0.175",
+    "name:ttft_s:tpot_s,... (default: MLPerf Inference v5.0's LLM targets)")
+_DEFAULT_SLO = flags.DEFINE_string("default_slo_class", "server", "class of a request naming none")
+_SLO_SCALE = flags.DEFINE_float("slo_scale", 1.0, "multiplies every SLO target (slow machines)",
+                                lower_bound=0.0)
+_EARLY_REJECT = flags.DEFINE_bool("early_reject", True,
+                                  "refuse at arrival a request predicted to miss its SLO")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind")
+_PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free port)", lower_bound=0)
+_PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here")
+_METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port "
+                                     "(0: any free port)", lower_bound=0)
+_MAX_MESSAGE = flags.DEFINE_integer("max_message_bytes", 4 << 20, "largest request message",
+                                    lower_bound=1024)
+_API_KEYS = flags.DEFINE_string("api_keys", None, "JSON file: key -> {name, requests_per_min, "
+                                "tokens_per_min}")
+_TLS_CERT = flags.DEFINE_string("tls_cert", None, "PEM certificate (TLS)")
+_TLS_KEY = flags.DEFINE_string("tls_key", None, "PEM private key (TLS)")
+_USAGE_LOG = flags.DEFINE_string("usage_log", None, "append one JSON line per request here")
+_GRACE = flags.DEFINE_float("grace_s", 30.0, "SIGTERM: how long live requests may finish",
+                            lower_bound=0.0)
+_WATCHDOG = flags.DEFINE_float("watchdog_s", 60.0, "an engine step longer than this fails the "
+                               "engine", lower_bound=0.1)
+_STALL = flags.DEFINE_float("stream_stall_s", 30.0, "cancel a stream whose client has not read "
+                            "for this long", lower_bound=0.1)
+_STREAM_BYTES = flags.DEFINE_integer("stream_buffer_bytes", 1 << 20,
+                                     "cancel a stream with this much unread", lower_bound=1024)
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before readiness")
+_FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request_id "
+                            "'fault:raise|fatal|hang:S' injects an engine-step fault")
+
+
+def _info(cfg, steps, loop, limits, classes, version):
+  from serving import stack
+  from serving.proto.phaseserve.v1 import generation_pb2 as pb
+  import jax
+  d = steps.description
+  layout = lambda p: (f"{d[p]['ffn']}:{d[p]['attn']}" if isinstance(d.get(p), dict)
+                      and "ffn" in d[p] else "unsharded")
+  s = stack.describe(loop)
+  return pb.ServerInfoResponse(
+      model=cfg.name, dtype=_DTYPE.value, quantize=_QUANTIZE.value,
+      mesh=f"{jax.device_count()} x {jax.devices()[0].platform}", mode=d["mode"],
+      prefill=pb.PhaseLayout(layout=layout("prefill"), reason=str(d.get("prefill_choice", ""))),
+      decode=pb.PhaseLayout(layout=layout("decode"), reason=str(d.get("decode_choice", ""))),
+      kv_pages=s["kv_pages"], page_size=s["page_size"], max_slots=s["max_slots"],
+      max_context=s["max_context"], max_queue=_MAX_QUEUE.value, max_n=limits.max_n,
+      max_stop_strings=limits.max_stop_strings, vocab_size=loop.scheduler.tokenizer.vocab_size,
+      slo_classes=[pb.SloClass(name=c.name, ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in classes],
+      default_slo_class=limits.default_slo_class, default_max_tokens=limits.default_max_tokens,
+      version=version)
+
+
+def main(argv: list[str]) -> None:
+  t_start = time.monotonic()
+  logging.set_verbosity(logging.INFO)
+  if len(argv) > 1:
+    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _FAKE_DEVICES.value:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
+  import importlib.metadata
+  import jax
+  import jax.numpy as jnp
+  import prometheus_client as prom
+  from models.loader import load_model
+  from serving import admission, grpc_server, stack
+  from serving.auth import ApiKeys
+  from serving.deployment import Deployment, make_steps
+  from serving.faults import FaultInjector
+  from serving.frontend import Frontend, FrontendConfig
+  from serving.usage import UsageLog
+  from serving.validation import Limits
+
+  try:
+    classes = admission.parse_classes(_SLO_CLASSES.value)
+    keys = ApiKeys.load(_API_KEYS.value) if _API_KEYS.value else ApiKeys.none()
+  except ValueError as e:
+    raise CliError(str(e))
+  if _DEFAULT_SLO.value not in {c.name for c in classes}:
+    raise CliError(f"--default_slo_class {_DEFAULT_SLO.value!r} is not in --slo_classes")
+  for path in (_TLS_CERT.value, _TLS_KEY.value):
+    if path and not os.path.isfile(path):
+      raise CliError(f"no such file: {path}")
+  dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
+  try:
+    cfg, params, tok = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
+                                  quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
+  except (ValueError, FileNotFoundError) as e:
+    raise CliError(str(e))
+  mode = _MODE.value
+  if mode == "interleaved" and jax.device_count() == 1:
+    mode = "single"
+  registry = prom.CollectorRegistry()
+  try:
+    config = stack.ServingConfig(
+        max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value, kv_pages=_KV_PAGES.value,
+        max_step_tokens=_STEP_TOKENS.value, max_chunk=_MAX_CHUNK.value,
+        max_prefill_chunks=_PREFILL_CHUNKS.value, max_waiting=_MAX_QUEUE.value + _MAX_N.value,
+        max_context=min(_MAX_CONTEXT.value, cfg.max_seq_len))
+    steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
+                                       _PREFILL_DEVICES.value, _HARDWARE.value),
+                       max_slots=config.max_slots, max_chunk=config.max_chunk,
+                       max_context=config.max_context, quantized=_QUANTIZE.value == "int8")
+    loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
+                       kv_shards=steps.kv_shards, max_traces=1024)
+  except ValueError as e:
+    raise CliError(str(e))
+  logging.info("deployment: %s", {k: v for k, v in steps.description.items()
+                                  if k in ("mode", "prefill_choice", "decode_choice",
+                                           "kv_pools")})
+  limits = Limits(max_context=loop.scheduler.max_context,
+                  default_max_tokens=_DEFAULT_MAX_TOKENS.value, max_n=_MAX_N.value,
+                  slo_classes=tuple(c.name for c in classes),
+                  default_slo_class=_DEFAULT_SLO.value)
+  frontend = Frontend(loop, tok, FrontendConfig(
+      limits, classes, _SLO_SCALE.value, _EARLY_REJECT.value, _MAX_QUEUE.value,
+      _STREAM_BYTES.value, _STALL.value, _WATCHDOG.value, _FAULTS.value), registry,
+      UsageLog(_USAGE_LOG.value))
+  if _FAULTS.value:
+    logging.warning("fault injection is ON (test only)")
+    loop.fault_hook = FaultInjector(frontend)
+  try:
+    version = importlib.metadata.version("phaseserve")
+  except importlib.metadata.PackageNotFoundError:
+    version = "dev"
+  info = _info(cfg, steps, loop, limits, classes, version)
+  try:
+    running = grpc_server.serve(frontend, keys, info, grpc_server.ServerOptions(
+        _HOST.value, _PORT.value, _MAX_MESSAGE.value, tls_cert=_TLS_CERT.value,
+        tls_key=_TLS_KEY.value))
+  except (OSError, RuntimeError, ValueError) as e:
+    raise CliError(f"cannot serve on {_HOST.value}:{_PORT.value}: {e}")
+  if _METRICS_PORT.value is not None:
+    metrics_server, _ = prom.start_http_server(_METRICS_PORT.value, addr=_HOST.value,
+                                               registry=registry)
+    logging.info("metrics on http://%s:%d/metrics", _HOST.value,
+                 metrics_server.server_address[1])
+    if _PORT_FILE.value:
+      with open(_PORT_FILE.value + ".metrics", "w") as f:
+        f.write(str(metrics_server.server_address[1]))
+  if _PORT_FILE.value:
+    with open(_PORT_FILE.value + ".tmp", "w") as f:
+      f.write(str(running.port))
+    os.replace(_PORT_FILE.value + ".tmp", _PORT_FILE.value)
+  logging.info("gRPC on %s:%d (loading)", _HOST.value, running.port)
+
+  term = threading.Event()
+  signals = [0]
+
+  def on_signal(signum, frame):
+    signals[0] += 1
+    if signals[0] > 1:
+      frontend.hurry()
+    term.set()
+
+  signal.signal(signal.SIGTERM, on_signal)
+  signal.signal(signal.SIGINT, on_signal)
+  t0 = time.monotonic()
+  warmed = stack.warmup(loop) if _WARMUP.value else 0
+  logging.info("warm-up: %d programs in %.1f s", warmed, time.monotonic() - t0)
+  loop.start()
+  frontend.start_watchdog()
+  startup = time.monotonic() - t_start
+  frontend.metrics.startup.set(startup)
+  if not term.is_set():
+    frontend.set_state("serving")
+  logging.info("serving (start-up %.1f s)", startup)
+  while not term.wait(0.2):
+    pass
+  logging.info("draining (grace %.1f s)", _GRACE.value)
+  cancelled = frontend.drain(_GRACE.value)
+  running.server.stop(grace=1.0).wait(5.0)
+  loop.stop(timeout=5.0)
+  frontend.usage.close()
+  logging.info("stopped (%d requests cancelled at the end of the grace period)", cancelled)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,386 @@
+"""The protocol-neutral service: admission, streams, usage, drain and health over one ServingLoop.
+
+Contract: ``Frontend(loop, tokenizer, FrontendConfig, metrics_registry, usage_log)`` is what
+every wire API (``serving.grpc_service``, ``serving.jetstream_service``) calls; they only
+translate messages and statuses.
+  * ``generate(args, key, client_request_id, api) -> Stream`` checks, in order: the service
+    state (``UNAVAILABLE`` while loading, draining or failed), the request
+    (``serving.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
+    quota, and the predicted SLO miss (``serving.admission``: ``RESOURCE_EXHAUSTED`` with the
+    prediction), then submits its ``n`` samples (seeds ``seed + i``) to the loop. A refused
+    request never reaches the engine, and gets its usage record.
+  * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
+    output, then raises ``ServiceError`` if the request ended in error. The buffer between the
+    loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
+    output older than ``stream_stall_s``, the request is cancelled (``slow_consumer``: its pages
+    are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
+    sample in the loop; pages are free before the next step.
+  * Every request that passes authentication ends on one path (``_end``), exactly once: the
+    usage record (``serving.usage``), the per-request metrics, the quota settlement.
+  * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
+    ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
+    lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
+    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog thread (``start_watchdog``) fails
+    every live stream and turns the state to ``failed`` when an engine step runs past
+    ``watchdog_s`` or the loop reports that the engine cannot continue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import secrets
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+import prometheus_client as prom
+
+from models.tokenizer import Tokenizer
+from serving import admission
+from serving.admission import SloClass
+from serving.auth import KeyInfo, OverQuota, Quotas
+from serving.lifecycle import RequestTrace
+from serving.loop import ServingLoop
+from serving.request import Request, RequestOutput
+from serving.service_metrics import LiveGauges, ServiceMetrics
+from serving.stop import FinishReason
+from serving.usage import UsageLog
+from serving.validation import GenerateArgs, InvalidArgument, Limits, Validated, validate
+
+_log = logging.getLogger(__name__)
+
+
+class Status(str, enum.Enum):
+  OK = "ok"
+  INVALID_ARGUMENT = "invalid_argument"
+  REJECTED = "rejected"  # queue full, quota, predicted SLO miss: RESOURCE_EXHAUSTED
+  CANCELLED = "cancelled"
+  DEADLINE_EXCEEDED = "deadline_exceeded"
+  SLOW_CONSUMER = "slow_consumer"
+  ERROR = "error"  # an engine fault: INTERNAL
+  UNAVAILABLE = "unavailable"  # loading, draining, engine down
+
+
+class ServiceError(Exception):
+  def __init__(self, status: Status, message: str):
+    super().__init__(message)
+    self.status = status
+    self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendConfig:
+  limits: Limits
+  slo_classes: tuple[SloClass, ...] = admission.MLPERF_CLASSES
+  slo_scale: float = 1.0  # multiplies every SLO target (small machines)
+  early_reject: bool = True
+  max_queue: int = 256  # requests waiting for their first prefill chunk
+  stream_buffer_bytes: int = 1 << 20
+  stream_stall_s: float = 30.0
+  watchdog_s: float = 60.0
+  fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.faults)
+
+
+class Stream:
+  """One client call: ``n`` samples' outputs through one bounded buffer."""
+
+  def __init__(self, frontend: "Frontend", request_id: str, v: Validated, key: KeyInfo,
+               client_request_id: str, api: str, quota: list[float] | None):
+    self.frontend = frontend
+    self.request_id = request_id
+    self.validated = v
+    self.key = key
+    self.client_request_id = client_request_id
+    self.api = api
+    self.quota = quota
+    self.ids = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
+    self.traces: list[RequestTrace] = []
+    self.finals: list[RequestOutput | None] = [None] * v.n
+    self.completion = [0] * v.n
+    self._prefilled = [False] * v.n
+    self._cond = threading.Condition()
+    self._items: collections.deque[tuple[int, RequestOutput, float]] = collections.deque()
+    self._bytes = 0
+    self._stop: tuple[Status, str] | None = None  # why the stream was stopped early
+    self.ended = False
+    self.status = Status.OK
+    self.message = ""
+
+  # -- the loop thread's side -----------------------------------------------------------------
+
+  def _push(self, index: int, out: RequestOutput) -> None:
+    now = time.monotonic()
+    with self._cond:
+      if self.ended:
+        return
+      self._items.append((index, out, now))
+      self._bytes += len(out.text) + 4 * len(out.token_ids) + 64
+      self.completion[index] += len(out.token_ids)
+      if out.finished:
+        self.finals[index] = out
+      slow = self._stop is None and (self._bytes > self.frontend.config.stream_buffer_bytes or
+                                     now - self._items[0][2] > self.frontend.config.stream_stall_s)
+      done = all(f is not None for f in self.finals)
+      self._cond.notify_all()
+    if not self._prefilled[index] and (out.token_ids or out.finished):
+      self._prefilled[index] = True
+      self.frontend._prefilled(len(self.validated.prompt_ids))
+    if slow:
+      self.cancel(Status.SLOW_CONSUMER, "the client is not reading its stream")
+    if done:
+      self.frontend._end(self)
+
+  # -- the consumer's side --------------------------------------------------------------------
+
+  def cancel(self, status: Status, message: str) -> None:
+    with self._cond:
+      if self.ended or self._stop is not None:
+        return
+      self._stop = (status, message)
+      pending = [rid for rid, f in zip(self.ids, self.finals) if f is None]
+    for rid in pending:
+      self.frontend.loop.cancel(rid)
+
+  def abort(self, status: Status, message: str) -> None:
+    """Ends the stream now, without waiting for the loop (watchdog, drain's last resort)."""
+    with self._cond:
+      if self._stop is None:
+        self._stop = (status, message)
+    self.frontend._end(self)
+
+  def events(self, poll_s: float = 0.1) -> Iterator[tuple[int, RequestOutput]]:
+    while True:
+      with self._cond:
+        while not self._items and not self.ended:
+          self._cond.wait(poll_s)
+        if self._items:
+          index, out, _ = self._items.popleft()
+          self._bytes -= len(out.text) + 4 * len(out.token_ids) + 64
+        elif self.ended:
+          if self.status is not Status.OK:
+            raise ServiceError(self.status, self.message)
+          return
+        else:
+          continue
+      yield index, out
+
+  def timings(self) -> dict[str, float | None]:
+    """Sample 0's timings (every sample shares the prompt's queue and prefill)."""
+    return self.traces[0].timings() if self.traces else {}
+
+
+class Frontend:
+  def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
+               registry: prom.CollectorRegistry, usage: UsageLog | None = None):
+    self.loop = loop
+    self.tokenizer = tokenizer
+    self.config = config
+    self.usage = usage or UsageLog(None)
+    self.quotas = Quotas()
+    self.classes = {c.name: c for c in config.slo_classes}
+    if set(self.classes) != set(config.limits.slo_classes):
+      raise ValueError("FrontendConfig: limits.slo_classes must name the SLO classes")
+    self.state = "loading"
+    self._listeners: list[Callable[[str], None]] = []
+    self._lock = threading.Lock()
+    self._live: dict[str, Stream] = {}
+    self._backlog = 0
+    self._ids = itertools.count()
+    self._prefix = secrets.token_hex(3)
+    self._hurry = threading.Event()
+    self._watchdog: threading.Thread | None = None
+    self._stop_watchdog = threading.Event()
+    self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.faults)
+    sched = loop.scheduler
+    self.metrics = ServiceMetrics(registry, LiveGauges(
+        waiting=lambda: sched.num_waiting + loop.num_arriving,
+        slots_used_fraction=lambda: sched.num_running / sched.max_slots,
+        live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
+
+  # -- state ----------------------------------------------------------------------------------
+
+  def on_state(self, fn: Callable[[str], None]) -> None:
+    self._listeners.append(fn)
+    fn(self.state)
+
+  def set_state(self, state: str) -> None:
+    with self._lock:
+      if self.state == state or (self.state == "failed" and state != "failed"):
+        return
+      self.state = state
+    _log.warning("service state: %s", state)
+    for fn in self._listeners:
+      fn(state)
+
+  @property
+  def live(self) -> int:
+    return len(self._live)
+
+  # -- admission ------------------------------------------------------------------------------
+
+  def _refuse(self, status: Status, reason: str, message: str, key: KeyInfo,
+              client_request_id: str, api: str, slo: str = "", prompt_tokens: int = 0) -> None:
+    self.metrics.rejections.labels(reason=reason).inc()
+    self.metrics.requests.labels(status=status.value, finish_reason="", slo_class=slo).inc()
+    self.usage.write({"request_id": "", "client_request_id": client_request_id,
+                      "api_key": key.name, "api": api, "slo_class": slo, "status": status.value,
+                      "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
+                      "completion_tokens": 0, "finish_reason": []})
+    raise ServiceError(status, message)
+
+  def generate(self, args: GenerateArgs, key: KeyInfo, client_request_id: str = "",
+               api: str = "phaseserve", field_names: dict[str, str] | None = None) -> Stream:
+    if self.state != "serving":
+      why = {"loading": "the server is loading and warming up",
+             "draining": "the server is shutting down"}.get(self.state, "the engine is down")
+      self._refuse(Status.UNAVAILABLE, "unavailable", why, key, client_request_id, api)
+    try:
+      v = validate(args, self.tokenizer, self.config.limits, field_names)
+    except InvalidArgument as e:
+      self._refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id,
+                   api)
+    prompt = len(v.prompt_ids)
+    refusal = self.loop.scheduler.pool.can_ever_fit(prompt + v.stop.max_tokens)
+    if refusal is not None:
+      self._refuse(Status.INVALID_ARGUMENT, "invalid_argument",
+                   f"{(field_names or {}).get('max_tokens', 'max_tokens')}: {refusal.message}",
+                   key, client_request_id, api, v.slo_class, prompt)
+    sched = self.loop.scheduler
+    if sched.num_waiting + self.loop.num_arriving + v.n > self.config.max_queue:
+      self._refuse(Status.REJECTED, "queue_full",
+                   f"the queue is full ({self.config.max_queue} requests waiting)", key,
+                   client_request_id, api, v.slo_class, prompt)
+    slo = self.classes[v.slo_class]
+    if self.config.early_reject:
+      pred = admission.predict(admission.Load(
+          self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens,
+          prompt * v.n))
+      miss = pred.miss(slo, self.config.slo_scale)
+      if miss is not None:
+        self._refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
+                     api, v.slo_class, prompt)
+    try:
+      quota = self.quotas.admit(key, prompt + v.n * v.stop.max_tokens, time.monotonic())
+    except OverQuota as e:
+      self._refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class,
+                   prompt)
+    rid = f"req-{self._prefix}-{next(self._ids)}"
+    stream = Stream(self, rid, v, key, client_request_id, api, quota)
+    with self._lock:
+      self._live[rid] = stream
+      self._backlog += prompt * v.n
+    if self.config.fault_injection and client_request_id.startswith("fault:"):
+      for sid in stream.ids:
+        self.fault_ids[sid] = client_request_id.split(":", 1)[1]
+    for i, sid in enumerate(stream.ids):
+      samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
+      req = Request(sid, v.prompt_ids, samp, v.stop, v.priority)
+      stream.traces.append(self.loop.submit(req, lambda out, i=i: stream._push(i, out)))
+    return stream
+
+  def _prefilled(self, prompt_tokens: int) -> None:
+    with self._lock:
+      self._backlog = max(0, self._backlog - prompt_tokens)
+
+  # -- the one end path -----------------------------------------------------------------------
+
+  def _end(self, stream: Stream) -> None:
+    with stream._cond:
+      if stream.ended:
+        return
+      stream.ended = True
+      reasons = [f.finish_reason for f in stream.finals if f is not None]
+      if stream._stop is not None:
+        stream.status, stream.message = stream._stop
+      elif FinishReason.ERROR in reasons or len(reasons) < len(stream.finals):
+        stream.status = Status.ERROR
+        stream.message = next((f.message for f in stream.finals
+                               if f is not None and f.finish_reason is FinishReason.ERROR),
+                              "the engine failed")
+      elif FinishReason.REJECTED in reasons:
+        stream.status = Status.REJECTED
+        stream.message = next(f.message for f in stream.finals if f is not None and
+                              f.finish_reason is FinishReason.REJECTED)
+      stream._cond.notify_all()
+    with self._lock:
+      self._live.pop(stream.request_id, None)
+      self._backlog = max(0, self._backlog - len(stream.validated.prompt_ids) *
+                          stream._prefilled.count(False))
+      stream._prefilled = [True] * len(stream._prefilled)
+    for sid in stream.ids:
+      self.fault_ids.pop(sid, None)
+    v = stream.validated
+    completion = sum(stream.completion)
+    self.quotas.settle(stream.quota, len(v.prompt_ids) + completion)
+    t = stream.timings()
+    if t.get("prefill_s") is not None:
+      self.metrics.prefill.observe(t["prefill_s"])
+    finish = [f.finish_reason.value if f is not None else "" for f in stream.finals]
+    for reason in finish:
+      self.metrics.requests.labels(status=stream.status.value, finish_reason=reason,
+                                   slo_class=v.slo_class).inc()
+    self.usage.write({
+        "request_id": stream.request_id, "client_request_id": stream.client_request_id,
+        "api_key": stream.key.name, "api": stream.api, "slo_class": v.slo_class,
+        "status": stream.status.value, "message": stream.message,
+        "prompt_tokens": len(v.prompt_ids), "cached_tokens": 0, "completion_tokens": completion,
+        "finish_reason": finish, "n": v.n, **{k: t.get(k) for k in
+                                              ("queue_s", "prefill_s", "ttft_s", "tpot_s",
+                                               "e2e_s")}})
+
+  # -- shutdown and the watchdog --------------------------------------------------------------
+
+  def hurry(self) -> None:
+    """A second SIGTERM: stop waiting for the live streams."""
+    self._hurry.set()
+
+  def drain(self, grace_s: float) -> int:
+    """Returns how many streams had to be cancelled."""
+    self.set_state("draining")
+    deadline = time.monotonic() + grace_s
+    while self._live and time.monotonic() < deadline and not self._hurry.is_set():
+      self._hurry.wait(0.05)
+    rest = list(self._live.values())
+    for s in rest:
+      s.cancel(Status.UNAVAILABLE, "the server is shutting down")
+    deadline = time.monotonic() + 5.0
+    while self._live and time.monotonic() < deadline and self.loop.failed is None:
+      time.sleep(0.02)
+    for s in list(self._live.values()):
+      s.abort(Status.UNAVAILABLE, "the server is shutting down")
+    self.stop_watchdog()
+    return len(rest)
+
+  def start_watchdog(self, period_s: float = 0.1) -> None:
+    self._stop_watchdog.clear()
+    self._watchdog = threading.Thread(target=self._watch, args=(period_s,), daemon=True,
+                                      name="phaseserve-watchdog")
+    self._watchdog.start()
+
+  def stop_watchdog(self) -> None:
+    self._stop_watchdog.set()
+    if self._watchdog is not None and self._watchdog is not threading.current_thread():
+      self._watchdog.join()
+      self._watchdog = None
+
+  def _watch(self, period_s: float) -> None:
+    while not self._stop_watchdog.wait(period_s):
+      started = self.loop.step_started
+      why = self.loop.failed
+      if why is None and started is not None and \
+          self.loop.clock() - started > self.config.watchdog_s:
+        why = (f"an engine step has run for more than {self.config.watchdog_s:g} s; "
+               "the engine is considered hung")
+        self.loop.fail(why)
+      if why is not None:
+        self.set_state("failed")
+        for s in list(self._live.values()):
+          s.abort(Status.UNAVAILABLE, why)
+        return
+
+  def streams(self) -> Sequence[Stream]:
+    return list(self._live.values())

@@ -1,0 +1,61 @@
+"""The service's Prometheus series, beside the loop's (``serving.lifecycle.Metrics``).
+
+Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
+  * ``phaseserve_requests_total{status, finish_reason, slo_class}``: every ended request;
+  * ``phaseserve_rejections_total{reason}``: ``invalid_argument``, ``queue_full``, ``quota``,
+    ``slo``, ``unavailable``, ``unauthenticated``;
+  * ``phaseserve_prefill_seconds``: first prefill chunk start to last chunk end, per request;
+  * ``phaseserve_startup_seconds`` (load + warm-up), ``phaseserve_live_streams``,
+    ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (no host tier
+    yet: 0), ``phaseserve_engine_faults_total``;
+  * JetStream's names where the series means the same thing, so its dashboards work:
+    ``jetstream_prefill_backlog_size`` (requests waiting for prefill) and
+    ``jetstream_slots_used_percentage`` (decode slots in use, a 0-1 fraction as JetStream
+    exports it). JetStream's TTFT / TPOT series are defined differently (TTFT from prefill
+    start; TPOT over all tokens including the first) and are deliberately not aliased.
+``gauges`` supplies the live values read at scrape time (callables: no thread writes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import prometheus_client as prom
+
+from serving.lifecycle import _LATENCY_BUCKETS
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveGauges:
+  waiting: Callable[[], float]
+  slots_used_fraction: Callable[[], float]
+  live_streams: Callable[[], float]
+  engine_faults: Callable[[], float]
+
+
+class ServiceMetrics:
+  def __init__(self, registry: prom.CollectorRegistry, gauges: LiveGauges):
+    self.requests = prom.Counter("phaseserve_requests", "ended requests",
+                                 ["status", "finish_reason", "slo_class"], registry=registry)
+    self.rejections = prom.Counter("phaseserve_rejections", "requests refused at arrival",
+                                   ["reason"], registry=registry)
+    self.prefill = prom.Histogram("phaseserve_prefill_seconds",
+                                  "first prefill chunk start to the last chunk end",
+                                  buckets=_LATENCY_BUCKETS, registry=registry)
+    self.startup = prom.Gauge("phaseserve_startup_seconds", "model load + warm-up time",
+                              registry=registry)
+    self.prefix_hit_tokens = prom.Counter("phaseserve_prefix_cache_hit_tokens",
+                                          "prompt tokens served from the prefix cache",
+                                          registry=registry)
+    self.host_tier_bytes = prom.Gauge("phaseserve_host_tier_bytes",
+                                      "KV bytes in the host-memory tier", registry=registry)
+    prom.Gauge("phaseserve_live_streams", "client calls in progress",
+               registry=registry).set_function(gauges.live_streams)
+    prom.Gauge("phaseserve_engine_faults", "engine steps that raised",
+               registry=registry).set_function(gauges.engine_faults)
+    prom.Gauge("jetstream_prefill_backlog_size", "requests waiting for prefill (JetStream name)",
+               registry=registry).set_function(gauges.waiting)
+    prom.Gauge("jetstream_slots_used_percentage",
+               "fraction (0-1) of decode slots in use (JetStream name)",
+               registry=registry).set_function(gauges.slots_used_fraction)

@@ -1,0 +1,321 @@
+"""serving.frontend over the hand-checkable FakeEngine on a live loop thread: validation naming
+every field, admission (queue bound, quota, predicted SLO miss), the slow-consumer bound, engine
+faults (recoverable and fatal), the watchdog, usage records exactly once, drain."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import prometheus_client as prom
+import pytest
+
+from models.tokenizer import ByteTokenizer
+from serving import admission
+from serving.auth import ApiKeys, KeyInfo, OverQuota, Quotas, Unauthenticated
+from serving.faults import FaultInjector
+from serving.fake_engine import FakeEngine, reference
+from serving.frontend import Frontend, FrontendConfig, ServiceError, Status
+from serving.kv_pages import PageBudget, PagePool
+from serving.lifecycle import Metrics
+from serving.loop import ServingLoop
+from serving.stop import FinishReason
+from serving.usage import UsageLog
+from serving.validation import GenerateArgs, InvalidArgument, Limits, validate
+
+TOK = ByteTokenizer()
+VOCAB = ByteTokenizer.VOCAB_SIZE
+LIMITS = Limits(max_context=64, default_max_tokens=8, max_n=4, max_stop_strings=3,
+                max_stop_chars=8)
+ANON = KeyInfo("anonymous")
+
+
+def _frontend(tmp_path=None, *, config=None, pages=64, page_size=4, slots=4, max_waiting=64,
+              fault=False, start=True):
+  pool = PagePool(PageBudget(page_size, pages), max_seq_tokens=64)
+  from serving.scheduler import Scheduler
+  sched = Scheduler(pool, TOK, max_slots=slots, max_step_tokens=32, max_chunk=16,
+                    max_waiting=max_waiting)
+  reg = prom.CollectorRegistry()
+  loop = ServingLoop(sched, FakeEngine(pages, page_size, VOCAB, slots, lag=1), Metrics(reg),
+                     max_traces=16)
+  usage = UsageLog(str(tmp_path / "usage.jsonl") if tmp_path else None)
+  cfg = config or FrontendConfig(LIMITS, fault_injection=fault)
+  fe = Frontend(loop, TOK, cfg, reg, usage)
+  if fault:
+    loop.fault_hook = FaultInjector(fe)
+  if start:
+    loop.start()
+    fe.set_state("serving")
+  return fe
+
+
+def _collect(stream, timeout=10.0):
+  ids: dict[int, list[int]] = {}
+  finals = {}
+  t0 = time.monotonic()
+  for i, out in stream.events():
+    ids.setdefault(i, []).extend(out.token_ids)
+    if out.finished:
+      finals[i] = out
+    assert time.monotonic() - t0 < timeout
+  return ids, finals
+
+
+@pytest.fixture
+def fe(tmp_path):
+  f = _frontend(tmp_path)
+  yield f
+  f.loop.stop(timeout=5)
+
+
+# -- validation: every bad field is named ----------------------------------------------------
+
+BAD = [
+    (dict(), "prompt"),
+    (dict(text="a", token_ids=[1]), "prompt"),
+    (dict(text=""), "text"),
+    (dict(text=b"ab\xff"), "text"),
+    (dict(token_ids=[]), "token_ids"),
+    (dict(token_ids=[1, -1]), "token_ids"),
+    (dict(token_ids=[VOCAB]), "token_ids"),
+    (dict(token_ids=list(range(1, 65))), "prompt"),  # longer than the context
+    (dict(token_ids=[1] * 60, max_tokens=5), "max_tokens"),  # prompt + max_tokens > context
+    (dict(text="a", max_tokens=0), "max_tokens"),
+    (dict(text="a", max_tokens=-1), "max_tokens"),
+    (dict(text="a", max_tokens=2**31 - 1), "max_tokens"),
+    (dict(text="a", temperature=math.nan), "temperature"),
+    (dict(text="a", temperature=math.inf), "temperature"),
+    (dict(text="a", temperature=-0.5), "temperature"),
+    (dict(text="a", top_p=0.0), "top_p"),
+    (dict(text="a", top_p=1.5), "top_p"),
+    (dict(text="a", top_k=-1), "top_k"),
+    (dict(text="a", top_k=VOCAB + 1), "top_k"),
+    (dict(text="a", stop=[""]), "stop"),
+    (dict(text="a", stop=["x"] * 4), "stop"),
+    (dict(text="a", stop=["x" * 9]), "stop"),
+    (dict(text="a", stop=[b"\xc3"]), "stop"),
+    (dict(text="a", stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (dict(text="a", n=-1), "n"),
+    (dict(text="a", n=5), "n"),
+    (dict(text="a", logprobs=99), "logprobs"),
+    (dict(text="a", min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(text="a", slo_class="gold"), "slo_class"),
+    (dict(messages=[("user", b"\xfe")]), "messages"),
+    (dict(messages=[("robot", "hi")]), "messages"),
+    (dict(text="a", seed=2**32), "seed"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD)])
+def test_validate_names_the_field(kwargs, field):
+  with pytest.raises(InvalidArgument) as e:
+    validate(GenerateArgs(**kwargs), TOK, LIMITS)
+  assert e.value.field == field, str(e.value)
+
+
+def test_validate_defaults_and_field_names():
+  v = validate(GenerateArgs(text="hi"), TOK, LIMITS)
+  assert v.prompt_ids == (TOK.bos_id, ord("h"), ord("i")) and v.n == 1
+  assert v.stop.max_tokens == 8 and v.sampling.temperature == 0 and v.sampling.top_k == 0
+  assert v.slo_class == "server" and 0 <= v.sampling.seed < 2**32
+  # The default max_tokens shrinks to the context left; an explicit one never does.
+  assert validate(GenerateArgs(token_ids=[1] * 60), TOK, LIMITS).stop.max_tokens == 4
+  assert validate(GenerateArgs(text="a", n=0), TOK, LIMITS).n == 1  # JetStream: 0 means 1
+  with pytest.raises(InvalidArgument) as e:
+    validate(GenerateArgs(token_ids=[1], n=9), TOK, LIMITS, {"n": "num_samples"})
+  assert e.value.field == "num_samples"
+
+
+# -- streams ---------------------------------------------------------------------------------
+
+def test_generate_matches_reference_and_writes_usage(fe, tmp_path):
+  args = GenerateArgs(token_ids=[5, 6, 7], max_tokens=6, ignore_eos=True, seed=11, n=2)
+  stream = fe.generate(args, ANON, "client-1")
+  ids, finals = _collect(stream)
+  for i in (0, 1):
+    assert ids[i] == reference([5, 6, 7], 11 + i, 6, VOCAB)
+    assert finals[i].finish_reason is FinishReason.LENGTH
+  time.sleep(0.05)
+  recs = [json.loads(l) for l in (tmp_path / "usage.jsonl").read_text().splitlines()]
+  assert len(recs) == 1 and recs[0]["status"] == "ok" and recs[0]["completion_tokens"] == 12
+  assert recs[0]["client_request_id"] == "client-1" and recs[0]["finish_reason"] == [
+      "length", "length"]
+  assert recs[0]["ttft_s"] > 0 and recs[0]["e2e_s"] >= recs[0]["ttft_s"]
+  assert fe.live == 0 and fe.loop.scheduler.pool.pages_used == 0
+
+
+def test_refusals_reach_no_engine_and_are_recorded(fe, tmp_path):
+  steps = fe.loop.engine.steps
+  with pytest.raises(ServiceError) as e:
+    fe.generate(GenerateArgs(text="a", top_p=2.0), ANON, "bad")
+  assert e.value.status is Status.INVALID_ARGUMENT and "top_p" in e.value.message
+  time.sleep(0.05)
+  assert fe.loop.engine.steps == steps
+  rec = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
+  assert rec["status"] == "invalid_argument" and rec["client_request_id"] == "bad"
+
+
+def test_queue_bound_rejects_at_once(tmp_path):
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, max_queue=2, early_reject=False),
+                 start=False)
+  fe.set_state("serving")  # the loop is not running: everything stays queued
+  a = fe.generate(GenerateArgs(text="a"), ANON)
+  fe.generate(GenerateArgs(text="b"), ANON)
+  with pytest.raises(ServiceError) as e:
+    fe.generate(GenerateArgs(text="c"), ANON)
+  assert e.value.status is Status.REJECTED and "queue is full" in e.value.message
+  fe.loop.start()
+  try:
+    _collect(a)
+  finally:
+    fe.loop.stop(timeout=5)
+
+
+def test_predicted_slo_miss_is_rejected_with_the_prediction(tmp_path):
+  classes = (admission.SloClass("server", 2.0, 0.2), admission.SloClass("tight", 1e-6, 1.0))
+  fe = _frontend(tmp_path, config=FrontendConfig(
+      Limits(max_context=64, slo_classes=("server", "tight")), classes))
+  try:
+    with pytest.raises(ServiceError) as e:
+      fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON)
+    assert e.value.status is Status.REJECTED and "predicted TTFT" in e.value.message
+    _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
+  finally:
+    fe.loop.stop(timeout=5)
+
+
+def test_prediction_grows_with_the_backlog():
+  p = lambda backlog: admission.predict(admission.Load(0.01, backlog, 4, 36, 16)).ttft_s
+  assert p(0) == pytest.approx(0.02) and p(320) == pytest.approx(0.12)  # ceil(336 / 32) + 1 steps
+  assert admission.predict(admission.Load(0.05, 0, 0, 32, 8)).miss(
+      admission.MLPERF_CLASSES[0]) is not None  # 50 ms TPOT > interactive's 40 ms
+  assert admission.parse_classes("a:1:0.1,b:2:0.2")[1] == admission.SloClass("b", 2.0, 0.2)
+  with pytest.raises(ValueError):
+    admission.parse_classes("a:1")
+
+
+def test_slow_consumer_is_cancelled_and_its_pages_freed(tmp_path):
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, stream_buffer_bytes=1024,
+                                                 stream_stall_s=0.2, early_reject=False))
+  try:
+    stream = fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=60, ignore_eos=True), ANON)
+    deadline = time.monotonic() + 10
+    while not stream.ended and time.monotonic() < deadline:  # never read: the buffer fills
+      time.sleep(0.01)
+    assert stream.ended and stream.status is Status.SLOW_CONSUMER
+    assert stream.finals[0].finish_reason is FinishReason.CANCELLED
+    assert sum(stream.completion) < 60
+    time.sleep(0.05)
+    assert fe.loop.scheduler.pool.pages_used == 0 and fe.loop.scheduler.num_running == 0
+  finally:
+    fe.loop.stop(timeout=5)
+
+
+def test_recoverable_fault_fails_the_step_and_serving_goes_on(tmp_path):
+  fe = _frontend(tmp_path, fault=True)
+  try:
+    victim = fe.generate(GenerateArgs(text="x", max_tokens=8), ANON, "fault:raise")
+    with pytest.raises(ServiceError) as e:
+      _collect(victim)
+    assert e.value.status is Status.ERROR and "injected fault" in e.value.message
+    ok = fe.generate(GenerateArgs(token_ids=[3, 4], max_tokens=5, ignore_eos=True, seed=1), ANON)
+    assert _collect(ok)[0][0] == reference([3, 4], 1, 5, VOCAB)
+    assert fe.loop.failed is None and fe.loop.faults == 1
+    assert fe.loop.scheduler.pool.pages_used == 0
+  finally:
+    fe.loop.stop(timeout=5)
+
+
+def test_fatal_fault_fails_everything_and_the_state(tmp_path):
+  fe = _frontend(tmp_path, fault=True, start=False)
+  fe.set_state("serving")
+  victim = fe.generate(GenerateArgs(text="x"), ANON, "fault:fatal")
+  queued = [fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=40, ignore_eos=True), ANON)
+            for _ in range(6)]  # 3 run beside the victim, 3 wait
+  fe.loop.start()
+  fe.start_watchdog(0.02)
+  try:
+    for s in queued + [victim]:
+      with pytest.raises(ServiceError):
+        _collect(s)
+    deadline = time.monotonic() + 5
+    while fe.state != "failed" and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert fe.state == "failed" and fe.loop.failed
+    with pytest.raises(ServiceError) as e:
+      fe.generate(GenerateArgs(text="a"), ANON)
+    assert e.value.status is Status.UNAVAILABLE
+  finally:
+    fe.stop_watchdog()
+    fe.loop.stop(timeout=5)
+
+
+def test_watchdog_fails_streams_of_a_hung_step(tmp_path):
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, watchdog_s=0.3, fault_injection=True),
+                 fault=True)
+  fe.start_watchdog(0.02)
+  try:
+    t0 = time.monotonic()
+    s = fe.generate(GenerateArgs(text="x", max_tokens=8), ANON, "fault:hang:3")
+    with pytest.raises(ServiceError) as e:
+      _collect(s)
+    assert e.value.status is Status.UNAVAILABLE and "hung" in e.value.message
+    assert time.monotonic() - t0 < 2.5 and fe.state == "failed"
+  finally:
+    fe.stop_watchdog()
+    fe.loop.stop(timeout=5)
+
+
+def test_drain_lets_live_requests_finish_then_cancels_the_rest(tmp_path):
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, early_reject=False), slots=1)
+  short = fe.generate(GenerateArgs(token_ids=[1], max_tokens=3, ignore_eos=True), ANON)
+  results = {}
+  t = threading.Thread(target=lambda: results.setdefault("short", _collect(short)))
+  t.start()
+  t.join(5)
+  stuck = fe.generate(GenerateArgs(token_ids=[2], max_tokens=60, ignore_eos=True), ANON)
+  fe.loop.engine.execute = _slow(fe.loop.engine.execute, 0.02)
+  cancelled = fe.drain(grace_s=0.2)
+  assert cancelled == 1 and stuck.ended and stuck.status is Status.UNAVAILABLE
+  with pytest.raises(ServiceError) as e:
+    fe.generate(GenerateArgs(text="a"), ANON)
+  assert e.value.status is Status.UNAVAILABLE
+  lines = (tmp_path / "usage.jsonl").read_text().splitlines()
+  assert sorted(json.loads(l)["status"] for l in lines) == ["ok", "unavailable", "unavailable"]
+  fe.loop.stop(timeout=5)
+
+
+def _slow(fn, s):
+  def run(plan):
+    time.sleep(s)
+    return fn(plan)
+  return run
+
+
+def test_api_keys_and_quotas(tmp_path):
+  path = tmp_path / "keys.json"
+  path.write_text(json.dumps({"k1": {"name": "alice", "requests_per_min": 2},
+                              "k2": {"name": "bob", "tokens_per_min": 100}}))
+  keys = ApiKeys.load(str(path))
+  assert keys.authenticate("k1").name == "alice"
+  for bad in (None, "", "nope"):
+    with pytest.raises(Unauthenticated):
+      keys.authenticate(bad)
+  q = Quotas()
+  alice, bob = keys.authenticate("k1"), keys.authenticate("k2")
+  q.admit(alice, 10, 0.0)
+  q.admit(alice, 10, 1.0)
+  with pytest.raises(OverQuota):
+    q.admit(alice, 10, 2.0)
+  q.admit(alice, 10, 61.0)  # the window slid past the first
+  entry = q.admit(bob, 90, 0.0)
+  with pytest.raises(OverQuota):
+    q.admit(bob, 20, 1.0)
+  q.settle(entry, 30)  # it used less than it might have
+  q.admit(bob, 20, 1.0)
+  path.write_text(json.dumps({"k": {"name": "x", "bogus": 1}}))
+  with pytest.raises(ValueError, match="bogus"):
+    ApiKeys.load(str(path))
