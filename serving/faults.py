@@ -4,8 +4,9 @@ Contract: ``FaultInjector(frontend)`` is a ``ServingLoop.fault_hook``. With the 
 ``fault_injection`` on, a request whose client_request_id is ``fault:<kind>`` arms a fault that
 fires in the first engine step planning any of its samples: ``raise`` (a ``RuntimeError``: the
 step's sequences fail, the engine goes on), ``fatal`` (``FatalEngineError``: the engine cannot
-continue) or ``hang:<seconds>`` (the step sleeps: the watchdog's case). Each armed request fires
-once. Never on by default; nothing else reads these ids.
+continue) or ``hang:<seconds>`` (the step sleeps: the watchdog's case); each of these fires once.
+``slow:<seconds>`` sleeps in every step planning the request (a long-running request on a fast
+model: the drain tests). Never on by default; nothing else reads these ids.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ class FaultInjector:
     if not armed:
       return
     rids = [c.request_id for c in plan.prefill] + [r.request_id for r in plan.decode]
-    kind = next((armed.pop(r) for r in rids if r in armed), None)
+    slow = [float(armed[r].split(":", 1)[1]) for r in rids if armed.get(r, "").startswith("slow:")]
+    if slow:
+      time.sleep(max(slow))
+    kind = None
+    for r in rids:
+      k = armed.get(r)
+      if k is not None and not k.startswith("slow:"):
+        kind = armed.pop(r, None)
+        break
     if kind is None:
       return
     self.fired += 1

@@ -85,6 +85,12 @@ class FrontendConfig:
   fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.faults)
 
 
+def _size(out: RequestOutput) -> int:
+  """About what an output costs in the buffer and on the wire."""
+  return 64 + len(out.text) + 4 * len(out.token_ids) + sum(16 + 8 * len(lp.top)
+                                                           for lp in out.logprobs)
+
+
 class Stream:
   """One client call: ``n`` samples' outputs through one bounded buffer."""
 
@@ -118,7 +124,7 @@ class Stream:
       if self.ended:
         return
       self._items.append((index, out, now))
-      self._bytes += len(out.text) + 4 * len(out.token_ids) + 64
+      self._bytes += _size(out)
       self.completion[index] += len(out.token_ids)
       if out.finished:
         self.finals[index] = out
@@ -159,7 +165,7 @@ class Stream:
           self._cond.wait(poll_s)
         if self._items:
           index, out, _ = self._items.popleft()
-          self._bytes -= len(out.text) + 4 * len(out.token_ids) + 64
+          self._bytes -= _size(out)
         elif self.ended:
           if self.status is not Status.OK:
             raise ServiceError(self.status, self.message)

@@ -146,6 +146,7 @@ class ServingLoop:
           self._deliver(self.scheduler.update(res))
       except Exception as e:
         self._fault(e)
+      self._update_gauges()
       return False
     plan = self.scheduler.schedule()
     self._deliver(self.scheduler.drain_outputs())
