@@ -12,7 +12,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3; do \
   $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: run test test-slow bench proto clean
+.PHONY: run test test-slow bench proto jetstream-bench clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
@@ -47,8 +47,25 @@ PROTOS := serving/proto/phaseserve/v1/generation.proto serving/proto/jetstream/j
 proto: $(VENV)/.stamp
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
+JS_VENV := .venv-jetstream
+JS_PY := $(JS_VENV)/bin/python
+# JetStream's client benchmark runs in its own venv: a full lock, installed without the resolver
+# (tensorflow-cpu stands in for the tensorflow that tensorflow-text declares).
+$(JS_VENV)/.stamp: launch/jetstream_bench/requirements.txt
+	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (set PYTHON311=...)"; exit 1; }
+	rm -rf $(JS_VENV)
+	$(PYTHON311) -m venv $(JS_VENV)
+	$(JS_PY) -m pip install -q --upgrade pip
+	$(JS_PY) -m pip install -q --no-deps -r launch/jetstream_bench/requirements.txt
+	touch $@
+
+# JetStream's own benchmarks/benchmark_serving.py (PyPI google-jetstream 0.2.2), unchanged, against
+# launch.server --model tiny on this CPU; not part of `make test`. Results in build/jetstream_bench/.
+jetstream-bench: $(VENV)/.stamp $(JS_VENV)/.stamp
+	bash launch/jetstream_bench/run.sh
+
 bench: $(VENV)/.stamp
 	$(PY) -m launch.bench_model --model small --json
 
 clean:
-	rm -rf $(VENV) $(REF_VENV) tests/_ref_artifacts
+	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) tests/_ref_artifacts

@@ -19,6 +19,7 @@ from absl import flags
 
 from launch import cli
 from launch.cli import CliError
+from launch.readiness import wait_ready
 
 _TARGET = flags.DEFINE_string("target", "127.0.0.1:9000", "host:port")
 _CHAT = flags.DEFINE_bool("chat", False, "send the prompt as a user chat message")
@@ -38,23 +39,6 @@ def _channel(grpc):
       creds = grpc.ssl_channel_credentials(root_certificates=f.read())
     return grpc.secure_channel(_TARGET.value, creds)
   return grpc.insecure_channel(_TARGET.value)
-
-
-def wait_ready(channel, timeout_s: float, service: str = "phaseserve.v1.Generation") -> None:
-  import grpc
-  from grpc_health.v1 import health_pb2, health_pb2_grpc
-  stub = health_pb2_grpc.HealthStub(channel)
-  deadline = time.monotonic() + timeout_s
-  while True:
-    try:
-      if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status == \
-          health_pb2.HealthCheckResponse.SERVING:
-        return
-    except grpc.RpcError:
-      pass
-    if time.monotonic() > deadline:
-      raise CliError(f"{_TARGET.value} not ready after {timeout_s:g} s")
-    time.sleep(0.2)
 
 
 def main(argv: list[str]) -> None:

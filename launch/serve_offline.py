@@ -25,47 +25,17 @@ from typing import TYPE_CHECKING, Iterator
 
 from absl import flags, logging
 
-from launch import cli, machine
+from launch import cli, engine_flags as ef, machine
 from launch.cli import CliError
 
 if TYPE_CHECKING:
   from models.tokenizer import Tokenizer
   from serving.request import Request
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
 _REQUESTS = flags.DEFINE_string("requests", None, "JSONL file, one request per line")
-_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
-_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
-                               "int8 compute (default: models.precision's choice, weight_only)")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
-_MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
-                          "prefill and decode on one mesh, or on two sub-meshes")
 _JSON = flags.DEFINE_bool("json", False, "JSON lines on stdout (else a short table)")
-_MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode batch rows", lower_bound=1)
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
-_KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV pages in the pool", lower_bound=1)
-_STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
-                                    lower_bound=1)
-_MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
-_PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
-                                       "prefill chunks per step (more: bigger prefill batches, "
-                                       "more programs to warm up)", lower_bound=1)
-_MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
-                                    "longest prompt + output served (capped at the model's)",
-                                    lower_bound=2)
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before serving")
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the Chrome trace JSON here")
-_PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
-                                      "ffn:attn for prefill (default: the planner's choice)")
-_DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
-                                     "ffn:attn for decode (default: the planner's choice)")
-_PREFILL_DEVICES = flags.DEFINE_integer("prefill_devices", None,
-                                        "disaggregated: devices for prefill (default half)")
-_HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
-_FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0,
-                                     "split the CPU into N fake devices (tests, experiments)",
-                                     lower_bound=0)
-_PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
 
 _FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_k", "top_p",
            "seed", "stop", "stop_ids", "min_tokens", "ignore_eos", "priority"}
@@ -151,44 +121,15 @@ def _read_lines(path: str) -> Iterator[str]:
 
 
 def run() -> list[dict]:
-  import os
-  if _FAKE_DEVICES.value:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
-  import jax
-  import jax.numpy as jnp
-  from models.loader import load_model
+  ef.set_fake_devices()
   from serving import stack
-  from serving.deployment import Deployment, make_steps
   from serving.lifecycle import chrome_trace
 
   if _REQUESTS.value is None:
     raise CliError("--requests is required")
   lines = list(_read_lines(_REQUESTS.value))
-  dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
-  try:
-    cfg, params, tok = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
-                                  quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
-  except (ValueError, FileNotFoundError) as e:
-    raise CliError(str(e))
-  mode = _MODE.value
-  if mode == "interleaved" and jax.device_count() == 1:
-    mode = "single"
-  try:
-    config = stack.ServingConfig(max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value,
-                                 kv_pages=_KV_PAGES.value, max_step_tokens=_STEP_TOKENS.value,
-                                 max_chunk=_MAX_CHUNK.value,
-                                 max_prefill_chunks=_PREFILL_CHUNKS.value,
-                                 max_waiting=max(1, len(lines)),
-                                 max_context=min(_MAX_CONTEXT.value, cfg.max_seq_len))
-    steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
-                                       _PREFILL_DEVICES.value, _HARDWARE.value),
-                       max_slots=config.max_slots, max_chunk=config.max_chunk,
-                       max_context=config.max_context, quantized=_QUANTIZE.value == "int8")
-    loop = stack.build(steps.step, params, tok, config, decode=steps.decode,
-                       kv_shards=steps.kv_shards)
-  except ValueError as e:
-    raise CliError(str(e))
+  built = ef.build(max_waiting=max(1, len(lines)))
+  cfg, tok, steps, loop, mode = built.cfg, built.tokenizer, built.steps, built.loop, built.mode
   t0 = time.perf_counter()
   warmed = stack.warmup(loop) if _WARMUP.value else 0
   warmup_s = time.perf_counter() - t0
@@ -232,8 +173,8 @@ def run() -> list[dict]:
              "throughput_tok_s": round(completion / seconds, 2) if seconds > 0 else None,
              "kv_pages_in_use": loop.scheduler.pool.pages_used,
              "programs": loop.engine.programs, "programs_warmed": warmed,
-             "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": _QUANTIZE.value,
-             "dtype": _DTYPE.value, "mode": mode, "deployment": steps.description,
+             "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": ef.QUANTIZE.value,
+             "dtype": ef.DTYPE.value, "mode": mode, "deployment": steps.description,
              "stack": stack.describe(loop),
              "machine": machine.describe()}
   return [r for r in results if r is not None] + [{"summary": summary}]

@@ -20,33 +20,9 @@ import time
 
 from absl import flags, logging
 
-from launch import cli
+from launch import cli, engine_flags as ef
 from launch.cli import CliError
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
-_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
-_INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"], "int8 compute")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
-_PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
-_MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
-                          "prefill and decode on one mesh, or on two sub-meshes")
-_FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0, "split the CPU into N fake devices",
-                                     lower_bound=0)
-_PREFILL_DEVICES = flags.DEFINE_integer("prefill_devices", None,
-                                        "disaggregated: devices for prefill (default half)")
-_PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None, "ffn:attn (default: planner)")
-_DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None, "ffn:attn (default: planner)")
-_HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
-_MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode slots (batch rows)", lower_bound=1)
-_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
-_KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
-_STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
-                                    lower_bound=1)
-_MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
-_PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4, "prefill chunks per step",
-                                       lower_bound=1)
-_MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048, "prompt + output (capped at the "
-                                    "model's)", lower_bound=2)
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests waiting for prefill",
                                   lower_bound=1)
 _DEFAULT_MAX_TOKENS = flags.DEFINE_integer("default_max_tokens", 256,
@@ -95,7 +71,7 @@ def _info(cfg, steps, loop, limits, classes, version):
                       and "ffn" in d[p] else "unsharded")
   s = stack.describe(loop)
   return pb.ServerInfoResponse(
-      model=cfg.name, dtype=_DTYPE.value, quantize=_QUANTIZE.value,
+      model=cfg.name, dtype=ef.DTYPE.value, quantize=ef.QUANTIZE.value,
       mesh=f"{jax.device_count()} x {jax.devices()[0].platform}", mode=d["mode"],
       prefill=pb.PhaseLayout(layout=layout("prefill"), reason=str(d.get("prefill_choice", ""))),
       decode=pb.PhaseLayout(layout=layout("decode"), reason=str(d.get("decode_choice", ""))),
@@ -112,17 +88,11 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.INFO)
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if _FAKE_DEVICES.value:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={_FAKE_DEVICES.value}")
+  ef.set_fake_devices()
   import importlib.metadata
-  import jax
-  import jax.numpy as jnp
   import prometheus_client as prom
-  from models.loader import load_model
   from serving import admission, grpc_server, stack
   from serving.auth import ApiKeys
-  from serving.deployment import Deployment, make_steps
   from serving.faults import FaultInjector
   from serving.frontend import Frontend, FrontendConfig
   from serving.usage import UsageLog
@@ -138,30 +108,10 @@ def main(argv: list[str]) -> None:
   for path in (_TLS_CERT.value, _TLS_KEY.value):
     if path and not os.path.isfile(path):
       raise CliError(f"no such file: {path}")
-  dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
-  try:
-    cfg, params, tok = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
-                                  quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
-  except (ValueError, FileNotFoundError) as e:
-    raise CliError(str(e))
-  mode = _MODE.value
-  if mode == "interleaved" and jax.device_count() == 1:
-    mode = "single"
   registry = prom.CollectorRegistry()
-  try:
-    config = stack.ServingConfig(
-        max_slots=_MAX_SLOTS.value, page_size=_PAGE_SIZE.value, kv_pages=_KV_PAGES.value,
-        max_step_tokens=_STEP_TOKENS.value, max_chunk=_MAX_CHUNK.value,
-        max_prefill_chunks=_PREFILL_CHUNKS.value, max_waiting=_MAX_QUEUE.value + _MAX_N.value,
-        max_context=min(_MAX_CONTEXT.value, cfg.max_seq_len))
-    steps = make_steps(cfg, Deployment(mode, _PREFILL_LAYOUT.value, _DECODE_LAYOUT.value,
-                                       _PREFILL_DEVICES.value, _HARDWARE.value),
-                       max_slots=config.max_slots, max_chunk=config.max_chunk,
-                       max_context=config.max_context, quantized=_QUANTIZE.value == "int8")
-    loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
-                       kv_shards=steps.kv_shards, max_traces=1024)
-  except ValueError as e:
-    raise CliError(str(e))
+  built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
+                   max_traces=1024)
+  cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
   logging.info("deployment: %s", {k: v for k, v in steps.description.items()
                                   if k in ("mode", "prefill_choice", "decode_choice",
                                            "kv_pools")})

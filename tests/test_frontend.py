@@ -319,3 +319,19 @@ def test_api_keys_and_quotas(tmp_path):
   path.write_text(json.dumps({"k": {"name": "x", "bogus": 1}}))
   with pytest.raises(ValueError, match="bogus"):
     ApiKeys.load(str(path))
+
+
+class _ChatBytes(ByteTokenizer):
+  @property
+  def chat_template(self) -> str:
+    return ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_messages_are_rendered_by_the_chat_template():
+  tok = _ChatBytes()
+  v = validate(GenerateArgs(messages=[("system", "be brief"), ("user", "hi")]), tok, LIMITS)
+  assert v.prompt_ids == tuple(b"<system>be brief<user>hi<assistant>")
+  with pytest.raises(InvalidArgument) as e:
+    validate(GenerateArgs(messages=[]), tok, LIMITS)
+  assert e.value.field == "messages"

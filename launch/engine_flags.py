@@ -1,0 +1,107 @@
+"""The model, mesh and engine flags shared by the serving CLIs, and the stack they describe.
+
+Contract: importing this module defines the flags once (``--model``, ``--quantize``,
+``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
+``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
+``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
+``--max_prefill_chunks``, ``--max_context``) for ``launch.serve_offline`` and ``launch.server``.
+``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
+max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
+given) and assembles the serving loop; user errors raise ``CliError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from absl import flags
+
+from launch.cli import CliError
+
+if TYPE_CHECKING:
+  import prometheus_client as prom
+  from models.config import ModelConfig
+  from models.tokenizer import Tokenizer
+  from serving.deployment import Steps
+  from serving.loop import ServingLoop
+
+MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
+QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
+INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
+                              "int8 compute (default: models.precision's choice, weight_only)")
+DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
+PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
+MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
+                         "prefill and decode on one mesh, or on two sub-meshes")
+FAKE_DEVICES = flags.DEFINE_integer("fake_devices", 0,
+                                    "split the CPU into N fake devices (tests, experiments)",
+                                    lower_bound=0)
+PREFILL_DEVICES = flags.DEFINE_integer("prefill_devices", None,
+                                       "disaggregated: devices for prefill (default half)")
+PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
+                                     "ffn:attn for prefill (default: the planner's choice)")
+DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
+                                    "ffn:attn for decode (default: the planner's choice)")
+HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode batch rows", lower_bound=1)
+PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
+KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
+STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
+                                   lower_bound=1)
+MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lower_bound=1)
+PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
+                                      "prefill chunks per step (more: bigger prefill batches, "
+                                      "more programs to warm up)", lower_bound=1)
+MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
+                                   "longest prompt + output served (capped at the model's)",
+                                   lower_bound=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+  cfg: "ModelConfig"
+  tokenizer: "Tokenizer"
+  steps: "Steps"
+  loop: "ServingLoop"
+  mode: str
+
+
+def set_fake_devices() -> None:
+  if FAKE_DEVICES.value:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={FAKE_DEVICES.value}")
+
+
+def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
+          max_traces: int | None = None) -> Built:
+  import jax
+  import jax.numpy as jnp
+  from models.loader import load_model
+  from serving import stack
+  from serving.deployment import Deployment, make_steps
+  dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
+  try:
+    cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,
+                                  quantize=QUANTIZE.value, int8_mode=INT8_MODE.value)
+  except (ValueError, FileNotFoundError) as e:
+    raise CliError(str(e))
+  mode = MODE.value
+  if mode == "interleaved" and jax.device_count() == 1:
+    mode = "single"
+  try:
+    config = stack.ServingConfig(
+        max_slots=MAX_SLOTS.value, page_size=PAGE_SIZE.value, kv_pages=KV_PAGES.value,
+        max_step_tokens=STEP_TOKENS.value, max_chunk=MAX_CHUNK.value,
+        max_prefill_chunks=PREFILL_CHUNKS.value, max_waiting=max_waiting,
+        max_context=min(MAX_CONTEXT.value, cfg.max_seq_len))
+    steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
+                                       PREFILL_DEVICES.value, HARDWARE.value),
+                       max_slots=config.max_slots, max_chunk=config.max_chunk,
+                       max_context=config.max_context, quantized=QUANTIZE.value == "int8")
+    loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
+                       kv_shards=steps.kv_shards, max_traces=max_traces)
+  except ValueError as e:
+    raise CliError(str(e))
+  return Built(cfg, tok, steps, loop, mode)
