@@ -16,7 +16,11 @@ translate messages and statuses.
     are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
     sample in the loop; pages are free before the next step.
   * Every request that passes authentication ends on one path (``_end``), exactly once: the
-    usage record (``serving.usage``), the per-request metrics, the quota settlement.
+    usage record (``serving.usage``; prompt tokens counted per sample, ``cached_tokens`` the
+    samples' prompt tokens served from the prefix cache), the per-request metrics, the quota
+    settlement.
+  * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
+    its first output arrives, so they reuse its prompt pages instead of prefilling it again.
   * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
     ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
     lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
@@ -112,14 +116,31 @@ class Stream:
     self._items: collections.deque[tuple[int, RequestOutput, float]] = collections.deque()
     self._bytes = 0
     self._stop: tuple[Status, str] | None = None  # why the stream was stopped early
+    self._deferred: list[tuple[int, Request]] = []  # samples waiting for sample 0's prefill
     self.ended = False
     self.status = Status.OK
     self.message = ""
 
   # -- the loop thread's side -----------------------------------------------------------------
 
+  def _callback(self, index: int) -> Callable[[RequestOutput], None]:
+    return lambda out: self._push(index, out)
+
+  def _release_deferred(self) -> None:
+    with self._cond:
+      deferred, self._deferred = self._deferred, []
+      stopped = self._stop is not None
+    for i, req in deferred:
+      if stopped:  # cancelled before it was submitted: it ends here
+        self._push(i, RequestOutput(req.request_id, finish_reason=FinishReason.CANCELLED,
+                                    message=self._stop[1] if self._stop else ""))
+      else:
+        self.frontend.loop.submit(req, self._callback(i), self.traces[i])
+
   def _push(self, index: int, out: RequestOutput) -> None:
     now = time.monotonic()
+    if index == 0 and self._deferred:
+      self._release_deferred()  # sample 0's prompt is prefilled (or it ended)
     with self._cond:
       if self.ended:
         return
@@ -147,9 +168,13 @@ class Stream:
       if self.ended or self._stop is not None:
         return
       self._stop = (status, message)
-      pending = [rid for rid, f in zip(self.ids, self.finals) if f is None]
+      deferred = {i for i, _ in self._deferred}
+      pending = [rid for i, (rid, f) in enumerate(zip(self.ids, self.finals))
+                 if f is None and i not in deferred]
     for rid in pending:
       self.frontend.loop.cancel(rid)
+    if deferred:
+      self._release_deferred()
 
   def abort(self, status: Status, message: str) -> None:
     """Ends the stream now, without waiting for the loop (watchdog, drain's last resort)."""
@@ -282,10 +307,19 @@ class Frontend:
     if self.config.fault_injection and client_request_id.startswith("fault:"):
       for sid in stream.ids:
         self.fault_ids[sid] = client_request_id.split(":", 1)[1]
+    # With the prefix cache, samples 1..n-1 wait for sample 0's prefill and then reuse its
+    # prompt pages (only the last prompt token is computed again for each).
+    share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
     for i, sid in enumerate(stream.ids):
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority)
-      stream.traces.append(self.loop.submit(req, lambda out, i=i: stream._push(i, out)))
+      trace = RequestTrace(sid, self.loop.clock)
+      trace.record("arrival")
+      stream.traces.append(trace)
+      if share and i > 0:
+        stream._deferred.append((i, req))
+      else:
+        self.loop.submit(req, stream._callback(i), trace)
     return stream
 
   def _prefilled(self, prompt_tokens: int) -> None:
@@ -321,6 +355,8 @@ class Frontend:
       self.fault_ids.pop(sid, None)
     v = stream.validated
     completion = sum(stream.completion)
+    cached = sum(f.usage.cached_tokens for f in stream.finals if f is not None and f.usage)
+    self.metrics.prefix_hit_tokens.inc(cached)
     self.quotas.settle(stream.quota, len(v.prompt_ids) + completion)
     t = stream.timings()
     if t.get("prefill_s") is not None:
@@ -333,7 +369,8 @@ class Frontend:
         "request_id": stream.request_id, "client_request_id": stream.client_request_id,
         "api_key": stream.key.name, "api": stream.api, "slo_class": v.slo_class,
         "status": stream.status.value, "message": stream.message,
-        "prompt_tokens": len(v.prompt_ids), "cached_tokens": 0, "completion_tokens": completion,
+        "prompt_tokens": len(v.prompt_ids) * v.n, "cached_tokens": cached,
+        "completion_tokens": completion,
         "finish_reason": finish, "n": v.n, **{k: t.get(k) for k in
                                               ("queue_s", "prefill_s", "ttft_s", "tpot_s",
                                                "e2e_s")}})

@@ -115,7 +115,8 @@ def _response(stream: Stream, index: int, out: RequestOutput) -> pb.GenerateResp
   if out.finished and out.finish_reason in _FINISH:
     resp.final.CopyFrom(pb.Final(
         finish_reason=_FINISH[out.finish_reason], message=out.message,
-        usage=pb.Usage(prompt_tokens=len(stream.validated.prompt_ids), cached_tokens=0,
+        usage=pb.Usage(prompt_tokens=len(stream.validated.prompt_ids),
+                       cached_tokens=out.usage.cached_tokens if out.usage else 0,
                        completion_tokens=stream.completion[index]),
         timings=_timings(stream.traces[index].timings())))
   return resp

@@ -39,12 +39,16 @@ Contract:
     Call it once the parent's positions are written. Shared pages are full and therefore never
     written again (writes go to positions >= tokens), so copy-on-write happens exactly once, at
     the fork, and exactly when the last page is partial.
+  * ``allocate(..., prefix=pages)`` starts the sequence on whole pages it shares (their
+    reference counts go up; they must be full, hence never written again), followed by fresh
+    pages for the rest. ``retain(pages)`` / ``drop(pages)`` take and give back references held
+    outside any sequence (the prefix cache's); ``drop`` returns the pages that became free.
   * ``check()`` verifies the invariants (raises ``AssertionError``): every page's reference
-    count equals the number of page-table references to it; the free lists are disjoint from the
+    count equals the number of page-table references to it plus the retained ones; the free lists are disjoint from the
     used pages, hold no duplicates and together with them cover every page; a sequence's pages
     are in its own sub-pool, cover its tokens exactly and fit its capacity; a page a sequence may
     still write (its partly filled last page) belongs to it alone.
-  * ``usage()`` gives pages used / free per sub-pool (for metrics gauges).
+  * ``usage()`` gives pages used / cached / free per sub-pool (for metrics gauges).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class ShardUsage:
   used: int
   free: int
   total: int
+  cached: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +152,7 @@ class PagePool:
     self.max_seq_tokens = max_seq_tokens
     self.max_pages_per_seq = -(-max_seq_tokens // budget.page_size)
     self._ref = np.zeros(budget.num_pages, np.int32)
+    self._retained = np.zeros(budget.num_pages, np.int32)  # references outside any sequence
     # LIFO free lists: the most recently freed page is reused first; page s * P_s first.
     self._free = [list(range((s + 1) * budget.pages_per_shard - 1, s * budget.pages_per_shard - 1,
                              -1)) for s in range(budget.num_shards)]
@@ -187,12 +193,24 @@ class PagePool:
     return int(self._ref[page])
 
   def usage(self) -> tuple[ShardUsage, ...]:
+    """Per sub-pool: ``used`` pages (held by a sequence), ``cached`` (held only by retained
+    references: reclaimable), ``free``."""
     n = self.budget.pages_per_shard
-    return tuple(ShardUsage(s, n - len(f), len(f), n) for s, f in enumerate(self._free))
+    only = (self._ref > 0) & (self._ref == self._retained)
+    out = []
+    for s, f in enumerate(self._free):
+      cached = int(only[s * n:(s + 1) * n].sum())
+      out.append(ShardUsage(s, n - len(f) - cached, len(f), n, cached))
+    return tuple(out)
 
   @property
   def pages_used(self) -> int:
+    """Pages a sequence holds (shared ones once); cached-only pages are not counted."""
     return sum(u.used for u in self.usage())
+
+  @property
+  def pages_cached(self) -> int:
+    return sum(u.cached for u in self.usage())
 
   @property
   def pages_free(self) -> int:
@@ -214,23 +232,52 @@ class PagePool:
 
   # -- changes ------------------------------------------------------------------------------
 
-  def allocate(self, seq: Hashable, n_tokens: int, shard: int | None = None) -> Refusal | None:
+  def allocate(self, seq: Hashable, n_tokens: int, shard: int | None = None,
+               prefix: Sequence[int] = ()) -> Refusal | None:
     if seq in self._seqs:
       raise ValueError(f"sequence {seq!r} already holds pages")
     if n_tokens < 0:
       raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+    if len(prefix) * self.page_size > n_tokens:
+      raise ValueError(f"a prefix of {len(prefix)} pages is more than {n_tokens} positions")
     if shard is None:
       shard = max(range(self.budget.num_shards), key=lambda s: (len(self._free[s]), -s))
     elif not 0 <= shard < self.budget.num_shards:
       raise ValueError(f"shard {shard} not in [0, {self.budget.num_shards})")
+    n = self.budget.pages_per_shard
+    for page in prefix:
+      if not (shard * n <= page < (shard + 1) * n and self._ref[page] > 0):
+        raise ValueError(f"prefix page {page} is not a live page of shard {shard}")
     refusal = self.can_ever_fit(n_tokens)
     if refusal:
       return refusal
-    need = self.pages_for(n_tokens)
+    need = self.pages_for(n_tokens) - len(prefix)
     if need > len(self._free[shard]):
       return self._no_pages(shard, need)
-    self._seqs[seq] = _Seq(shard, self._take(shard, need), n_tokens)
+    for page in prefix:
+      self._ref[page] += 1
+    self._seqs[seq] = _Seq(shard, list(prefix) + self._take(shard, need), n_tokens)
     return None
+
+  def retain(self, pages: Sequence[int]) -> None:
+    for page in pages:
+      if self._ref[page] < 1:
+        raise ValueError(f"retain of free page {page}")
+      self._ref[page] += 1
+      self._retained[page] += 1
+
+  def drop(self, pages: Sequence[int]) -> list[int]:
+    freed = []
+    n = self.budget.pages_per_shard
+    for page in pages:
+      if self._retained[page] < 1:
+        raise ValueError(f"drop of page {page}, which is not retained")
+      self._retained[page] -= 1
+      self._ref[page] -= 1
+      if self._ref[page] == 0:
+        self._free[page // n].append(page)
+        freed.append(page)
+    return freed
 
   def extend(self, seq: Hashable, n_new: int) -> Refusal | None:
     s = self._get(seq)
@@ -294,6 +341,7 @@ class PagePool:
         refs[page] += 1
       if s.tokens % z:  # the partly filled last page is written again: it must be private
         assert self._ref[s.pages[-1]] == 1, (seq, s.pages[-1], int(self._ref[s.pages[-1]]))
+    refs += self._retained
     assert np.array_equal(refs, self._ref), np.nonzero(refs != self._ref)
     for shard, free in enumerate(self._free):
       assert len(set(free)) == len(free), ("duplicate free page", shard)

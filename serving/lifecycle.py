@@ -16,7 +16,7 @@ Contract:
     one track (thread) per phase: queue, prefill, transfer, decode; instant events for tokens,
     preemption and the end.
   * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue) and
-    gauges (queue length, running sequences, KV pages used / free) in the given registry; no
+    gauges (queue length, running sequences, KV pages used / cached / free) in the given registry; no
     global state. ``observe(trace)`` records a finished request.
 """
 
@@ -154,6 +154,9 @@ class Metrics:
                                     registry=registry)
     self.kv_pages_free = prom.Gauge("phaseserve_kv_pages_free", "KV pages free",
                                     registry=registry)
+    self.kv_pages_cached = prom.Gauge("phaseserve_kv_pages_cached",
+                                      "KV pages held only by the prefix cache (reclaimable)",
+                                      registry=registry)
     self.finished = prom.Counter("phaseserve_requests_finished", "finished requests by reason",
                                  ["reason"], registry=registry)
 

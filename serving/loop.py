@@ -200,6 +200,7 @@ class ServingLoop:
       self.metrics.running.set(self.scheduler.num_running)
       self.metrics.kv_pages_used.set(self.scheduler.pool.pages_used)
       self.metrics.kv_pages_free.set(self.scheduler.pool.pages_free)
+      self.metrics.kv_pages_cached.set(self.scheduler.pool.pages_cached)
     return True
 
   def run_until_idle(self, max_steps: int = 10_000_000) -> None:

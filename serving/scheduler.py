@@ -23,6 +23,15 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     keeps ``inflight`` ids planned but not yet received; ids arriving for a finished request
     are dropped; a preempted request is re-admitted only once nothing of it is in flight.
   * Lifecycle events (``serving.lifecycle``) are recorded on the traces given to ``add``.
+  * Prefix cache (optional ``prefix_cache``, ``serving.prefix_cache``): an admitted request
+    reuses the longest cached run of whole pages of its context (on the sub-pool holding it,
+    when that sub-pool has room; else it is recomputed elsewhere) and prefills only the rest;
+    its path is locked while it runs. A sequence's prompt pages are cached when its first id
+    arrives (the step that wrote them has run), its prompt + generated pages when it ends
+    (``cache_generated``; False when decode writes another pool than prefill reads, so only
+    prompt pages are cached). Pages are reclaimed from the cache (LRU unlocked leaves) before
+    a request waits or a running sequence is preempted. ``Usage.cached_tokens`` counts the
+    reused prompt tokens of the first admission.
   * ``fail(message, waiting=False)`` ends every running sequence (and, with ``waiting``, every
     queued one) as ``error`` after an engine fault: pages and slots are released and nothing is
     left in flight; it returns the outputs at once.
@@ -44,6 +53,7 @@ import numpy as np
 from models.tokenizer import Tokenizer
 from serving.kv_pages import PageCopy, PagePool, Refusal
 from serving.lifecycle import RequestTrace
+from serving.prefix_cache import Match, PrefixCache
 from serving.request import Request, RequestOutput, TokenLogprobs, Usage
 from serving.sampling import SamplingParams
 from serving.stop import FinishReason, StopChecker
@@ -116,6 +126,8 @@ class _Seq:
   slot: int | None = None
   decoding: bool = False  # the context's last chunk is planned: one id per step from now on
   preemptions: int = 0
+  match: Match | None = None  # the cached prefix it reuses (locked while it runs)
+  cached: int = 0  # prompt tokens reused at its first admission
 
   @property
   def generated(self) -> int:
@@ -131,7 +143,8 @@ class Scheduler:
 
   def __init__(self, pool: PagePool, tokenizer: Tokenizer, *, max_slots: int,
                max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
-               max_context: int | None = None, max_prefill_chunks: int | None = None):
+               max_context: int | None = None, max_prefill_chunks: int | None = None,
+               prefix_cache: PrefixCache | None = None, cache_generated: bool = True):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     self.pool = pool
@@ -143,6 +156,8 @@ class Scheduler:
     self.max_context = min(max_context or pool.max_seq_tokens, pool.max_seq_tokens)
     # Chunks per step (bounds the prefill rows bucket, hence the programs to warm up).
     self.max_prefill_chunks = max(1, min(max_prefill_chunks or max_slots, max_slots))
+    self.prefix_cache = prefix_cache
+    self.cache_generated = cache_generated
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -231,10 +246,12 @@ class Scheduler:
       seq = self._seqs[rid]
       if seq.inflight:  # preempted with an id still in flight: wait for it
         break
-      n = min(budget, self.max_chunk, len(seq.tokens))
-      refusal = self.pool.allocate(rid, n)
-      if refusal is not None:
+      hit = self._lookup(seq)
+      if not self._allocate(seq, budget, hit):
         break  # no pages now: admit later (running sequences are never preempted for this)
+      start = seq.computed
+      if hit is not None and not seq.preemptions:
+        seq.cached = start
       heapq.heappop(self._waiting)
       seq.slot = heapq.heappop(self._free_slots)
       seq.state = _State.RUNNING
@@ -249,6 +266,46 @@ class Scheduler:
       seqs[seq.slot] = seq.req.request_id  # type: ignore[index]
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
                     self.pool.page_table(seqs))
+
+  def _lookup(self, seq: _Seq) -> Match | None:
+    cache = self.prefix_cache
+    if cache is None:
+      return None
+    shard = cache.best_shard(seq.tokens)
+    if shard is None:
+      cache.misses += 1
+      return None
+    return cache.match(seq.tokens, shard)
+
+  def _allocate(self, seq: _Seq, budget: int, hit: Match | None) -> bool:
+    """Pages for an admitted sequence's first chunk, starting on ``hit``'s pages (then
+    ``seq.computed`` is the reused length); cached pages are reclaimed first. Returns False
+    (nothing changed) when no sub-pool can hold it now."""
+    rid, cache, pool = seq.req.request_id, self.prefix_cache, self.pool
+    start = hit.tokens(pool.page_size) if hit is not None else 0
+    total = start + min(budget, self.max_chunk, len(seq.tokens) - start)
+    if hit is not None:
+      shard = hit.shard
+    else:  # the sub-pool with the most free or reclaimable pages
+      usage = pool.usage()
+      shard = max(range(len(usage)), key=lambda s: (usage[s].free + usage[s].cached, -s))
+    prefix = hit.pages if hit is not None else ()
+    if cache is not None:
+      if hit is not None:
+        cache.lock(hit)  # never evicted to make room for itself
+      short = pool.pages_for(total) - len(prefix) - pool.usage()[shard].free
+      if short > 0:
+        cache.evict(shard, short)
+    refusal = pool.allocate(rid, total, shard, prefix=prefix)
+    if refusal is None:
+      seq.match = hit
+      seq.computed = start
+      return True
+    if hit is not None:
+      cache.unlock(hit)  # type: ignore[union-attr]
+      if refusal.kind == "no_pages":  # its sub-pool is full: recompute it elsewhere
+        return self._allocate(seq, budget, None)
+    return False
 
   def _plan_chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk],
                   reserved: bool = False) -> int:
@@ -279,6 +336,9 @@ class Scheduler:
       if refusal.kind != "no_pages":
         self._finish(seq, FinishReason.LENGTH, refusal.message)
         return False
+      if self.prefix_cache is not None and self.prefix_cache.evict(
+          self.pool.shard_of(seq.req.request_id), 1):
+        continue  # a cached page was reclaimed: try again before preempting anyone
       if not preempt:
         return False
       victim = self._victim(seq)
@@ -303,6 +363,9 @@ class Scheduler:
     heapq.heappush(self._waiting, (seq.req.priority, seq.order, seq.req.request_id))
 
   def _drop_running(self, seq: _Seq) -> None:
+    if seq.match is not None:
+      self.prefix_cache.unlock(seq.match)  # type: ignore[union-attr]
+      seq.match = None
     if seq.req.request_id in self.pool:
       self.pool.release(seq.req.request_id)
     if seq.slot is not None:
@@ -321,6 +384,8 @@ class Scheduler:
       seq.inflight -= 1
       seq.tokens.append(int(tok))
       seq.trace.record("first_token" if seq.generated == 1 else "token")
+      if seq.generated == 1:  # the step that wrote the prompt has run: share its pages
+        self._cache(seq, len(seq.req.prompt_ids))
       step = seq.checker.push(tok)
       ids = (int(tok),)
       lp = (result.logprobs[rid],) if rid in result.logprobs else ()
@@ -331,9 +396,22 @@ class Scheduler:
     out, self._outputs = self._outputs, []
     return out
 
+  def _cache(self, seq: _Seq, written: int) -> None:
+    """Caches the whole pages of ``seq.tokens[:written]`` (positions whose KV a step planned
+    earlier writes; only the prompt's when decode writes another pool)."""
+    rid = seq.req.request_id
+    if self.prefix_cache is None or rid not in self.pool:
+      return
+    if not self.cache_generated:
+      written = min(written, len(seq.req.prompt_ids))
+    written = min(written, seq.computed)
+    self.prefix_cache.insert(seq.tokens[:written], self.pool.table(rid), self.pool.shard_of(rid))
+
   def _finish(self, seq: _Seq, reason: FinishReason, message: str,
               ids: tuple[int, ...] = (), text: str = "",
               lp: tuple[TokenLogprobs, ...] = ()) -> None:
+    if reason is not FinishReason.ERROR and seq.state is _State.RUNNING:
+      self._cache(seq, len(seq.tokens) - 1)  # the last id's KV is not written yet
     self._drop_running(seq)
     if seq.state is _State.WAITING:
       self._waiting = [w for w in self._waiting if w[2] != seq.req.request_id]
@@ -343,7 +421,7 @@ class Scheduler:
     del self._seqs[seq.req.request_id]
     self._outputs.append(RequestOutput(
         seq.req.request_id, ids, text, reason, message,
-        Usage(len(seq.req.prompt_ids), seq.generated), lp))
+        Usage(len(seq.req.prompt_ids), seq.generated, seq.cached), lp))
 
   def _apply_cancellations(self) -> None:
     with self._cancel_lock:
@@ -355,6 +433,8 @@ class Scheduler:
 
   def fail(self, message: str, waiting: bool = False) -> list[RequestOutput]:
     """After an engine fault: see the module contract."""
+    if self.prefix_cache is not None:
+      self.prefix_cache.clear()  # pages a failed step was writing must not be reused
     for seq in list(self._seqs.values()):
       seq.inflight = 0  # whatever was in flight is lost with the failed step
       if seq.state is _State.RUNNING or waiting:

@@ -5,7 +5,7 @@ Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards
 meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
 ``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
-so they always agree.
+so they always agree. The prefix cache is on unless ``ServingConfig.prefix_cache`` is False.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from serving.engine import Engine, EngineConfig, PhaseDecode
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
+from serving.prefix_cache import PrefixCache
 from serving.scheduler import Scheduler
 
 
@@ -37,6 +38,7 @@ class ServingConfig:
   max_context: int | None = None  # default: the model's
   kv_dtype: str | None = None  # default: the params' activation dtype
   lag: int = 1  # sampled ids reach the host one step behind
+  prefix_cache: bool = True  # reuse cached KV pages of shared prefixes (serving.prefix_cache)
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -51,7 +53,11 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
                     max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
                     max_waiting=config.max_waiting, max_context=context,
-                    max_prefill_chunks=config.max_prefill_chunks)
+                    max_prefill_chunks=config.max_prefill_chunks,
+                    prefix_cache=PrefixCache(pool) if config.prefix_cache else None,
+                    # Two pools: decode writes generated KV into its own, which prefill never
+                    # reads, so only prompt pages (written by prefill) may be reused.
+                    cache_generated=decode is None)
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
@@ -73,4 +79,5 @@ def describe(loop: ServingLoop) -> dict[str, object]:
           "max_context": loop.scheduler.max_context,
           "max_step_tokens": loop.scheduler.max_step_tokens,
           "max_prefill_chunks": loop.scheduler.max_prefill_chunks,
+          "prefix_cache": loop.scheduler.prefix_cache is not None,
           "step": loop.engine.step.describe()}

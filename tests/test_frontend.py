@@ -33,11 +33,12 @@ ANON = KeyInfo("anonymous")
 
 
 def _frontend(tmp_path=None, *, config=None, pages=64, page_size=4, slots=4, max_waiting=64,
-              fault=False, start=True):
+              fault=False, start=True, cache=False):
   pool = PagePool(PageBudget(page_size, pages), max_seq_tokens=64)
+  from serving.prefix_cache import PrefixCache
   from serving.scheduler import Scheduler
   sched = Scheduler(pool, TOK, max_slots=slots, max_step_tokens=32, max_chunk=16,
-                    max_waiting=max_waiting)
+                    max_waiting=max_waiting, prefix_cache=PrefixCache(pool) if cache else None)
   reg = prom.CollectorRegistry()
   loop = ServingLoop(sched, FakeEngine(pages, page_size, VOCAB, slots, lag=1), Metrics(reg),
                      max_traces=16)
@@ -145,6 +146,32 @@ def test_generate_matches_reference_and_writes_usage(fe, tmp_path):
       "length", "length"]
   assert recs[0]["ttft_s"] > 0 and recs[0]["e2e_s"] >= recs[0]["ttft_s"]
   assert fe.live == 0 and fe.loop.scheduler.pool.pages_used == 0
+
+
+def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
+  fe = _frontend(tmp_path, cache=True)
+  try:
+    prompt = list(range(40, 49))  # 9 tokens: 2 whole pages of 4
+    stream = fe.generate(GenerateArgs(token_ids=prompt, max_tokens=5, ignore_eos=True, seed=3,
+                                      n=3), ANON)
+    ids, finals = _collect(stream)
+    for i in range(3):
+      assert ids[i] == reference(prompt, 3 + i, 5, VOCAB)
+    assert [finals[i].usage.cached_tokens for i in range(3)] == [0, 8, 8]
+    time.sleep(0.05)
+    rec = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
+    assert rec["cached_tokens"] == 16 and rec["prompt_tokens"] == 27
+    # Cancelled while samples 1-2 still wait for sample 0: every sample ends.
+    s2 = fe.generate(GenerateArgs(token_ids=list(range(60, 69)), max_tokens=5, n=3), ANON)
+    s2.cancel(Status.CANCELLED, "test")
+    deadline = time.monotonic() + 5
+    while not s2.ended and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert s2.ended and s2.status is Status.CANCELLED
+    time.sleep(0.1)
+    assert fe.loop.scheduler.pool.pages_used == 0 and fe.live == 0
+  finally:
+    fe.loop.stop(timeout=5)
 
 
 def test_refusals_reach_no_engine_and_are_recorded(fe, tmp_path):

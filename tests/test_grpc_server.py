@@ -153,6 +153,17 @@ def test_n_samples_equal_single_requests_with_seed_plus_i(stub):
     assert ids[i] == alone[0]
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, stub):
+  prompt = [TOK.bos_id] + list(range(100, 140))  # 41 ids: 2 whole pages of 16 reusable
+  req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=6, ignore_eos=True)
+  before = server.metrics().get("phaseserve_prefix_cache_hit_tokens_total", 0)
+  first, _, f1 = _run(stub, req)
+  again, _, f2 = _run(stub, req)
+  assert first == again and first[0] == _greedy_reference(prompt, 6)
+  assert f1[0].usage.cached_tokens == 0 and f2[0].usage.cached_tokens == 32
+  assert server.metrics()["phaseserve_prefix_cache_hit_tokens_total"] - before == 32
+
+
 def test_tokenize_detokenize_server_info(stub):
   ids = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_bos=True), timeout=10).token_ids
   assert list(ids) == [TOK.bos_id] + list("héllo".encode())

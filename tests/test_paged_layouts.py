@@ -306,3 +306,69 @@ def test_engine_over_the_sharded_step(mesh8):
         f"(disaggregated), {inter_engine.programs} (two layouts, one mesh) over {len(reqs)} "
         f"requests; planner: {planned.description['prefill_choice']} / "
         f"{planned.description['decode_choice']}")
+
+
+def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
+  """The prefix cache over 8 batch-sharded sub-pools (ws_2d+batch_xyz: a request goes to the
+  shard holding its prefix) and over two pools (disaggregated: only prompt pages, which prefill
+  wrote into its own pool, are reused): the same greedy ids as the unsharded engine without the
+  cache, with cached tokens counted."""
+  from models.tokenizer import ByteTokenizer
+  from serving.engine import Engine, EngineConfig, PhaseDecode
+  from serving.kv_pages import PageBudget, PagePool
+  from serving.lifecycle import RequestTrace
+  from serving.prefix_cache import PrefixCache
+  from serving.request import Request
+  from serving.scheduler import Scheduler, run_to_completion
+  from serving.stop import StopCriteria
+
+  params = init_params(CFG, jax.random.key(3), jnp.float32)
+  base = tuple(range(60, 85))  # 25 tokens: 3 whole pages of 8
+  first = Request("r0", base + (1,), stop=StopCriteria(max_tokens=12, ignore_eos=True))
+
+  def serve(step, shards, decode=None, cache=True, two_pools=False):
+    pool = PagePool(PageBudget(8, 64 // shards, shards), max_seq_tokens=CFG.max_seq_len)
+    sched = Scheduler(pool, ByteTokenizer(), max_slots=8, max_step_tokens=40, max_chunk=16,
+                      prefix_cache=PrefixCache(pool) if cache else None,
+                      cache_generated=not two_pools)
+    engine = Engine(step, params, EngineConfig(max_slots=8, num_pages=64, page_size=8,
+                                               max_seq_tokens=CFG.max_seq_len, lag=1),
+                    decode=decode)
+    got: dict[str, list[int]] = {}
+    cached = {}
+
+    def run(reqs):
+      for r in reqs:
+        assert sched.add(r, RequestTrace(r.request_id)) is None
+      outs = run_to_completion(sched, engine.execute)
+      for res in engine.flush():
+        outs += sched.update(res)
+      for o in outs:
+        got.setdefault(o.request_id, []).extend(o.token_ids)
+        if o.finished:
+          cached[o.request_id] = o.usage.cached_tokens
+
+    run([first])
+    turn2 = base + (1,) + tuple(got["r0"]) + (7, 8)
+    run([Request(f"r{i}", base + (i, i), stop=StopCriteria(max_tokens=5, ignore_eos=True))
+         for i in range(2, 5)] + [Request("t2", turn2, stop=StopCriteria(max_tokens=4,
+                                                                         ignore_eos=True))])
+    assert pool.pages_used == 0 and sched.idle
+    pool.check()
+    return got, cached
+
+  want, none = serve(UnshardedStep(CFG), 1, cache=False)
+  assert set(none.values()) == {0}
+  step = PS.PagedShardedStep.make(CFG, mesh8, "ws_2d", "batch_xyz")
+  got, cached = serve(step, step.kv_shards)
+  assert got == want
+  # t2 extends r0's prompt + answer: 37 positions written -> 4 whole pages.
+  assert cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 32}
+  pre_mesh, dec_mesh = make_submeshes(jax.devices()[:8], 4)
+  steps = PS.phase_steps(CFG, pre_mesh, ("ws_2d", "heads"), ("wg_xyz", "batch_xyz"),
+                         decode_mesh=dec_mesh)
+  split, split_cached = serve(steps.prefill, steps.kv_shards(),
+                              decode=PhaseDecode(steps.decode, PS.transfer_pages), two_pools=True)
+  assert split == want
+  # Only r0's prompt pages (26 prompt tokens -> 3 whole pages) are reusable in two pools.
+  assert split_cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 24}

@@ -1,0 +1,238 @@
+"""serving.prefix_cache and the scheduler's use of it, over the hand-checkable FakeEngine (whose ids
+depend on every (position, id) read back through the page table, so a wrongly shared, stale or
+overwritten page changes the output): reuse, locking, LRU eviction under a small budget,
+invariants at every step, sharded sub-pools, and the real engine with the cache on and off."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import get_preset
+from models.step import UnshardedStep
+from models.tokenizer import ByteTokenizer
+from models.weights import init_params
+from serving import stack
+from serving.fake_engine import FakeEngine, reference
+from serving.kv_pages import PageBudget, PagePool
+from serving.lifecycle import RequestTrace
+from serving.prefix_cache import PrefixCache
+from serving.request import Request
+from serving.sampling import SamplingParams
+from serving.scheduler import Scheduler
+from serving.stop import FinishReason, StopCriteria
+
+VOCAB = ByteTokenizer.VOCAB_SIZE
+Z = 4  # page size
+
+
+def _setup(pages=32, slots=4, shards=1, cache=True, chunk=8, step_tokens=16, lag=1,
+           max_seq=64):
+  pool = PagePool(PageBudget(Z, pages // shards, shards), max_seq_tokens=max_seq)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=slots, max_step_tokens=step_tokens,
+                    max_chunk=chunk, prefix_cache=PrefixCache(pool) if cache else None)
+  return pool, sched, FakeEngine(pages, Z, VOCAB, slots, lag=lag)
+
+
+def _run(sched, engine, reqs, check=True, max_steps=2000):
+  """Runs ``reqs`` (added at their step: list of (step, Request)) to completion."""
+  outs: dict[str, list[int]] = {}
+  finals = {}
+  pending = sorted(reqs, key=lambda x: x[0])
+  for step in range(max_steps):
+    while pending and pending[0][0] <= step:
+      _, r = pending.pop(0)
+      assert sched.add(r, RequestTrace(r.request_id)) is None
+    if sched.idle and not pending:
+      for res in engine.flush():
+        sched.update(res)
+      break
+    plan = sched.schedule()
+    res = engine.execute(plan)
+    got = list(sched.drain_outputs())
+    if res is not None:
+      got += sched.update(res)
+    if plan.empty:
+      for r in engine.flush():
+        got += sched.update(r)
+    for o in got:
+      outs.setdefault(o.request_id, []).extend(o.token_ids)
+      if o.finished:
+        finals[o.request_id] = o
+    if check:
+      sched.pool.check()
+      if sched.prefix_cache is not None:
+        sched.prefix_cache.check()
+  else:
+    raise AssertionError("not idle")
+  return outs, finals
+
+
+def _req(rid, prompt, n=6, seed=0):
+  return Request(rid, tuple(prompt), SamplingParams(seed=seed),
+                 StopCriteria(max_tokens=n, ignore_eos=True))
+
+
+def test_cache_match_insert_lock_evict():
+  pool = PagePool(PageBudget(Z, 8), max_seq_tokens=32)
+  cache = PrefixCache(pool)
+  toks = list(range(1, 12))  # 11 tokens: 2 whole pages, 3 leave a token
+  assert pool.allocate("a", 11) is None
+  table = pool.table("a")
+  assert cache.insert(toks, table, 0) == 2 and cache.pages == 2
+  assert cache.insert(toks, table, 0) == 0  # already there
+  m = cache.match(toks + [99], 0)
+  assert m.pages == table[:2] and m.tokens(Z) == 8
+  assert cache.match(toks[:8], 0).tokens(Z) == 4  # 8 tokens: one page, the last token left
+  assert cache.match([7] + toks, 0).nodes == ()
+  pool.release("a")
+  assert pool.pages_used == 0 and pool.pages_cached == 2 and pool.pages_free == 6
+  pool.check()
+  cache.lock(m)
+  assert cache.evict(0, 2) == 0  # locked: nothing goes
+  cache.unlock(m)
+  assert cache.evict(0, 1) == 1 and cache.pages == 1  # the leaf first
+  assert cache.match(toks, 0).tokens(Z) == 4
+  assert cache.evict(0, 5) == 1 and cache.pages == 0 and pool.pages_free == 8
+  pool.check()
+  cache.check()
+  with pytest.raises(ValueError):
+    cache.unlock(m)
+
+
+def test_shared_prefixes_reuse_pages_and_give_the_same_ids():
+  pool, sched, eng = _setup()
+  base = list(range(30, 43))  # 13 tokens: 3 whole pages
+  reqs = [(0, _req("a", base + [1, 2], seed=1))]
+  reqs += [(12 + i, _req(f"b{i}", base + [5 + i, 6, 7], seed=2 + i)) for i in range(3)]
+  reqs += [(40, _req("same", base + [1, 2], seed=1))]  # the whole prompt again
+  outs, finals = _run(sched, eng, reqs)
+  for _, r in reqs:
+    assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed, 6, VOCAB)
+  assert finals["a"].usage.cached_tokens == 0
+  assert [finals[f"b{i}"].usage.cached_tokens for i in range(3)] == [12, 12, 12]
+  # "a" ended with prompt + 5 generated ids written: 20 positions = 5 pages cached; its replay
+  # reuses 3 full prompt pages (15 prompt tokens, the last one is recomputed).
+  assert finals["same"].usage.cached_tokens == 12
+  assert pool.pages_used == 0 and pool.pages_cached > 0
+  c = sched.prefix_cache
+  assert c.hits == 4 and c.misses == 1 and c.hit_tokens == 48
+
+
+def test_multiturn_continuation_reuses_generated_pages():
+  pool, sched, eng = _setup()
+  turn1 = list(range(50, 59))
+  out1, _ = _run(sched, eng, [(0, _req("t1", turn1, n=8, seed=3))])
+  turn2 = turn1 + out1["t1"] + [77, 78]  # the next turn extends prompt + answer
+  out2, fin2 = _run(sched, eng, [(0, _req("t2", turn2, n=4, seed=4))])
+  assert out2["t2"] == reference(turn2, 4, 4, VOCAB)
+  assert fin2["t2"].usage.cached_tokens == (9 + 8 - 1) // Z * Z  # written: all but the last id
+
+
+def test_eviction_under_a_small_budget_never_breaks_a_running_sequence():
+  rng = random.Random(0)
+  pool, sched, eng = _setup(pages=24, slots=3)
+  prefixes = [[rng.randrange(256) for _ in range(rng.choice([5, 9, 13]))] for _ in range(4)]
+  reqs = []
+  for i in range(40):
+    p = prefixes[rng.randrange(4)] + [rng.randrange(256) for _ in range(rng.randrange(1, 6))]
+    reqs.append((rng.randrange(200), _req(f"r{i}", p, n=rng.randrange(1, 10), seed=i)))
+  outs, finals = _run(sched, eng, reqs)
+  for _, r in reqs:
+    assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed,
+                                           r.stop.max_tokens, VOCAB), r.request_id
+    assert finals[r.request_id].finish_reason is FinishReason.LENGTH
+  c = sched.prefix_cache
+  assert c.evicted > 0 and c.hits > 0  # the budget forced evictions, and reuse still happened
+  assert pool.pages_used == 0
+
+
+def test_cancellations_and_preemption_with_the_cache():
+  rng = random.Random(1)
+  pool, sched, eng = _setup(pages=16, slots=4, step_tokens=12)
+  base = [9] * 10
+  reqs = [(rng.randrange(30), _req(f"r{i}", base + [i, i + 1], n=rng.randrange(3, 12), seed=i))
+          for i in range(16)]
+  for _, r in reqs:
+    pass
+  added = {}
+  outs: dict[str, list[int]] = {}
+  for step in range(3000):
+    for t, r in reqs:
+      if t == step:
+        sched.add(r, RequestTrace(r.request_id))
+        added[r.request_id] = r
+    if step in (8, 15, 22):
+      sched.cancel(f"r{step % 16}")
+    if sched.idle and len(added) == len(reqs):
+      break
+    plan = sched.schedule()
+    res = eng.execute(plan)
+    got = sched.drain_outputs() + (sched.update(res) if res is not None else [])
+    if plan.empty:
+      for x in eng.flush():
+        got += sched.update(x)
+    for o in got:
+      outs.setdefault(o.request_id, []).extend(o.token_ids)
+    pool.check()
+    sched.prefix_cache.check()
+  for rid, r in added.items():  # cancelled ones: a prefix of the reference
+    want = reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
+    assert outs.get(rid, []) == want[:len(outs.get(rid, []))], rid
+  assert pool.pages_used == 0 and sched.idle
+
+
+def test_sharded_pools_go_to_the_shard_holding_the_prefix():
+  pool, sched, eng = _setup(pages=32, shards=2)
+  base = list(range(60, 73))
+  outs, finals = _run(sched, eng, [(0, _req("a", base + [1], seed=1)),
+                                   (10, _req("b", base + [2], seed=2)),
+                                   (10, _req("c", list(range(100, 113)), seed=3))])
+  for rid, p, sd in (("a", base + [1], 1), ("b", base + [2], 2), ("c", list(range(100, 113)), 3)):
+    assert outs[rid] == reference(p, sd, 6, VOCAB)
+  assert finals["b"].usage.cached_tokens == 12 and finals["c"].usage.cached_tokens == 0
+
+
+def test_the_real_engine_gives_the_same_ids_with_the_cache_on_and_off():
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)
+  tok = ByteTokenizer()
+  base = list(range(40, 77))  # 37 tokens: 2 pages of 16
+  prompts = [base + [i, i + 3] for i in range(4)] + [base + [0, 3]]
+  runs = {}
+  for on in (False, True):
+    loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+        max_slots=4, page_size=16, kv_pages=32, max_chunk=32, max_prefill_chunks=2,
+        max_context=128, prefix_cache=on))
+    got: dict[str, list[int]] = {}
+    finals = {}
+
+    def cb(o):
+      got.setdefault(o.request_id, []).extend(o.token_ids)
+      if o.finished:
+        finals[o.request_id] = o
+
+    loop.submit(Request("r0", tuple(prompts[0]), stop=StopCriteria(8, ignore_eos=True)), cb)
+    loop.run_until_idle()  # r0's pages are cached before the others arrive
+    for i, p in enumerate(prompts[1:], start=1):
+      loop.submit(Request(f"r{i}", tuple(p), stop=StopCriteria(8, ignore_eos=True)), cb)
+    loop.run_until_idle()
+    runs[on] = (got, {k: f.usage.cached_tokens for k, f in finals.items()})
+    assert loop.scheduler.pool.pages_used == 0
+  assert runs[True][0] == runs[False][0]
+  assert set(runs[False][1].values()) == {0}
+  assert runs[True][1] == {"r0": 0, "r1": 32, "r2": 32, "r3": 32, "r4": 32}
+
+
+def test_a_running_sequence_shares_its_prompt_as_soon_as_it_is_written():
+  pool, sched, eng = _setup()
+  base = list(range(20, 33))
+  outs, finals = _run(sched, eng, [(0, _req("long", base + [1], n=30, seed=1)),
+                                   (6, _req("next", base + [2], n=3, seed=2))])
+  assert outs["next"] == reference(base + [2], 2, 3, VOCAB)
+  assert outs["long"] == reference(base + [1], 1, 30, VOCAB)
+  assert finals["next"].usage.cached_tokens == 12  # while "long" was still decoding
