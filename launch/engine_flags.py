@@ -4,7 +4,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
-``--max_prefill_chunks``, ``--max_context``) for ``launch.serve_offline`` and ``launch.server``.
+``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``) for ``launch.serve_offline``
+and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
 given) and assembles the serving loop; user errors raise ``CliError``.
@@ -54,6 +55,7 @@ MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lowe
 PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
                                       "prefill chunks per step (more: bigger prefill batches, "
                                       "more programs to warm up)", lower_bound=1)
+PREFIX_CACHE = flags.DEFINE_bool("prefix_cache", True, "reuse the KV pages of cached prefixes")
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -95,7 +97,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         max_slots=MAX_SLOTS.value, page_size=PAGE_SIZE.value, kv_pages=KV_PAGES.value,
         max_step_tokens=STEP_TOKENS.value, max_chunk=MAX_CHUNK.value,
         max_prefill_chunks=PREFILL_CHUNKS.value, max_waiting=max_waiting,
-        max_context=min(MAX_CONTEXT.value, cfg.max_seq_len))
+        max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value)
     steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                                        PREFILL_DEVICES.value, HARDWARE.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
