@@ -7,7 +7,9 @@ Workload (RadixAttention's case: a long shared system prompt or few-shot block):
 with the shared ``--prefix_len`` tokens + its own suffix runs first (it fills the cache), then
 ``--requests`` requests with the same prefix and distinct ``--suffix_len`` suffixes arrive at
 once. Both configurations are built in one process from the same params and warmed up; each
-measures the batch's prefill tokens computed, TTFT p50 / p99, e2e and generated tokens/s.
+measures the batch's prefill tokens computed, TTFT p50 / p99, e2e, generated tokens/s and the
+peak KV pages held (sequences + cache); ``kv_over_ideal`` compares that peak with the least KV
+the batch needs (the prefix once plus each request's own tokens).
 Prints one JSON object with both, the ratios (off / on for time), whether the greedy ids agree,
 and the machine.
 """
@@ -60,7 +62,13 @@ def _run(loop, prompts, max_tokens):
   t0 = time.perf_counter()
   for i, p in enumerate(prompts[1:]):
     loop.submit(Request(f"r{i}", tuple(p), stop=stop), cb)
-  loop.run_until_idle()
+  pool = loop.scheduler.pool
+  peak = 0
+  while True:  # run_until_idle, sampling the pages held
+    busy = loop.step()
+    peak = max(peak, pool.pages_used + pool.pages_cached)
+    if not busy and loop.idle:
+      break
   seconds = time.perf_counter() - t0
   rids = [f"r{i}" for i in range(len(prompts) - 1)]
   ttft = [loop.traces[r].timings()["ttft_s"] for r in rids]
@@ -71,6 +79,7 @@ def _run(loop, prompts, max_tokens):
           "ttft_p50_ms": round(_pct(ttft, 0.5) * 1e3, 2),
           "ttft_p99_ms": round(_pct(ttft, 0.99) * 1e3, 2),
           "prefill_tokens_computed": prompt_tokens - reused, "cached_tokens": reused,
+          "peak_kv_pages": peak, "peak_kv_bytes": peak * pool.budget.bytes_per_page,
           "programs": loop.engine.programs}, [ids[r] for r in rids]
 
 
@@ -104,12 +113,18 @@ def main(argv: list[str]) -> None:
     stack.warmup(loop)
     out["cache_on" if on else "cache_off"], ids[on] = _run(loop, prompts, _MAX_TOKENS.value)
   on, off = out["cache_on"], out["cache_off"]
+  # The KV the batch needs at the least: the shared prefix once, plus each request's own tokens.
+  own = _SUFFIX.value + _MAX_TOKENS.value
+  ideal_tokens = _PREFIX.value + _REQUESTS.value * own
+  page_tokens = _PAGE.value
   result = {"bench": "prefix_cache", "model": _MODEL.value, "dtype": _DTYPE.value,
             "quantize": _QUANTIZE.value, "prefix_len": _PREFIX.value,
             "suffix_len": _SUFFIX.value, "requests": _REQUESTS.value,
             "max_tokens": _MAX_TOKENS.value, **out,
             "off_over_on": {k: round(off[k] / on[k], 3) for k in ("seconds", "ttft_p50_ms",
                                                                  "ttft_p99_ms")},
+            "kv_over_ideal": {k: round(out[k]["peak_kv_pages"] * page_tokens / ideal_tokens, 3)
+                              for k in ("cache_off", "cache_on")},
             "same_greedy_ids": ids[True] == ids[False],
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine.describe()}

@@ -13,7 +13,9 @@ Contract:
     is waiting, running or in flight (offline use). ``start()`` / ``stop()`` run the loop on a
     background thread (servers); ``stop`` joins it.
   * Prefill events: ``prefill_start`` / ``prefill_end`` bracket each step that ran a chunk of the
-    request (the device time is not separable per request inside a batched step).
+    request (the device time is not separable per request inside a batched step);
+    ``prefill_start``'s detail is the positions computed, ``"start-end"`` (a prefix-cache hit
+    starts past 0).
   * ``traces`` keeps every request's ``RequestTrace`` by id (for Chrome-trace export); with
     ``max_traces`` (servers) only that many finished ones are kept, oldest dropped first.
   * Faults: an exception from the engine (or the test-only ``fault_hook(plan)``, called before
@@ -151,8 +153,9 @@ class ServingLoop:
     plan = self.scheduler.schedule()
     self._deliver(self.scheduler.drain_outputs())
     started = {c.request_id for c in plan.prefill}
-    for rid in started:
-      self.traces[rid].record("prefill_start")
+    for c in plan.prefill:  # detail: the positions this chunk computes
+      self.traces[c.request_id].record("prefill_start",
+                                       f"{c.start}-{c.start + len(c.token_ids)}")
     t0 = self.step_started = self.clock()
     try:
       if self.fault_hook is not None:

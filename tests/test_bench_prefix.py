@@ -25,3 +25,5 @@ def test_bench_prefix_smoke():
   assert out["cache_on"]["cached_tokens"] == 4 * 32  # 2 whole pages of 16 of the 40 shared
   assert out["cache_on"]["prefill_tokens_computed"] == 4 * 44 - 128
   assert out["off_over_on"]["seconds"] > 0 and out["machine"]["cpu"]
+  # 4 x (44 + 4) positions, 16 per page: 12 pages without sharing; 2 shared + 4 own with it.
+  assert out["cache_off"]["peak_kv_pages"] == 12 and out["cache_on"]["peak_kv_pages"] == 6

@@ -236,3 +236,92 @@ def test_a_running_sequence_shares_its_prompt_as_soon_as_it_is_written():
   assert outs["next"] == reference(base + [2], 2, 3, VOCAB)
   assert outs["long"] == reference(base + [1], 1, 30, VOCAB)
   assert finals["next"].usage.cached_tokens == 12  # while "long" was still decoding
+
+
+def test_1000_random_requests_with_shared_prefixes_cancels_and_evictions():
+  """Every page is free, cached (the cache's alone, unlocked) or owned by a sequence, and the
+  counts add up after every step; every output equals its reference (cancelled ones: a prefix
+  of it); the cache evicted and hit along the way."""
+  rng = random.Random(7)
+  pool, sched, eng = _setup(pages=48, slots=6, step_tokens=24, chunk=8)
+  prefixes = [[rng.randrange(256) for _ in range(rng.choice([4, 7, 12, 17]))] for _ in range(12)]
+  arrivals: dict[int, list[Request]] = {}
+  reqs = {}
+  for i in range(1000):
+    p = rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(0, 6))]
+    r = _req(f"r{i}", p, n=rng.randrange(1, 9), seed=i)
+    reqs[r.request_id] = r
+    arrivals.setdefault(i // 3 + rng.randrange(3), []).append(r)
+  outs: dict[str, list[int]] = {}
+  cancels = 0
+  for step in range(20000):
+    for r in arrivals.pop(step, []):
+      assert sched.add(r, RequestTrace(r.request_id)) is None
+    if rng.random() < 0.05 and sched._running:
+      sched.cancel(rng.choice(sched._running).req.request_id)
+      cancels += 1
+    if sched.idle and not arrivals:
+      break
+    plan = sched.schedule()
+    res = eng.execute(plan)
+    got = sched.drain_outputs() + (sched.update(res) if res is not None else [])
+    if plan.empty:
+      for x in eng.flush():
+        got += sched.update(x)
+    for o in got:
+      outs.setdefault(o.request_id, []).extend(o.token_ids)
+    pool.check()
+    sched.prefix_cache.check()
+    u = pool.usage()[0]
+    assert u.used + u.cached + u.free == u.total
+    locked_pages = {n.page for n in sched.prefix_cache._walk(sched.prefix_cache._roots[0])
+                    if n.locks}
+    owned = {p for s in pool.sequences for p in pool.table(s)}
+    assert locked_pages <= owned  # a locked (reused) page always has a running owner
+  else:
+    raise AssertionError("not idle")
+  for rid, r in reqs.items():
+    want = reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
+    assert outs.get(rid, []) == want[:len(outs.get(rid, []))], rid
+  c = sched.prefix_cache
+  assert cancels > 20 and c.evicted > 50 and c.hits > 300
+  assert pool.pages_used == 0 and pool.pages_cached + pool.pages_free == 48
+
+
+def test_a_hit_is_a_shorter_prefill_in_the_trace():
+  pool, sched, eng = _setup()
+  base = list(range(10, 23))
+  traces = {}
+  for rid, suffix in (("a", [1]), ("b", [2])):
+    r = _req(rid, base + suffix)
+    traces[rid] = RequestTrace(rid)
+    assert sched.add(r, traces[rid]) is None
+    while not sched.idle:
+      plan = sched.schedule()
+      for c in plan.prefill:  # what ServingLoop records
+        traces[c.request_id].record("prefill_start", f"{c.start}-{c.start + len(c.token_ids)}")
+      res = eng.execute(plan)
+      if res is not None:
+        sched.update(res)
+      if plan.empty:
+        for x in eng.flush():
+          sched.update(x)
+  starts = lambda rid: [e.detail for e in traces[rid].events if e.kind == "prefill_start"]
+  assert starts("a") == ["0-8", "8-14"] and starts("b") == ["12-14"]
+
+
+def test_control_a_wrong_page_in_the_cache_changes_the_output(monkeypatch):
+  """The comparisons above can fail: cache each block under its neighbour's page and the ids of
+  a request reusing them differ from the reference."""
+  original = PrefixCache.insert
+
+  def shifted(self, tokens, pages, shard):
+    return original(self, tokens, list(pages[1:]) + list(pages[:1]), shard)
+
+  monkeypatch.setattr(PrefixCache, "insert", shifted)
+  pool, sched, eng = _setup()
+  base = list(range(30, 43))
+  outs, _ = _run(sched, eng, [(0, _req("a", base + [1], seed=1)),
+                              (20, _req("b", base + [2], seed=2))], check=False)
+  assert outs["a"] == reference(base + [1], 1, 6, VOCAB)
+  assert outs["b"] != reference(base + [2], 2, 6, VOCAB)
