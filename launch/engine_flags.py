@@ -4,7 +4,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
-``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``) for ``launch.serve_offline``
+``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
+``--session_pages``) for ``launch.serve_offline``
 and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
@@ -56,6 +57,10 @@ PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
                                       "prefill chunks per step (more: bigger prefill batches, "
                                       "more programs to warm up)", lower_bound=1)
 PREFIX_CACHE = flags.DEFINE_bool("prefix_cache", True, "reuse the KV pages of cached prefixes")
+SESSION_IDLE = flags.DEFINE_float("session_idle_s", 300.0, "a paused session's KV stays pinned "
+                                  "this long", lower_bound=0.001)
+SESSION_PAGES = flags.DEFINE_integer("session_pages", None, "pinned-session KV page budget "
+                                     "(default: a quarter of --kv_pages)", lower_bound=0)
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -97,7 +102,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         max_slots=MAX_SLOTS.value, page_size=PAGE_SIZE.value, kv_pages=KV_PAGES.value,
         max_step_tokens=STEP_TOKENS.value, max_chunk=MAX_CHUNK.value,
         max_prefill_chunks=PREFILL_CHUNKS.value, max_waiting=max_waiting,
-        max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value)
+        max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value,
+        session_idle_s=SESSION_IDLE.value, session_pages=SESSION_PAGES.value)
     steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                                        PREFILL_DEVICES.value, HARDWARE.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,

@@ -312,7 +312,9 @@ class Frontend:
     share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
     for i, sid in enumerate(stream.ids):
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
-      req = Request(sid, v.prompt_ids, samp, v.stop, v.priority)
+      # Only sample 0 of a session continues it (one conversation, one pinned path).
+      req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
+                    v.session_id if i == 0 else "")
       trace = RequestTrace(sid, self.loop.clock)
       trace.record("arrival")
       stream.traces.append(trace)

@@ -99,7 +99,7 @@ def _args(r: pb.GenerateRequest) -> GenerateArgs:
       top_p=opt(s, "top_p"), seed=opt(s, "seed"), stop=list(r.stop),
       stop_token_ids=list(r.stop_token_ids), min_tokens=opt(r, "min_tokens"),
       ignore_eos=r.ignore_eos, logprobs=opt(r, "logprobs"), n=opt(r, "n"), priority=r.priority,
-      slo_class=r.slo_class or None)
+      slo_class=r.slo_class or None, session_id=r.session_id)
 
 
 def _timings(t: Mapping[str, float | None]) -> pb.Timings:

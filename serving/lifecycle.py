@@ -13,7 +13,8 @@ Contract:
     inter-token latencies = gaps between consecutive generated ids (bursty under multi-step
     decode, hence reported separately from TPOT).
   * ``chrome_trace(traces)`` is Chrome-trace JSON (opens in Perfetto): one process per request,
-    one track (thread) per phase: queue, prefill, transfer, decode; instant events for tokens,
+    one track (thread) per phase: queue, prefill, transfer, decode, and session (a multi-turn
+    request's pause since the previous turn ended, then its resume); instant events for tokens,
     preemption and the end.
   * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue) and
     gauges (queue length, running sequences, KV pages used / cached / free) in the given registry; no
@@ -31,7 +32,7 @@ import prometheus_client as prom
 EVENT_KINDS = ("arrival", "queued", "prefill_start", "prefill_end", "kv_transfer_start",
                "kv_transfer_end", "first_token", "token", "preempted", "resumed", "paused",
                "resume", "finished")
-_TRACKS = {"queue": 1, "prefill": 2, "transfer": 3, "decode": 4}
+_TRACKS = {"queue": 1, "prefill": 2, "transfer": 3, "decode": 4, "session": 5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,9 @@ def _spans(trace: RequestTrace) -> Iterable[tuple[str, str, float, float]]:
         open_at[base] = e.t
       elif e.kind == f"{base}_end" and base in open_at:
         yield track, base, open_at.pop(base), e.t
+  paused, resumed = trace._first("paused"), trace._first("resume")
+  if paused is not None and resumed is not None:  # the session's pause before this turn
+    yield "session", "paused", paused, resumed
   first, end = trace._first("first_token"), trace._first("finished")
   if first is not None:
     yield "decode", "decode", first, end if end is not None else trace.token_times()[-1]

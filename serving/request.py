@@ -28,6 +28,7 @@ class Request:
   sampling: SamplingParams = SamplingParams()
   stop: StopCriteria = StopCriteria(max_tokens=16)
   priority: int = 0
+  session_id: str = ""  # multi-turn: this turn's KV stays pinned for the next (serving.sessions)
 
   def __post_init__(self):
     if self.sampling.seed is None:  # the client gave no seed: draw one now, once

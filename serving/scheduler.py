@@ -32,6 +32,11 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     prompt pages are cached). Pages are reclaimed from the cache (LRU unlocked leaves) before
     a request waits or a running sequence is preempted. ``Usage.cached_tokens`` counts the
     reused prompt tokens of the first admission.
+  * Sessions (optional ``sessions``, ``serving.sessions``): a request with a ``session_id`` that
+    ends keeps its prompt + generated pages pinned (locked in the cache) for the session's next
+    turn, within the sessions' idle time and page budget; the next turn's admission takes the
+    pin (its own match locks the path) and its trace records ``paused`` (when the previous turn
+    ended) and ``resume``.
   * ``fail(message, waiting=False)`` ends every running sequence (and, with ``waiting``, every
     queued one) as ``error`` after an engine fault: pages and slots are released and nothing is
     left in flight; it returns the outputs at once.
@@ -54,6 +59,7 @@ from models.tokenizer import Tokenizer
 from serving.kv_pages import PageCopy, PagePool, Refusal
 from serving.lifecycle import RequestTrace
 from serving.prefix_cache import Match, PrefixCache
+from serving.sessions import Sessions
 from serving.request import Request, RequestOutput, TokenLogprobs, Usage
 from serving.sampling import SamplingParams
 from serving.stop import FinishReason, StopChecker
@@ -144,7 +150,8 @@ class Scheduler:
   def __init__(self, pool: PagePool, tokenizer: Tokenizer, *, max_slots: int,
                max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
                max_context: int | None = None, max_prefill_chunks: int | None = None,
-               prefix_cache: PrefixCache | None = None, cache_generated: bool = True):
+               prefix_cache: PrefixCache | None = None, cache_generated: bool = True,
+               sessions: Sessions | None = None):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     self.pool = pool
@@ -158,6 +165,9 @@ class Scheduler:
     self.max_prefill_chunks = max(1, min(max_prefill_chunks or max_slots, max_slots))
     self.prefix_cache = prefix_cache
     self.cache_generated = cache_generated
+    if sessions is not None and (prefix_cache is None or sessions.cache is not prefix_cache):
+      raise ValueError("sessions pin pages of the scheduler's own prefix cache")
+    self.sessions = sessions
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -220,6 +230,8 @@ class Scheduler:
 
   def schedule(self) -> StepPlan:
     self._apply_cancellations()
+    if self.sessions is not None:
+      self.sessions.expire()
     budget = self.max_step_tokens
     decode: list[DecodeRow] = []
     prefill: list[PrefillChunk] = []
@@ -259,6 +271,11 @@ class Scheduler:
       setups.append(SlotSetup(seq.slot, rid, seq.req.sampling))
       if seq.preemptions:
         seq.trace.record("resumed")
+      if self.sessions is not None and seq.req.session_id and not seq.preemptions:
+        paused_at = self.sessions.take(seq.req.session_id)  # its path is locked by seq now
+        if paused_at is not None:
+          seq.trace.record("paused", seq.req.session_id, t=paused_at)
+          seq.trace.record("resume", f"{start} cached tokens")
       budget -= self._plan_chunk(seq, budget, prefill, reserved=True)
     self._step += 1
     seqs = [None] * self.max_slots
@@ -412,6 +429,11 @@ class Scheduler:
               lp: tuple[TokenLogprobs, ...] = ()) -> None:
     if reason is not FinishReason.ERROR and seq.state is _State.RUNNING:
       self._cache(seq, len(seq.tokens) - 1)  # the last id's KV is not written yet
+      rid = seq.req.request_id
+      if self.sessions is not None and seq.req.session_id and rid in self.pool:
+        # The turn is paused: keep its KV pinned for the next one (matched on ids).
+        self.sessions.pin(seq.req.session_id, self.prefix_cache.match(  # type: ignore[union-attr]
+            seq.tokens, self.pool.shard_of(rid), count=False))
     self._drop_running(seq)
     if seq.state is _State.WAITING:
       self._waiting = [w for w in self._waiting if w[2] != seq.req.request_id]
@@ -435,6 +457,8 @@ class Scheduler:
     """After an engine fault: see the module contract."""
     if self.prefix_cache is not None:
       self.prefix_cache.clear()  # pages a failed step was writing must not be reused
+    if self.sessions is not None:
+      self.sessions.clear()
     for seq in list(self._seqs.values()):
       seq.inflight = 0  # whatever was in flight is lost with the failed step
       if seq.state is _State.RUNNING or waiting:

@@ -5,7 +5,8 @@ Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards
 meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
 ``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
-so they always agree. The prefix cache is on unless ``ServingConfig.prefix_cache`` is False.
+so they always agree. The prefix cache (and with it session pinning) is on unless
+``ServingConfig.prefix_cache`` is False.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
 from serving.prefix_cache import PrefixCache
+from serving.sessions import SessionPolicy, Sessions
 from serving.scheduler import Scheduler
 
 
@@ -39,6 +41,8 @@ class ServingConfig:
   kv_dtype: str | None = None  # default: the params' activation dtype
   lag: int = 1  # sampled ids reach the host one step behind
   prefix_cache: bool = True  # reuse cached KV pages of shared prefixes (serving.prefix_cache)
+  session_idle_s: float = 300.0  # a paused session's KV stays pinned this long (serving.sessions)
+  session_pages: int | None = None  # pinned-session page budget (default: a quarter of the pool)
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -50,14 +54,17 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages,
                        num_shards=kv_shards)
   pool = PagePool(budget, max_seq_tokens=context)
+  cache = PrefixCache(pool) if config.prefix_cache else None
+  sessions = None if cache is None else Sessions(cache, SessionPolicy(
+      config.session_idle_s, config.kv_pages // 4 if config.session_pages is None
+      else config.session_pages))
   sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
                     max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
                     max_waiting=config.max_waiting, max_context=context,
-                    max_prefill_chunks=config.max_prefill_chunks,
-                    prefix_cache=PrefixCache(pool) if config.prefix_cache else None,
+                    max_prefill_chunks=config.max_prefill_chunks, prefix_cache=cache,
                     # Two pools: decode writes generated KV into its own, which prefill never
                     # reads, so only prompt pages (written by prefill) may be reused.
-                    cache_generated=decode is None)
+                    cache_generated=decode is None, sessions=sessions)
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,

@@ -10,7 +10,7 @@ template renders; prompt <= context and prompt + max_tokens <= context (never tr
 ``1 <= max_tokens``; temperature finite and >= 0; top_p in (0, 1]; 0 <= top_k <= vocab (0 = off);
 stop strings non-empty, at most ``max_stop_strings`` of at most ``max_stop_chars`` characters;
 stop ids in range; 0 <= min_tokens <= max_tokens; logprobs in [0, LOGPROBS_MAX]; 0 <= n <=
-``max_n`` (0 means 1); the SLO class is known. Nothing here touches the engine.
+``max_n`` (0 means 1); the SLO class is known; a session id has at most 128 characters. Nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class GenerateArgs:
   n: int | None = None
   priority: int = 0
   slo_class: str | None = None
+  session_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Validated:
   n: int
   priority: int
   slo_class: str
+  session_id: str = ""
 
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -177,6 +179,8 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
   if slo not in limits.slo_classes:
     raise bad("slo_class", f"unknown SLO class {slo!r}; the server has "
               f"{', '.join(limits.slo_classes)}")
+  if len(args.session_id) > 128:
+    raise bad("session_id", f"at most 128 characters, got {len(args.session_id)}")
   seed = fresh_seed() if args.seed is None else int(args.seed)
   if not 0 <= seed < 2**32:
     raise bad("seed", f"must be in [0, 2**32), got {seed}")
@@ -184,4 +188,4 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
   stop = StopCriteria(max_tokens=max_tokens, stop_ids=tuple(args.stop_token_ids),
                       stop_strings=tuple(stops), min_tokens=min_tokens,
                       ignore_eos=args.ignore_eos)
-  return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo)
+  return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo, args.session_id)

@@ -164,6 +164,17 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, stub):
   assert server.metrics()["phaseserve_prefix_cache_hit_tokens_total"] - before == 32
 
 
+def test_a_session_turn_resumes_from_the_previous_turns_kv(stub):
+  turn1 = [TOK.bos_id] + list(range(150, 170))  # 21 ids
+  ids1, _, _ = _run(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=turn1), max_tokens=16,
+                                             ignore_eos=True, session_id="conv-1"))
+  turn2 = turn1 + ids1[0] + [10, 11]  # extends prompt + answer, on ids
+  ids2, _, f2 = _run(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=turn2), max_tokens=4,
+                                              ignore_eos=True, session_id="conv-1"))
+  assert f2[0].usage.cached_tokens == 32  # turn 1 wrote 36 positions: 2 whole pages of 16
+  assert ids2[0] == _greedy_reference(turn2, 4)
+
+
 def test_tokenize_detokenize_server_info(stub):
   ids = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_bos=True), timeout=10).token_ids
   assert list(ids) == [TOK.bos_id] + list("héllo".encode())

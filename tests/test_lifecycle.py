@@ -49,7 +49,7 @@ def test_chrome_trace_parses_and_phases_are_in_order():
   names = [e["name"] for e in sorted(spans, key=lambda e: e["ts"])]
   assert names == ["queue", "prefill", "prefill", "kv_transfer", "decode"]
   tracks = {e["args"]["name"] for e in data["traceEvents"] if e.get("name") == "thread_name"}
-  assert tracks == {"queue", "prefill", "transfer", "decode"}
+  assert tracks == {"queue", "prefill", "transfer", "decode", "session"}
   ends = [e for e in data["traceEvents"] if e["name"] == "finished"]
   assert ends[0]["args"]["detail"] == "stop"
 
