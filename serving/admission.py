@@ -3,7 +3,11 @@
 Contract: ``SloClass(name, ttft_s, tpot_s)``; ``MLPERF_CLASSES`` are MLPerf Inference v5.0's
 LLM server-scenario targets (``interactive`` 450 ms / 40 ms as Llama-2-70B interactive,
 ``server`` 2 s / 200 ms as Llama-2-70B server, ``long`` 6 s / 175 ms as Llama-3.1-405B
-server). ``parse_classes("name:ttft_s:tpot_s,...")`` reads a flag. ``predict(load) ->
+server). ``parse_classes("name:ttft_s:tpot_s,...")`` reads a flag. ``StepCostModel`` is the live
+engine's measured step time, ``a + b * prefill_tokens + c * decode_rows`` (seconds), fitted online
+by least squares with exponential forgetting (``forget`` per step), so it follows the machine
+as it runs; ``observe(prefill_tokens, decode_rows, seconds)`` after each busy step,
+``cost(prefill_tokens, decode_rows)`` predicts one. ``predict(load) ->
 Prediction`` estimates a new request's TTFT and TPOT from the measured step time and the
 prefill backlog: the backlog (prompt tokens admitted but not yet prefilled) plus this
 request's prompts drain at ``max_step_tokens - decoding rows`` tokens per step, plus one step for
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +54,46 @@ def parse_classes(spec: str) -> tuple[SloClass, ...]:
   return tuple(out)
 
 
+class StepCostModel:
+  """Online least squares of step seconds on (1, prefill tokens, decode rows)."""
+
+  def __init__(self, forget: float = 0.995, prior: float = 1e-3):
+    self.forget = forget
+    self._xtx = np.eye(3) * prior
+    self._xty = np.zeros(3)
+    self.steps = 0
+    self._coef = np.zeros(3)
+
+  def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+    x = np.array([1.0, prefill_tokens, decode_rows])
+    self._xtx = self.forget * self._xtx + np.outer(x, x)
+    self._xty = self.forget * self._xty + x * seconds
+    self.steps += 1
+    self._coef = np.linalg.solve(self._xtx, self._xty)
+
+  @property
+  def ready(self) -> bool:
+    return self.steps >= 8
+
+  @property
+  def coef(self) -> tuple[float, float, float]:
+    return tuple(float(c) for c in self._coef)  # type: ignore[return-value]
+
+  def cost(self, prefill_tokens: int, decode_rows: int) -> float:
+    a, b, c = self._coef
+    return max(0.0, float(a + b * prefill_tokens + c * decode_rows))
+
+
 @dataclasses.dataclass(frozen=True)
 class Load:
   step_s: float  # measured busy-step time (0: none yet)
   backlog_tokens: int  # prompt tokens admitted, not yet prefilled
   decoding: int  # rows decoding now (each takes one token of the step budget)
   max_step_tokens: int
-  new_tokens: int  # this request's prompt tokens (times n)
+  new_tokens: int  # this request's prompt tokens to prefill (times n), cached ones excluded
   fallback_step_s: float = 0.01
+  model: StepCostModel | None = None
+  slot_wait_steps: int = 0  # steps until a decode slot frees for it (Scheduler.slot_wait_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +112,16 @@ class Prediction:
 
 
 def predict(load: Load) -> Prediction:
-  step = load.step_s or load.fallback_step_s
   per_step = max(1, load.max_step_tokens - load.decoding)
-  steps = math.ceil((load.backlog_tokens + load.new_tokens) / per_step) + 1
+  if load.model is not None and load.model.ready:
+    left = load.backlog_tokens + load.new_tokens
+    t = load.slot_wait_steps * load.model.cost(min(per_step, left), load.decoding)
+    while left > 0:
+      chunk = min(per_step, left)
+      t += load.model.cost(chunk, load.decoding)
+      left -= chunk
+    t += load.model.cost(0, load.decoding + 1)  # the step that copies the first id back
+    return Prediction(ttft_s=t, tpot_s=load.model.cost(0, load.decoding + 1))
+  step = load.step_s or load.fallback_step_s
+  steps = math.ceil((load.backlog_tokens + load.new_tokens) / per_step) + 1 + load.slot_wait_steps
   return Prediction(ttft_s=steps * step, tpot_s=load.step_s)

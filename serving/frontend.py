@@ -7,7 +7,8 @@ translate messages and statuses.
     state (``UNAVAILABLE`` while loading, draining or failed), the request
     (``serving.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
     quota, and the predicted SLO miss (``serving.admission``: ``RESOURCE_EXHAUSTED`` with the
-    prediction), then submits its ``n`` samples (seeds ``seed + i``) to the loop. A refused
+    prediction; the backlog and this request's prompt net of the prefix-cache hit it would get,
+    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds ``seed + i``) to the loop. A refused
     request never reaches the engine, and gets its usage record.
   * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
     output, then raises ``ServiceError`` if the request ended in error. The buffer between the
@@ -21,6 +22,8 @@ translate messages and statuses.
     settlement.
   * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
     its first output arrives, so they reuse its prompt pages instead of prefilling it again.
+  * ``prediction_error()`` compares each admitted request's predicted TTFT with its actual one
+    (also the ``phaseserve_ttft_prediction_ratio`` histogram: actual / predicted).
   * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
     ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
     lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
@@ -111,7 +114,8 @@ class Stream:
     self.traces: list[RequestTrace] = []
     self.finals: list[RequestOutput | None] = [None] * v.n
     self.completion = [0] * v.n
-    self._prefilled = [False] * v.n
+    self.backlog = 0  # prefill tokens it adds to the backlog until its first output
+    self.predicted_ttft: float | None = None
     self._cond = threading.Condition()
     self._items: collections.deque[tuple[int, RequestOutput, float]] = collections.deque()
     self._bytes = 0
@@ -153,9 +157,8 @@ class Stream:
                                      now - self._items[0][2] > self.frontend.config.stream_stall_s)
       done = all(f is not None for f in self.finals)
       self._cond.notify_all()
-    if not self._prefilled[index] and (out.token_ids or out.finished):
-      self._prefilled[index] = True
-      self.frontend._prefilled(len(self.validated.prompt_ids))
+    if self.backlog and (out.token_ids or out.finished):
+      self.frontend._prefilled(self)
     if slow:
       self.cancel(Status.SLOW_CONSUMER, "the client is not reading its stream")
     if done:
@@ -226,6 +229,7 @@ class Frontend:
     self._watchdog: threading.Thread | None = None
     self._stop_watchdog = threading.Event()
     self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.faults)
+    self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
     sched = loop.scheduler
     self.metrics = ServiceMetrics(registry, LiveGauges(
         waiting=lambda: sched.num_waiting + loop.num_arriving,
@@ -286,10 +290,14 @@ class Frontend:
                    f"the queue is full ({self.config.max_queue} requests waiting)", key,
                    client_request_id, api, v.slo_class, prompt)
     slo = self.classes[v.slo_class]
+    # What this request adds to the prefill backlog: its prompt less the cached prefix it would
+    # reuse (a lock-free read of the loop's tree), and about one token per further sample.
+    new_tokens = prompt - self._cached_prefix(v.prompt_ids) + (v.n - 1)
+    pred = admission.predict(admission.Load(
+        self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
+        model=self.loop.cost_model,
+        slot_wait_steps=sched.slot_wait_steps(sched.num_waiting + self.loop.num_arriving)))
     if self.config.early_reject:
-      pred = admission.predict(admission.Load(
-          self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens,
-          prompt * v.n))
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
         self._refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
@@ -301,9 +309,10 @@ class Frontend:
                    prompt)
     rid = f"req-{self._prefix}-{next(self._ids)}"
     stream = Stream(self, rid, v, key, client_request_id, api, quota)
+    stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s
     with self._lock:
       self._live[rid] = stream
-      self._backlog += prompt * v.n
+      self._backlog += new_tokens
     if self.config.fault_injection and client_request_id.startswith("fault:"):
       for sid in stream.ids:
         self.fault_ids[sid] = client_request_id.split(":", 1)[1]
@@ -324,9 +333,32 @@ class Frontend:
         self.loop.submit(req, stream._callback(i), trace)
     return stream
 
-  def _prefilled(self, prompt_tokens: int) -> None:
+  def _cached_prefix(self, ids) -> int:
+    cache = self.loop.scheduler.prefix_cache
+    if cache is None:
+      return 0
+    try:
+      shard = cache.best_shard(ids)
+      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
+    except RuntimeError:  # the loop changed the tree under this read: no estimate
+      return 0
+
+  def _prefilled(self, stream: Stream) -> None:
     with self._lock:
-      self._backlog = max(0, self._backlog - prompt_tokens)
+      self._backlog = max(0, self._backlog - stream.backlog)
+      stream.backlog = 0
+
+  def prediction_error(self) -> dict[str, float | int | None]:
+    """The TTFT predictor against what admitted requests got: actual / predicted ratios."""
+    ratios = sorted(a / p for p, a in self.predictions if p > 0)
+    if not ratios:
+      return {"requests": 0, "median_ratio": None, "p10_ratio": None, "p90_ratio": None,
+              "median_abs_rel_error": None}
+    q = lambda x: ratios[min(len(ratios) - 1, int(x * (len(ratios) - 1)))]
+    errs = sorted(abs(r - 1) for r in ratios)
+    return {"requests": len(ratios), "median_ratio": round(q(0.5), 3),
+            "p10_ratio": round(q(0.1), 3), "p90_ratio": round(q(0.9), 3),
+            "median_abs_rel_error": round(errs[len(errs) // 2], 3)}
 
   # -- the one end path -----------------------------------------------------------------------
 
@@ -350,9 +382,8 @@ class Frontend:
       stream._cond.notify_all()
     with self._lock:
       self._live.pop(stream.request_id, None)
-      self._backlog = max(0, self._backlog - len(stream.validated.prompt_ids) *
-                          stream._prefilled.count(False))
-      stream._prefilled = [True] * len(stream._prefilled)
+      self._backlog = max(0, self._backlog - stream.backlog)
+      stream.backlog = 0
     for sid in stream.ids:
       self.fault_ids.pop(sid, None)
     v = stream.validated
@@ -363,6 +394,9 @@ class Frontend:
     t = stream.timings()
     if t.get("prefill_s") is not None:
       self.metrics.prefill.observe(t["prefill_s"])
+    if t.get("ttft_s") is not None and stream.predicted_ttft:
+      self.predictions.append((stream.predicted_ttft, t["ttft_s"]))
+      self.metrics.ttft_prediction.observe(t["ttft_s"] / stream.predicted_ttft)
     finish = [f.finish_reason.value if f is not None else "" for f in stream.finals]
     for reason in finish:
       self.metrics.requests.labels(status=stream.status.value, finish_reason=reason,

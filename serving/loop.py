@@ -25,6 +25,8 @@ Contract:
     cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
     end at once. ``step_started`` is the clock time the current engine call began (None between
     calls), for a watchdog. An ``on_output`` callback that raises is dropped, never the loop.
+  * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
+    and composition (prefill tokens, decode rows), for admission predictions.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 from typing import Callable
 
 from serving.engine import Engine
+from serving.admission import StepCostModel
 from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput
 from serving.scheduler import Scheduler, StepPlan
@@ -68,6 +71,8 @@ class ServingLoop:
     self.failed: str | None = None  # why the engine cannot continue
     self.step_started: float | None = None
     self.step_s = 0.0  # moving average of a busy step's wall time (admission predictions)
+    self.cost_model = StepCostModel()  # step seconds vs its composition, fitted as it runs
+    self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()
     self._thread: threading.Thread | None = None
@@ -170,8 +175,13 @@ class ServingLoop:
       return True
     self.step_started = None
     if not plan.empty:
-      self.step_s = 0.9 * self.step_s + 0.1 * (self.clock() - t0) if self.step_s else (
-          self.clock() - t0)
+      dt = self.clock() - t0
+      self.step_s = 0.9 * self.step_s + 0.1 * dt if self.step_s else dt
+      # With lagged results, a call waits for the previous step's ids: its wall time is that
+      # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
+      self._timed.append((sum(len(c.token_ids) for c in plan.prefill), len(plan.decode)))
+      if len(self._timed) > int(getattr(getattr(self.engine, "config", self.engine), "lag", 0)):
+        self.cost_model.observe(*self._timed.popleft(), dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")
@@ -189,6 +199,7 @@ class ServingLoop:
     if fatal:
       self.failed = f"the engine cannot continue ({message})"
     self.engine.reset()
+    self._timed.clear()
     self._deliver(self.scheduler.fail(self.failed or message, waiting=fatal))
     self._update_gauges()
 

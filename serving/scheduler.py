@@ -228,6 +228,20 @@ class Scheduler:
   def num_decoding(self) -> int:
     return sum(s.decoding for s in self._running)
 
+  def slot_wait_steps(self, ahead: int) -> int:
+    """About how many steps until a slot is free for a request with ``ahead`` others waiting
+    before it: the running sequences' remaining ids, the earliest to finish first (each later
+    waiter takes the slot after the one before; a snapshot, read from any thread)."""
+    free = self.max_slots - len(self._running)
+    k = ahead - free
+    if k < 0:
+      return 0
+    left = sorted(max(0, s.req.stop.max_tokens - s.generated) for s in list(self._running))
+    if not left:
+      return 0
+    per_round = sum(left) / len(left)  # a slot cycles about once per mean length
+    return int(left[k % len(left)] + (k // len(left)) * per_round)
+
   def schedule(self) -> StepPlan:
     self._apply_cancellations()
     if self.sessions is not None:

@@ -5,6 +5,7 @@ Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
   * ``phaseserve_rejections_total{reason}``: ``invalid_argument``, ``queue_full``, ``quota``,
     ``slo``, ``unavailable``, ``unauthenticated``;
   * ``phaseserve_prefill_seconds``: first prefill chunk start to last chunk end, per request;
+  * ``phaseserve_ttft_prediction_ratio``: actual / predicted TTFT (the early-rejection predictor);
   * ``phaseserve_startup_seconds`` (load + warm-up), ``phaseserve_live_streams``,
     ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (no host tier
     yet: 0), ``phaseserve_engine_faults_total``;
@@ -43,6 +44,9 @@ class ServiceMetrics:
     self.prefill = prom.Histogram("phaseserve_prefill_seconds",
                                   "first prefill chunk start to the last chunk end",
                                   buckets=_LATENCY_BUCKETS, registry=registry)
+    self.ttft_prediction = prom.Histogram(
+        "phaseserve_ttft_prediction_ratio", "actual / predicted TTFT of admitted requests",
+        buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=registry)
     self.startup = prom.Gauge("phaseserve_startup_seconds", "model load + warm-up time",
                               registry=registry)
     self.prefix_hit_tokens = prom.Counter("phaseserve_prefix_cache_hit_tokens",
