@@ -36,6 +36,9 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     sequence whose prompt just finished into the decode pool (``transfer(src_pool, dst_pool,
     ids, ids)``, same page ids: the host allocator's sub-pools must suit both steps) and its
     first sampled id into the decode slot state; fork copies run on both pools.
+  * Host tier (optional ``host_store``, ``serving.host_tier``): a plan's ``spills`` are read
+    from the device pool and copied to the host asynchronously before anything of the step
+    runs, its ``loads`` written back onto their pages before the step reads them.
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
     ``warmup()`` compiles every bucket a plan can reach (``buckets()``) before serving by running
@@ -57,6 +60,7 @@ from models.paged_kv import PagedKV, copy_pages
 from models.step import Step
 from models.transformer import bucket
 from models.weights import Params
+from serving.host_tier import HostStore
 from serving.request import TokenLogprobs
 from serving.sampling import LOGPROBS_MAX, SamplingArrays, SamplingParams, logprobs, sample
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
@@ -96,6 +100,21 @@ def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
 
 def _logprobs(logits_BV: jax.Array, tok_B: jax.Array, n: int) -> LogprobArrays | None:
   return logprobs(logits_BV, tok_B, n) if n else None
+
+
+@jax.jit
+def _read_pages(kv: PagedKV, ids_N: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """K and V of pages ``ids_N`` (clipped; padding reads page 0): [L, N, K, Z, H] each."""
+  ids_N = jnp.clip(ids_N, 0, kv.num_pages - 1)
+  return kv.k_pages[:, ids_N], kv.v_pages[:, ids_N]
+
+
+@jax.jit
+def _write_pages(kv: PagedKV, ids_N: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+  """Writes K / V [L, N, K, Z, H] into pages ``ids_N``; ids outside the pool are padding."""
+  ids_N = jnp.where((ids_N >= 0) & (ids_N < kv.num_pages), ids_N, kv.num_pages)
+  return kv.replace(k_pages=kv.k_pages.at[:, ids_N].set(k.astype(kv.k_pages.dtype), mode="drop"),
+                    v_pages=kv.v_pages.at[:, ids_N].set(v.astype(kv.v_pages.dtype), mode="drop"))
 
 
 @functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab",
@@ -181,8 +200,9 @@ class Engine:
   """Executes plans; see the module contract."""
 
   def __init__(self, step: Step, params: Params, config: EngineConfig,
-               decode: PhaseDecode | None = None):
+               decode: PhaseDecode | None = None, host_store: HostStore | None = None):
     self.step = step
+    self.host_store = host_store
     self.decode = decode
     self.config = config
     self.params = step.place_params(params)
@@ -365,6 +385,8 @@ class Engine:
       for s in plan.setups:
         self.setup(s.slot, s.sampling)
       self._samp = SamplingArrays.from_params(self._samp_host)
+    if plan.spills or plan.forget or plan.loads:
+      self._host_tier(plan)
     if plan.copies:
       src = jnp.asarray([c.src for c in plan.copies], jnp.int32)
       dst = jnp.asarray([c.dst for c in plan.copies], jnp.int32)
@@ -392,6 +414,37 @@ class Engine:
     if len(self._held) > self.config.lag:
       return self._held.popleft().result()
     return None
+
+  def _host_tier(self, plan: StepPlan) -> None:
+    """Spills (device -> host, started now, finished at the next step), forgets, then loads
+    (host -> device), all on the prefill pool (the pool prefill reads; with two pools only
+    prompt pages are cached, and the insert transfer carries loaded pages to decode's). Page
+    counts are padded to powers of two (few programs)."""
+    store = self.host_store
+    store.materialize()  # the previous step's spills: host arrays now, device buffers freed
+    if plan.spills:
+      n = bucket(len(plan.spills), minimum=1)
+      ids = np.zeros((n,), np.int32)
+      ids[:len(plan.spills)] = [sp.page for sp in plan.spills]
+      k, v = _read_pages(self.kv, jnp.asarray(ids))
+      for i, sp in enumerate(plan.spills):
+        parts = (k[:, i], v[:, i])
+        for part in parts:
+          part.copy_to_host_async()
+        store.put(sp.key, parts)
+    for key in plan.forget:
+      store.discard(key)
+    if plan.loads:
+      n = bucket(len(plan.loads), minimum=1)
+      ids = np.full((n,), self.config.num_pages, np.int32)
+      ids[:len(plan.loads)] = [ld.page for ld in plan.loads]
+      parts = [store.take(ld.key) for ld in plan.loads]
+      shape = parts[0][0].shape
+      k = np.zeros((shape[0], n) + shape[1:], parts[0][0].dtype)
+      v = np.zeros_like(k)
+      for i, (pk, pv) in enumerate(parts):
+        k[:, i], v[:, i] = pk, pv
+      self.kv = _write_pages(self.kv, jnp.asarray(ids), jnp.asarray(k), jnp.asarray(v))
 
   def flush(self) -> list[StepResult]:
     out = [p.result() for p in self._held]

@@ -5,7 +5,9 @@ Contract: ``FakeEngine(pool_pages, page_size, vocab, lag)`` executes ``StepPlan`
 engine addresses KV pages. The next id of a sequence is ``next_id(context, seed)``, a function of
 every (position, id) of the context read back through the page table, so a page handed to two
 live sequences, a lost write or a stale table changes the output. ``reference(prompt, seed, n)``
-is the same computation without pages. ``lag`` = 1 returns each step's result one step late (the
+is the same computation without pages. With a ``host_store`` it runs the plan's host-tier
+spills (the page is then scribbled over, so a load that did not happen shows), forgets and
+loads. ``lag`` = 1 returns each step's result one step late (the
 real engine's asynchronous token copy); ``flush()`` returns what is still held.
 """
 
@@ -32,7 +34,9 @@ def reference(prompt: list[int], seed: int, n: int, vocab: int) -> list[int]:
 
 
 class FakeEngine:
-  def __init__(self, num_pages: int, page_size: int, vocab: int, max_slots: int, lag: int = 0):
+  def __init__(self, num_pages: int, page_size: int, vocab: int, max_slots: int, lag: int = 0,
+               host_store=None):
+    self.host_store = host_store  # serving.host_tier.HostStore, for plans with spills / loads
     self.page_size = page_size
     self.vocab = vocab
     self.pages = np.full((num_pages, page_size), -1, np.int64)
@@ -60,6 +64,13 @@ class FakeEngine:
     for s in plan.setups:
       self.seed[s.slot] = s.sampling.seed
       self.last[s.slot] = -1
+    for sp in plan.spills:  # the host tier, in the plan's order: out, forget, in
+      self.host_store.put(sp.key, (self.pages[sp.page].copy(),))
+      self.pages[sp.page] = -7  # the device page is free now: stale content must not be read
+    for key in plan.forget:
+      self.host_store.discard(key)
+    for ld in plan.loads:
+      self.pages[ld.page] = self.host_store.take(ld.key)[0]
     for c in plan.copies:
       self.pages[c.dst] = self.pages[c.src]
     tokens: dict[str, int] = {}

@@ -235,6 +235,9 @@ class Frontend:
         waiting=lambda: sched.num_waiting + loop.num_arriving,
         slots_used_fraction=lambda: sched.num_running / sched.max_slots,
         live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
+    cache, per_page = sched.prefix_cache, sched.pool.budget.bytes_per_page
+    if cache is not None:
+      self.metrics.host_tier_bytes.set_function(lambda: cache.host_pages_used * per_page)
 
   # -- state ----------------------------------------------------------------------------------
 

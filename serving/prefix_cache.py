@@ -17,8 +17,19 @@ Contract:
     only ever removes unlocked leaves, least recently used first (``evict(shard, n)`` frees up to
     ``n`` pages, returns how many). ``clear()`` drops every node (after an engine fault: pages
     written by a failed step must not be reused).
-  * Counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``, ``evicted`` pages. ``pages``
-    is the number of cached pages; ``check()`` verifies the tree's own invariants.
+  * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): a page evicted from the device goes
+    to host memory instead of being forgotten, while the tier has room (its own LRU: the
+    oldest host leaves are forgotten first). The node keeps its place in the tree with a host
+    key instead of a page; ``take_spills()`` hands the scheduler the device copies to plan
+    (``PageSpill``: read before any later write of the page, so in the plan of the step that
+    may reuse it). Device nodes form the top of the tree (a device node's parent is on the
+    device), host nodes hang below. ``match`` returns the device part and then the host part
+    (``Match.host``); ``promote(node, page)`` brings a host node back onto a fresh device page
+    and returns the ``PageLoad`` to plan.
+  * Counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``, ``host_hits`` /
+    ``host_hit_tokens`` (lookups reaching into the host tier, and their host tokens), ``evicted``
+    pages (device), ``spilled`` / ``loaded`` / ``host_evicted`` pages. ``pages`` counts device
+    nodes, ``host_pages_used`` host ones; ``check()`` verifies the tree's own invariants.
 Pure host bookkeeping: no JAX.
 """
 
@@ -32,37 +43,59 @@ from typing import Sequence
 from serving.kv_pages import PagePool
 
 
+@dataclasses.dataclass(frozen=True)
+class PageSpill:
+  """Device page -> host tier entry ``key`` (planned before the page is written again)."""
+  page: int
+  key: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLoad:
+  """Host tier entry ``key`` -> device page ``page`` (planned before the step reading it)."""
+  key: int
+  page: int
+
+
 @dataclasses.dataclass(eq=False)
 class _Node:
   key: tuple[int, ...]
-  page: int
+  page: int | None  # None: the page is in the host tier under ``host_key``
   parent: "_Node | None"
   children: dict[tuple[int, ...], "_Node"] = dataclasses.field(default_factory=dict)
   locks: int = 0
   used: int = 0  # last access tick
+  host_key: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Match:
   shard: int
-  nodes: tuple[_Node, ...]
+  nodes: tuple[_Node, ...]  # on the device
+  host: tuple[_Node, ...] = ()  # then in the host tier
 
   @property
   def pages(self) -> tuple[int, ...]:
-    return tuple(n.page for n in self.nodes)
+    return tuple(n.page for n in self.nodes)  # type: ignore[misc]
 
   def tokens(self, page_size: int) -> int:
-    return len(self.nodes) * page_size
+    return (len(self.nodes) + len(self.host)) * page_size
 
 
 class PrefixCache:
-  def __init__(self, pool: PagePool):
+  def __init__(self, pool: PagePool, host_pages: int = 0):
     self.pool = pool
     self.page_size = pool.page_size
+    self.host_capacity = host_pages
     self._roots = [_Node((), -1, None) for _ in range(pool.budget.num_shards)]
     self._tick = itertools.count(1)
+    self._keys = itertools.count(1)
+    self._spills: list[PageSpill] = []
+    self.forgotten: list[int] = []  # host keys dropped; the engine's store discards them
     self.pages = 0
+    self.host_pages_used = 0
     self.hits = self.misses = self.hit_tokens = self.evicted = 0
+    self.host_hits = self.host_hit_tokens = self.spilled = self.loaded = self.host_evicted = 0
 
   def _blocks(self, tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
     z = self.page_size
@@ -75,6 +108,8 @@ class PrefixCache:
       if node is None:
         break
       path.append(node)
+    dev = [n for n in path if n.page is not None]
+    host = path[len(dev):]
     if count:
       tick = next(self._tick)
       for n in path:
@@ -82,15 +117,38 @@ class PrefixCache:
       if path:
         self.hits += 1
         self.hit_tokens += len(path) * self.page_size
+        if host:
+          self.host_hits += 1
+          self.host_hit_tokens += len(host) * self.page_size
       else:
         self.misses += 1
-    return Match(shard, tuple(path))
+    return Match(shard, tuple(dev), tuple(host))
+
+  def promote(self, node: _Node, page: int) -> PageLoad:
+    """Host node -> device ``page`` (a page the caller holds; the cache retains it too)."""
+    if node.page is not None or node.host_key is None:
+      raise ValueError("promote of a node that is not in the host tier")
+    key, node.host_key, node.page = node.host_key, None, page
+    self.pool.retain([page])
+    self.pages += 1
+    self.host_pages_used -= 1
+    self.loaded += 1
+    return PageLoad(key, page)
+
+  def take_spills(self) -> tuple[PageSpill, ...]:
+    out, self._spills = tuple(self._spills), []
+    return out
+
+  def take_forgotten(self) -> list[int]:
+    out, self.forgotten = self.forgotten, []
+    return out
 
   def best_shard(self, tokens: Sequence[int]) -> int | None:
     """The sub-pool holding the longest cached prefix of ``tokens`` (None: no hit anywhere)."""
     best, best_len = None, 0
     for s in range(len(self._roots)):
-      k = len(self.match(tokens, s, count=False).nodes)
+      m = self.match(tokens, s, count=False)
+      k = len(m.nodes) + len(m.host)
       if k > best_len:
         best, best_len = s, k
     return best
@@ -106,16 +164,22 @@ class PrefixCache:
         self.pool.retain([page])
         self.pages += 1
         added += 1
+      elif child.page is None:  # in the host tier: the caller's page is the same KV
+        self.pool.retain([page])
+        self.forgotten.append(child.host_key)  # type: ignore[arg-type]
+        child.page, child.host_key = page, None
+        self.pages += 1
+        self.host_pages_used -= 1
       child.used = tick
       node = child
     return added
 
   def lock(self, m: Match) -> None:
-    for n in m.nodes:
+    for n in m.nodes + m.host:
       n.locks += 1
 
   def unlock(self, m: Match) -> None:
-    for n in m.nodes:
+    for n in m.nodes + m.host:
       if n.locks < 1:
         raise ValueError("unlock of an unlocked prefix")
       n.locks -= 1
@@ -123,27 +187,58 @@ class PrefixCache:
   def evict(self, shard: int, n: int) -> int:
     """Frees up to ``n`` pages of ``shard`` by dropping unlocked leaves, oldest first; a page
     still used by a running sequence is dropped from the cache but frees nothing."""
-    leaves = [(x.used, id(x), x) for x in self._walk(self._roots[shard])
-              if not x.children and not x.locks]
+    root = self._roots[shard]
+    device_leaf = lambda x: (x.page is not None and not x.locks and
+                             all(c.page is None for c in x.children.values()))
+    leaves = [(x.used, id(x), x) for x in self._walk(root) if device_leaf(x)]
     heapq.heapify(leaves)
     freed = 0
     while leaves and freed < n:
       _, _, x = heapq.heappop(leaves)
-      parent = x.parent
-      del parent.children[x.key]  # type: ignore[union-attr]
+      page, parent = x.page, x.parent
       self.pages -= 1
       self.evicted += 1
-      freed += len(self.pool.drop([x.page]))
-      if parent is not self._roots[shard] and not parent.children and not parent.locks:
-        heapq.heappush(leaves, (parent.used, id(parent), parent))
+      if self.host_capacity and self._host_room(root):
+        x.host_key, x.page = next(self._keys), None  # to the host tier, in place
+        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]
+        self.host_pages_used += 1
+        self.spilled += 1
+      else:
+        self._forget(x)
+      freed += len(self.pool.drop([page]))  # type: ignore[list-item]
+      if parent is not root and device_leaf(parent):  # type: ignore[arg-type]
+        heapq.heappush(leaves, (parent.used, id(parent), parent))  # type: ignore[union-attr]
     return freed
+
+  def _forget(self, x: _Node) -> None:
+    """Drops ``x`` and everything below it (all in the host tier) from the tree."""
+    del x.parent.children[x.key]  # type: ignore[union-attr]
+    for y in [x, *self._walk(x)]:
+      if y.host_key is not None:
+        self.forgotten.append(y.host_key)
+        self.host_pages_used -= 1
+        self.host_evicted += 1
+
+  def _host_room(self, root: _Node) -> bool:
+    """Room for one more host page, forgetting the oldest unlocked host leaves if needed."""
+    while self.host_pages_used >= self.host_capacity:
+      leaves = [x for r in self._roots for x in self._walk(r)
+                if x.page is None and not x.children and not x.locks]
+      if not leaves:
+        return False
+      self._forget(min(leaves, key=lambda x: x.used))
+    return True
 
   def clear(self) -> None:
     for shard, root in enumerate(self._roots):
-      pages = [x.page for x in self._walk(root)]
+      nodes = list(self._walk(root))
+      pages = [x.page for x in nodes if x.page is not None]
       self.pool.drop(pages)
       self.pages -= len(pages)
+      self.forgotten += [x.host_key for x in nodes if x.host_key is not None]
+      self.host_pages_used -= sum(x.host_key is not None for x in nodes)
       self._roots[shard] = _Node((), -1, None)
+    self._spills = []
 
   def _walk(self, root: _Node):
     stack = list(root.children.values())
@@ -153,18 +248,25 @@ class PrefixCache:
       stack.extend(x.children.values())
 
   def check(self) -> None:
-    seen = 0
+    seen = host = 0
     for shard, root in enumerate(self._roots):
       n = self.pool.budget.pages_per_shard
       for x in self._walk(root):
-        seen += 1
         assert len(x.key) == self.page_size, x.key
-        assert shard * n <= x.page < (shard + 1) * n, (x.page, shard)
-        assert self.pool.refcount(x.page) >= 1, x.page
         assert x.locks >= 0
         if x.locks:
           assert x.parent is root or x.parent.locks >= x.locks, "a locked node's parent is locked"
+        if x.page is None:
+          host += 1
+          assert x.host_key is not None, "a node is on the device or in the host tier"
+          continue
+        seen += 1
+        assert x.host_key is None
+        assert x.parent is root or x.parent.page is not None, "a device node's parent is too"
+        assert shard * n <= x.page < (shard + 1) * n, (x.page, shard)
+        assert self.pool.refcount(x.page) >= 1, x.page
     assert seen == self.pages, (seen, self.pages)
+    assert host == self.host_pages_used <= max(self.host_capacity, 0), (host, self.host_pages_used)
 
 
-__all__ = ["PrefixCache", "Match"]
+__all__ = ["PrefixCache", "Match", "PageSpill", "PageLoad"]

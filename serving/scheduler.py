@@ -26,6 +26,9 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
   * Prefix cache (optional ``prefix_cache``, ``serving.prefix_cache``): an admitted request
     reuses the longest cached run of whole pages of its context (on the sub-pool holding it,
     when that sub-pool has room; else it is recomputed elsewhere) and prefills only the rest;
+    pages in the host tier are loaded back onto its first fresh pages (the plan's ``loads``),
+    and pages the cache evicts to the host are the plan's ``spills``, copied out before the
+    step may write them;
     its path is locked while it runs. A sequence's prompt pages are cached when its first id
     arrives (the step that wrote them has run), its prompt + generated pages when it ends
     (``cache_generated``; False when decode writes another pool than prefill reads, so only
@@ -58,7 +61,7 @@ import numpy as np
 from models.tokenizer import Tokenizer
 from serving.kv_pages import PageCopy, PagePool, Refusal
 from serving.lifecycle import RequestTrace
-from serving.prefix_cache import Match, PrefixCache
+from serving.prefix_cache import Match, PageLoad, PageSpill, PrefixCache
 from serving.sessions import Sessions
 from serving.request import Request, RequestOutput, TokenLogprobs, Usage
 from serving.sampling import SamplingParams
@@ -96,6 +99,11 @@ class StepPlan:
   setups: tuple[SlotSetup, ...]  # slots (re)assigned this step: reset their sampling state
   page_table: np.ndarray  # [max_slots, max_pages_per_seq] int32; free slots hold the null page
   copies: tuple[PageCopy, ...] = ()
+  # Host tier, in this order before the step: device pages to copy out, host entries to drop,
+  # host entries to load onto device pages.
+  spills: tuple[PageSpill, ...] = ()
+  forget: tuple[int, ...] = ()
+  loads: tuple[PageLoad, ...] = ()
 
   @property
   def num_tokens(self) -> int:
@@ -177,6 +185,7 @@ class Scheduler:
     self._cancel_lock = threading.Lock()
     self._cancelled: list[str] = []
     self._outputs: list[RequestOutput] = []
+    self._loads: list[PageLoad] = []
 
   # -- arrivals and cancellations -------------------------------------------------------------
 
@@ -295,8 +304,13 @@ class Scheduler:
     seqs = [None] * self.max_slots
     for seq in self._running:
       seqs[seq.slot] = seq.req.request_id  # type: ignore[index]
+    spills = forget = ()
+    if self.prefix_cache is not None:
+      spills = self.prefix_cache.take_spills()
+      forget = tuple(self.prefix_cache.take_forgotten())
+    loads, self._loads = tuple(self._loads), []
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
-                    self.pool.page_table(seqs))
+                    self.pool.page_table(seqs), spills=spills, forget=forget, loads=loads)
 
   def _lookup(self, seq: _Seq) -> Match | None:
     cache = self.prefix_cache
@@ -331,6 +345,10 @@ class Scheduler:
     if refusal is None:
       seq.match = hit
       seq.computed = start
+      if hit is not None and hit.host:  # host-tier pages come back onto its first new pages
+        table = pool.table(rid)
+        for node, page in zip(hit.host, table[len(prefix):]):
+          self._loads.append(cache.promote(node, page))  # type: ignore[union-attr]
       return True
     if hit is not None:
       cache.unlock(hit)  # type: ignore[union-attr]

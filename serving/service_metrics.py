@@ -7,8 +7,8 @@ Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
   * ``phaseserve_prefill_seconds``: first prefill chunk start to last chunk end, per request;
   * ``phaseserve_ttft_prediction_ratio``: actual / predicted TTFT (the early-rejection predictor);
   * ``phaseserve_startup_seconds`` (load + warm-up), ``phaseserve_live_streams``,
-    ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (no host tier
-    yet: 0), ``phaseserve_engine_faults_total``;
+    ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (KV pages held
+    in the host-memory tier), ``phaseserve_engine_faults_total``;
   * JetStream's names where the series means the same thing, so its dashboards work:
     ``jetstream_prefill_backlog_size`` (requests waiting for prefill) and
     ``jetstream_slots_used_percentage`` (decode slots in use, a 0-1 fraction as JetStream

@@ -6,7 +6,8 @@ meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split i
 ``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
 so they always agree. The prefix cache (and with it session pinning) is on unless
-``ServingConfig.prefix_cache`` is False.
+``ServingConfig.prefix_cache`` is False; ``host_tier_bytes`` gives it a host-memory tier of
+that many bytes (whole pages) for the pages it evicts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from serving.engine import Engine, EngineConfig, PhaseDecode
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
+from serving.host_tier import HostStore
 from serving.prefix_cache import PrefixCache
 from serving.sessions import SessionPolicy, Sessions
 from serving.scheduler import Scheduler
@@ -43,6 +45,7 @@ class ServingConfig:
   prefix_cache: bool = True  # reuse cached KV pages of shared prefixes (serving.prefix_cache)
   session_idle_s: float = 300.0  # a paused session's KV stays pinned this long (serving.sessions)
   session_pages: int | None = None  # pinned-session page budget (default: a quarter of the pool)
+  host_tier_bytes: int = 0  # host-memory tier for evicted prefix pages (0: none)
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -54,7 +57,11 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages,
                        num_shards=kv_shards)
   pool = PagePool(budget, max_seq_tokens=context)
-  cache = PrefixCache(pool) if config.prefix_cache else None
+  host_pages = config.host_tier_bytes // max(1, budget.bytes_per_page)
+  store = HostStore() if config.prefix_cache and host_pages else None
+  cache = None
+  if config.prefix_cache:
+    cache = PrefixCache(pool, host_pages if store is not None else 0)
   sessions = None if cache is None else Sessions(cache, SessionPolicy(
       config.session_idle_s, config.kv_pages // 4 if config.session_pages is None
       else config.session_pages))
@@ -68,7 +75,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=config.lag), decode=decode)
+      lag=config.lag), decode=decode, host_store=store)
   return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
                      max_traces=max_traces)
 
@@ -87,4 +94,6 @@ def describe(loop: ServingLoop) -> dict[str, object]:
           "max_step_tokens": loop.scheduler.max_step_tokens,
           "max_prefill_chunks": loop.scheduler.max_prefill_chunks,
           "prefix_cache": loop.scheduler.prefix_cache is not None,
+          "host_tier_pages": (loop.scheduler.prefix_cache.host_capacity
+                              if loop.scheduler.prefix_cache is not None else 0),
           "step": loop.engine.step.describe()}

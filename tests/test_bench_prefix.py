@@ -27,3 +27,5 @@ def test_bench_prefix_smoke():
   assert out["off_over_on"]["seconds"] > 0 and out["machine"]["cpu"]
   # 4 x (44 + 4) positions, 16 per page: 12 pages without sharing; 2 shared + 4 own with it.
   assert out["cache_off"]["peak_kv_pages"] == 12 and out["cache_on"]["peak_kv_pages"] == 6
+  host = out["cache_host"]  # the prefix came back from the host tier
+  assert host["cached_tokens"] == 4 * 32 and host["loaded"] == 2 and host["spilled"] >= 2

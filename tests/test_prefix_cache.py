@@ -325,3 +325,79 @@ def test_control_a_wrong_page_in_the_cache_changes_the_output(monkeypatch):
                               (20, _req("b", base + [2], seed=2))], check=False)
   assert outs["a"] == reference(base + [1], 1, 6, VOCAB)
   assert outs["b"] != reference(base + [2], 2, 6, VOCAB)
+
+
+def _host_setup(pages=16, host_pages=32):
+  from serving.host_tier import HostStore
+  pool = PagePool(PageBudget(Z, pages), max_seq_tokens=64)
+  store = HostStore()
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=3, max_step_tokens=16, max_chunk=8,
+                    prefix_cache=PrefixCache(pool, host_pages=host_pages))
+  return pool, sched, FakeEngine(pages, Z, VOCAB, 3, lag=1, host_store=store), store
+
+
+def test_host_tier_round_trips_give_the_same_ids():
+  """A device pool of 16 pages, a host tier of 32: conversations whose prefixes are pushed to
+  the host by other traffic come back from it (device page scribbled at the spill, so a missed
+  load would change the ids)."""
+  rng = random.Random(4)
+  pool, sched, eng, store = _host_setup()
+  prefixes = [[rng.randrange(256) for _ in range(13)] for _ in range(6)]
+  reqs = []
+  for i in range(60):
+    p = prefixes[i % 6] + [rng.randrange(256) for _ in range(rng.randrange(1, 4))]
+    reqs.append((i * 6, _req(f"r{i}", p, n=4, seed=i)))
+  outs, finals = _run(sched, eng, reqs)
+  for _, r in reqs:
+    assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed, 4, VOCAB)
+  c = sched.prefix_cache
+  assert c.spilled > 0 and c.loaded > 0 and c.host_hits > 0 and c.host_hit_tokens > 0
+  assert len(store) == c.host_pages_used  # the store holds exactly the host nodes' pages
+  assert c.host_pages_used <= 32
+
+
+def test_host_tier_is_bounded_and_forgets_its_oldest():
+  rng = random.Random(5)
+  pool, sched, eng, store = _host_setup(pages=16, host_pages=4)
+  reqs = [(i * 8, _req(f"r{i}", [rng.randrange(256) for _ in range(13)], n=3, seed=i))
+          for i in range(30)]
+  outs, _ = _run(sched, eng, reqs)
+  for _, r in reqs:
+    assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed, 3, VOCAB)
+  c = sched.prefix_cache
+  assert c.host_evicted > 0 and c.host_pages_used <= 4 and len(store) == c.host_pages_used
+
+
+def test_the_real_engine_with_host_tier_round_trips():
+  """Tiny model, a device pool of 10 pages of 16: other traffic pushes a shared prefix to the
+  host tier and it comes back for the requests that reuse it; the greedy ids equal a run with
+  no cache at all (and a big pool)."""
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)
+  tok = ByteTokenizer()
+  rng = random.Random(2)
+  base = list(range(40, 77))  # 37 tokens: 2 whole pages
+  waves = [[base + [1, 4]],
+           [[rng.randrange(256) for _ in range(40)] for _ in range(4)],  # evicts base's pages
+           [base + [i, i + 3] for i in range(2, 5)]]
+  runs = {}
+  for name, pages, host in (("plain", 64, 0), ("tiered", 10, 1 << 20)):
+    loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+        max_slots=2, page_size=16, kv_pages=pages, max_chunk=32, max_prefill_chunks=1,
+        max_context=64, prefix_cache=host > 0, host_tier_bytes=host))
+    got: dict[str, list[int]] = {}
+    k = 0
+    for wave in waves:
+      for p in wave:
+        loop.submit(Request(f"r{k}", tuple(p), stop=StopCriteria(6, ignore_eos=True)),
+                    lambda o: got.setdefault(o.request_id, []).extend(o.token_ids))
+        k += 1
+      loop.run_until_idle()
+    runs[name] = got
+    if host:
+      c = loop.scheduler.prefix_cache
+      assert c.spilled > 0 and c.loaded >= 2 and c.host_hits >= 1, (
+          c.spilled, c.loaded, c.evicted, c.host_capacity, loop.scheduler.pool.pages_cached)
+      loop.scheduler.pool.check()
+      c.check()
+  assert runs["tiered"] == runs["plain"]
