@@ -375,8 +375,9 @@ class Engine:
           self.kv_dec, self.last_dec, _, _ = _decode_call(
               self.params_dec, self.kv_dec, self.last_dec, self._samp, *args,
               step=self.decode.step, **kw)
+    extra = self._warm_host_tier() if self.host_store is not None else 0
     jax.block_until_ready(self.last_S)
-    return len(self._shapes) - before
+    return len(self._shapes) - before + extra
 
   # -- one scheduler step -------------------------------------------------------------------
 
@@ -422,29 +423,46 @@ class Engine:
     counts are padded to powers of two (few programs)."""
     store = self.host_store
     store.materialize()  # the previous step's spills: host arrays now, device buffers freed
-    if plan.spills:
-      n = bucket(len(plan.spills), minimum=1)
-      ids = np.zeros((n,), np.int32)
-      ids[:len(plan.spills)] = [sp.page for sp in plan.spills]
+    cap = self._tier_cap
+    for g in range(0, len(plan.spills), cap):
+      group = plan.spills[g:g + cap]
+      ids = np.zeros((bucket(len(group), minimum=1),), np.int32)
+      ids[:len(group)] = [sp.page for sp in group]
       k, v = _read_pages(self.kv, jnp.asarray(ids))
-      for i, sp in enumerate(plan.spills):
+      for i, sp in enumerate(group):
         parts = (k[:, i], v[:, i])
         for part in parts:
           part.copy_to_host_async()
         store.put(sp.key, parts)
     for key in plan.forget:
       store.discard(key)
-    if plan.loads:
-      n = bucket(len(plan.loads), minimum=1)
+    for g in range(0, len(plan.loads), cap):
+      group = plan.loads[g:g + cap]
+      n = bucket(len(group), minimum=1)
       ids = np.full((n,), self.config.num_pages, np.int32)
-      ids[:len(plan.loads)] = [ld.page for ld in plan.loads]
-      parts = [store.take(ld.key) for ld in plan.loads]
+      ids[:len(group)] = [ld.page for ld in group]
+      parts = [store.take(ld.key) for ld in group]
       shape = parts[0][0].shape
       k = np.zeros((shape[0], n) + shape[1:], parts[0][0].dtype)
       v = np.zeros_like(k)
       for i, (pk, pv) in enumerate(parts):
         k[:, i], v[:, i] = pk, pv
       self.kv = _write_pages(self.kv, jnp.asarray(ids), jnp.asarray(k), jnp.asarray(v))
+
+  @property
+  def _tier_cap(self) -> int:
+    """Pages per host-tier copy call: a sequence's worth (larger plans are split)."""
+    return bucket(self.config.pages_per_seq, minimum=1)
+
+  def _warm_host_tier(self) -> int:
+    """Compiles the host tier's copies (every bucket up to ``_tier_cap``) without changing
+    state: reads of page 0, writes to padding ids only."""
+    n, count = 1, 0
+    while n <= self._tier_cap:
+      k, v = _read_pages(self.kv, jnp.zeros((n,), jnp.int32))
+      self.kv = _write_pages(self.kv, jnp.full((n,), self.config.num_pages, jnp.int32), k, v)
+      n, count = n * 2, count + 2
+    return count
 
   def flush(self) -> list[StepResult]:
     out = [p.result() for p in self._held]
