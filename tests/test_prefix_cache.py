@@ -25,6 +25,7 @@ from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.stop import FinishReason, StopCriteria
+from tests.sched_steps import step as run_step
 
 VOCAB = ByteTokenizer.VOCAB_SIZE
 Z = 4  # page size
@@ -51,14 +52,7 @@ def _run(sched, engine, reqs, check=True, max_steps=2000):
       for res in engine.flush():
         sched.update(res)
       break
-    plan = sched.schedule()
-    res = engine.execute(plan)
-    got = list(sched.drain_outputs())
-    if res is not None:
-      got += sched.update(res)
-    if plan.empty:
-      for r in engine.flush():
-        got += sched.update(r)
+    got = run_step(sched, engine)
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
       if o.finished:
@@ -170,12 +164,7 @@ def test_cancellations_and_preemption_with_the_cache():
       sched.cancel(f"r{step % 16}")
     if sched.idle and len(added) == len(reqs):
       break
-    plan = sched.schedule()
-    res = eng.execute(plan)
-    got = sched.drain_outputs() + (sched.update(res) if res is not None else [])
-    if plan.empty:
-      for x in eng.flush():
-        got += sched.update(x)
+    got = run_step(sched, eng)
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
     pool.check()
@@ -262,12 +251,7 @@ def test_1000_random_requests_with_shared_prefixes_cancels_and_evictions():
       cancels += 1
     if sched.idle and not arrivals:
       break
-    plan = sched.schedule()
-    res = eng.execute(plan)
-    got = sched.drain_outputs() + (sched.update(res) if res is not None else [])
-    if plan.empty:
-      for x in eng.flush():
-        got += sched.update(x)
+    got = run_step(sched, eng)
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
     pool.check()

@@ -17,6 +17,7 @@ from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.sessions import SessionPolicy, Sessions
 from serving.stop import StopCriteria
+from tests.sched_steps import step as run_step
 
 VOCAB = ByteTokenizer.VOCAB_SIZE
 Z = 4
@@ -49,12 +50,7 @@ def _serve(sched, eng, reqs, traces=None):
       traces[r.request_id] = tr
     assert sched.add(r, tr) is None
   while not sched.idle:
-    plan = sched.schedule()
-    res = eng.execute(plan)
-    got = sched.drain_outputs() + (sched.update(res) if res is not None else [])
-    if plan.empty:
-      for x in eng.flush():
-        got += sched.update(x)
+    got = run_step(sched, eng)
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
       if o.finished:
