@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -233,6 +234,8 @@ class Engine:
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
+    self.copied_pages = 0  # plan copies run, and the seconds they took
+    self.copy_seconds = 0.0
 
   @property
   def programs(self) -> int:
@@ -388,12 +391,16 @@ class Engine:
       self._samp = SamplingArrays.from_params(self._samp_host)
     if plan.spills or plan.forget or plan.loads:
       self._host_tier(plan)
-    if plan.copies:
+    if plan.copies:  # rare (prefix pages into another sub-pool): timed, so it waits for them
+      t0 = time.perf_counter()
       src = jnp.asarray([c.src for c in plan.copies], jnp.int32)
       dst = jnp.asarray([c.dst for c in plan.copies], jnp.int32)
       self.kv = copy_pages(self.kv, src, dst)
       if self.decode is not None:
         self.kv_dec = copy_pages(self.kv_dec, src, dst)
+      jax.block_until_ready(self.kv.k_pages)
+      self.copy_seconds += time.perf_counter() - t0
+      self.copied_pages += len(plan.copies)
     parts = []
     if not plan.empty:
       # Placed like the pool's own table (committed, same sharding): an uncommitted array would

@@ -45,6 +45,7 @@ class FakeEngine:
     self.lag = lag
     self._held: collections.deque[StepResult] = collections.deque()
     self.steps = 0
+    self.copied = 0  # plan page copies run
 
   def _write(self, table_M: np.ndarray, pos: int, tok: int) -> None:
     page = table_M[pos // self.page_size]
@@ -72,7 +73,7 @@ class FakeEngine:
     for ld in plan.loads:
       self.pages[ld.page] = self.host_store.take(ld.key)[0]
     for c in plan.copies:
-      self.pages[c.dst] = self.pages[c.src]
+      self._copy(c)
     tokens: dict[str, int] = {}
     for row in plan.decode:
       table = plan.page_table[row.slot]
@@ -93,6 +94,10 @@ class FakeEngine:
     if len(self._held) > self.lag:
       return self._held.popleft()
     return None
+
+  def _copy(self, c) -> None:
+    self.pages[c.dst] = self.pages[c.src]
+    self.copied += 1
 
   def flush(self) -> list[StepResult]:
     out = list(self._held)

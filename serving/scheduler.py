@@ -25,7 +25,8 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
   * Lifecycle events (``serving.lifecycle``) are recorded on the traces given to ``add``.
   * Prefix cache (optional ``prefix_cache``, ``serving.prefix_cache``): an admitted request
     reuses the longest cached run of whole pages of its context (on the sub-pool holding it,
-    when that sub-pool has room; else it is recomputed elsewhere) and prefills only the rest;
+    when that sub-pool has room; else its device pages are copied into another sub-pool, the
+    plan's ``copies``, counted in ``prefix_copied_pages``) and prefills only the rest;
     pages in the host tier are loaded back onto its first fresh pages (the plan's ``loads``),
     and pages the cache evicts to the host are the plan's ``spills``, copied out before the
     step may write them;
@@ -186,6 +187,8 @@ class Scheduler:
     self._cancelled: list[str] = []
     self._outputs: list[RequestOutput] = []
     self._loads: list[PageLoad] = []
+    self._copies: list[PageCopy] = []
+    self.prefix_copied_pages = 0  # reused prefix pages copied to another sub-pool
 
   # -- arrivals and cancellations -------------------------------------------------------------
 
@@ -309,8 +312,10 @@ class Scheduler:
       spills = self.prefix_cache.take_spills()
       forget = tuple(self.prefix_cache.take_forgotten())
     loads, self._loads = tuple(self._loads), []
+    copies, self._copies = tuple(self._copies), []
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
-                    self.pool.page_table(seqs), spills=spills, forget=forget, loads=loads)
+                    self.pool.page_table(seqs), copies, spills=spills, forget=forget,
+                    loads=loads)
 
   def _lookup(self, seq: _Seq) -> Match | None:
     cache = self.prefix_cache
@@ -352,9 +357,37 @@ class Scheduler:
       return True
     if hit is not None:
       cache.unlock(hit)  # type: ignore[union-attr]
-      if refusal.kind == "no_pages":  # its sub-pool is full: recompute it elsewhere
-        return self._allocate(seq, budget, None)
+      if refusal.kind == "no_pages":  # its sub-pool is full: copy the prefix to another
+        return self._allocate_copy(seq, budget, hit) or self._allocate(seq, budget, None)
     return False
+
+  def _allocate_copy(self, seq: _Seq, budget: int, hit: Match) -> bool:
+    """The sub-pool holding ``hit`` is full: start ``seq`` on the sub-pool with the most free
+    pages, its first pages copies of the prefix's device pages (the plan's ``copies``, run
+    before the step's writes; the source path stays locked while ``seq`` runs)."""
+    if not hit.nodes:
+      return False
+    rid, pool, cache = seq.req.request_id, self.pool, self.prefix_cache
+    usage = pool.usage()
+    others = [s for s in range(len(usage)) if s != hit.shard]
+    if not others:
+      return False
+    shard = max(others, key=lambda s: (usage[s].free + usage[s].cached, -s))
+    device = Match(hit.shard, hit.nodes)  # a host part stays behind: recomputed
+    start = device.tokens(pool.page_size)
+    total = start + min(budget, self.max_chunk, len(seq.tokens) - start)
+    cache.lock(device)  # type: ignore[union-attr]
+    short = pool.pages_for(total) - usage[shard].free
+    if short > 0:
+      cache.evict(shard, short)  # type: ignore[union-attr]
+    if pool.allocate(rid, total, shard) is not None:
+      cache.unlock(device)  # type: ignore[union-attr]
+      return False
+    table = pool.table(rid)
+    self._copies += [PageCopy(src, dst) for src, dst in zip(device.pages, table)]
+    self.prefix_copied_pages += len(device.nodes)
+    seq.match, seq.computed = device, start
+    return True
 
   def _plan_chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk],
                   reserved: bool = False) -> int:

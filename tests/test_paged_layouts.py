@@ -354,6 +354,25 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
          for i in range(2, 5)] + [Request("t2", turn2, stop=StopCriteria(max_tokens=4,
                                                                          ignore_eos=True))])
     assert pool.pages_used == 0 and sched.idle
+    last = Request("c", base + (9, 9), stop=StopCriteria(max_tokens=5, ignore_eos=True))
+    if cache and shards > 1:  # fill every shard holding the prefix: its pages are copied across
+      c = sched.prefix_cache
+      for sh in range(shards):
+        m = c.match(last.prompt_ids, sh, count=False)
+        if m.nodes:
+          c.lock(m)
+          c.evict(sh, 64)  # only the locked prefix stays cached there
+          k = 0
+          while pool.usage()[sh].free:
+            n = min(pool.usage()[sh].free, pool.max_pages_per_seq)
+            assert pool.allocate(f"filler{sh}-{k}", n * 8, shard=sh) is None
+            k += 1
+    before = (sched.prefix_copied_pages, engine.copied_pages)
+    run([last])
+    if cache and shards > 1:
+      assert (sched.prefix_copied_pages - before[0], engine.copied_pages - before[1]) == (3, 3)
+      for seq in [q for q in pool.sequences if str(q).startswith("filler")]:
+        pool.release(seq)
     pool.check()
     return got, cached
 
@@ -363,7 +382,7 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
   got, cached = serve(step, step.kv_shards)
   assert got == want
   # t2 extends r0's prompt + answer: 37 positions written -> 4 whole pages.
-  assert cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 32}
+  assert cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 32, "c": 24}
   pre_mesh, dec_mesh = make_submeshes(jax.devices()[:8], 4)
   steps = PS.phase_steps(CFG, pre_mesh, ("ws_2d", "heads"), ("wg_xyz", "batch_xyz"),
                          decode_mesh=dec_mesh)
@@ -371,4 +390,4 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
                               decode=PhaseDecode(steps.decode, PS.transfer_pages), two_pools=True)
   assert split == want
   # Only r0's prompt pages (26 prompt tokens -> 3 whole pages) are reusable in two pools.
-  assert split_cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 24}
+  assert split_cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 24, "c": 24}

@@ -385,3 +385,30 @@ def test_the_real_engine_with_host_tier_round_trips():
       loop.scheduler.pool.check()
       c.check()
   assert runs["tiered"] == runs["plain"]
+
+
+def test_a_full_shard_copies_the_prefix_into_another():
+  pool, sched, eng = _setup(pages=16, shards=2)
+  base = list(range(60, 73))  # 3 whole pages of 4
+  outs, _ = _run(sched, eng, [(0, _req("a", base + [1], n=2, seed=1))])
+  home = sched.prefix_cache.best_shard(base + [2])
+  free = pool.usage()[home].free
+  assert pool.allocate("filler", free * Z, shard=home) is None  # the home shard is now full
+  sched.prefix_cache.lock(sched.prefix_cache.match(base + [1], home, count=False))  # keep them
+  outs, finals = _run(sched, eng, [(0, _req("b", base + [2], n=5, seed=2))], check=False)
+  assert outs["b"] == reference(base + [2], 2, 5, VOCAB)
+  assert finals["b"].usage.cached_tokens == 12 and sched.prefix_copied_pages == 3
+  assert eng.copied == 3  # the engine ran the three page copies
+
+
+def test_the_copy_path_is_checked_by_the_output(monkeypatch):
+  """Control: a copy that does not happen (the fake engine skips it) changes b's ids."""
+  pool, sched, eng = _setup(pages=16, shards=2)
+  base = list(range(60, 73))
+  _run(sched, eng, [(0, _req("a", base + [1], n=2, seed=1))])
+  home = sched.prefix_cache.best_shard(base + [2])
+  assert pool.allocate("filler", pool.usage()[home].free * Z, shard=home) is None
+  sched.prefix_cache.lock(sched.prefix_cache.match(base + [1], home, count=False))
+  monkeypatch.setattr(type(eng), "_copy", lambda self, c: None)
+  outs, _ = _run(sched, eng, [(0, _req("b", base + [2], n=5, seed=2))], check=False)
+  assert outs["b"] != reference(base + [2], 2, 5, VOCAB)
