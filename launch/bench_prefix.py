@@ -11,7 +11,9 @@ are host hits loaded back), then
 once. Both configurations are built in one process from the same params and warmed up; each
 measures the batch's prefill tokens computed, TTFT p50 / p99, e2e, generated tokens/s and the
 peak KV pages held (sequences + cache); ``kv_over_ideal`` compares that peak with the least KV
-the batch needs (the prefix once plus each request's own tokens).
+the whole batch needs (the prefix once plus each request's own tokens), and
+``kv_held_over_least`` is the worst step's KV held by the running sequences over the least
+those sequences need (the prefix once plus their own prompt and output tokens).
 Prints one JSON object with both, the ratios (off / on for time), whether the greedy ids agree,
 and the machine.
 """
@@ -68,11 +70,16 @@ def _run(loop, prompts, max_tokens):
   t0 = time.perf_counter()
   for i, p in enumerate(prompts[1:]):
     loop.submit(Request(f"r{i}", tuple(p), stop=stop), cb)
-  pool = loop.scheduler.pool
+  pool, sched = loop.scheduler.pool, loop.scheduler
   peak = 0
+  worst = 0.0  # KV held by running sequences / the least they need, at the worst step
+  least = lambda r: _PREFIX.value + r * (
+      _SUFFIX.value + max_tokens)
   while True:  # run_until_idle, sampling the pages held
     busy = loop.step()
     peak = max(peak, pool.pages_used + pool.pages_cached)
+    if sched.num_running:
+      worst = max(worst, pool.pages_used * pool.page_size / least(sched.num_running))
     if not busy and loop.idle:
       break
   seconds = time.perf_counter() - t0
@@ -86,6 +93,7 @@ def _run(loop, prompts, max_tokens):
           "ttft_p99_ms": round(_pct(ttft, 0.99) * 1e3, 2),
           "prefill_tokens_computed": prompt_tokens - reused, "cached_tokens": reused,
           "peak_kv_pages": peak, "peak_kv_bytes": peak * pool.budget.bytes_per_page,
+          "kv_held_over_least": round(worst, 3),
           "programs": loop.engine.programs}, [ids[r] for r in rids]
 
 
