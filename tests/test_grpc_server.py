@@ -40,8 +40,8 @@ def server(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("grpc")
   s = ServerProc.start(
       tmp, *TINY, "--max_queue", "256", "--fault_injection", "--max_message_bytes", "65536",
-      "--slo_classes", "interactive:0.45:0.04,server:2:0.2,long:6:0.175,impossible:0.000001:10",
-      "--slo_scale", "10", "--stream_stall_s", "1", "--stream_buffer_bytes", "65536",
+      "--slo_classes", "interactive:0.45:0.04,server:2:0.2,long:6:0.175,impossible:1e-9:10",
+      "--slo_scale", "1000", "--stream_stall_s", "1", "--stream_buffer_bytes", "65536",
       "--usage_log", str(tmp / "usage.jsonl"))
   try:
     yield s
