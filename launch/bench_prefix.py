@@ -15,7 +15,8 @@ the whole batch needs (the prefix once plus each request's own tokens), and
 ``kv_held_over_least`` is the worst step's KV held by the running sequences over the least
 those sequences need (the prefix once plus their own prompt and output tokens).
 Prints one JSON object with both, the ratios (off / on for time), whether the greedy ids agree,
-and the machine.
+and the machine. ``--multiturn`` measures a session's turn 2 (turn 1's prompt + answer + new
+ids) resumed from turn 1's pinned KV against recomputed without the cache.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ _STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 1024, "token budget per s
                                     lower_bound=1)
 _PAGE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
 _HOST = flags.DEFINE_bool("host_tier", True, "also run with the prefix pushed to the host tier")
+_MULTITURN = flags.DEFINE_bool("multiturn", False, "instead: turn 2 of a session (turn 1's "
+                               "prompt + answer + --suffix_len new ids), resumed vs recomputed")
 _JSON = flags.DEFINE_bool("json", True, "one JSON line")
 
 
@@ -97,6 +100,29 @@ def _run(loop, prompts, max_tokens):
           "programs": loop.engine.programs}, [ids[r] for r in rids]
 
 
+def _turn2(loop, turn1, suffix, max_tokens) -> dict:
+  """Turn 1 of a session, then turn 2 extending its prompt + answer: turn 2's TTFT."""
+  from serving.request import Request
+  from serving.stop import StopCriteria
+  ids: dict[str, list[int]] = {}
+  cached = {}
+
+  def cb(o):
+    ids.setdefault(o.request_id, []).extend(o.token_ids)
+    if o.finished:
+      cached[o.request_id] = o.usage.cached_tokens if o.usage else 0
+
+  stop = StopCriteria(max_tokens=max_tokens, ignore_eos=True)
+  loop.submit(Request("t1", tuple(turn1), stop=stop, session_id="bench"), cb)
+  loop.run_until_idle()
+  turn2 = list(turn1) + ids["t1"] + list(suffix)
+  loop.submit(Request("t2", tuple(turn2), stop=stop, session_id="bench"), cb)
+  loop.run_until_idle()
+  t = loop.traces["t2"].timings()
+  return {"turn2_prompt": len(turn2), "ttft_ms": round(t["ttft_s"] * 1e3, 2),
+          "cached_tokens": cached["t2"], "ids": ids["t2"]}
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -110,7 +136,7 @@ def main(argv: list[str]) -> None:
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
   context = _PREFIX.value + _SUFFIX.value + _MAX_TOKENS.value
-  if context > cfg.max_seq_len:
+  if context + (_MAX_TOKENS.value + _SUFFIX.value if _MULTITURN.value else 0) > cfg.max_seq_len:
     raise CliError(f"prefix + suffix + max_tokens = {context} exceeds the model's context")
   vocab = tok.vocab_size - 3
   shared = [(11 + 7 * j) % vocab for j in range(_PREFIX.value)]
@@ -119,6 +145,26 @@ def main(argv: list[str]) -> None:
   pages = -(-context // _PAGE.value) * (_REQUESTS.value + 2) * 2
   out: dict[str, object] = {}
   ids = {}
+  if _MULTITURN.value:
+    res = {}
+    for name, on in (("recomputed", False), ("resumed", True)):
+      loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+          max_slots=_MAX_SLOTS.value, page_size=_PAGE.value, kv_pages=pages,
+          max_step_tokens=_STEP_TOKENS.value, max_chunk=_CHUNK.value,
+          max_prefill_chunks=_CHUNKS.value,
+          max_context=context + _SUFFIX.value + _MAX_TOKENS.value,
+          prefix_cache=on))
+      stack.warmup(loop)
+      res[name] = _turn2(loop, prompts[0], prompts[1][-_SUFFIX.value:], _MAX_TOKENS.value)
+    same = res["recomputed"].pop("ids") == res["resumed"].pop("ids")
+    print(json.dumps({"bench": "multiturn", "model": _MODEL.value, "dtype": _DTYPE.value,
+                      "turn1_prompt": len(prompts[0]), **res,
+                      "recomputed_over_resumed_ttft": round(
+                          res["recomputed"]["ttft_ms"] / res["resumed"]["ttft_ms"], 3),
+                      "same_greedy_ids": same,
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "machine": machine.describe()}))
+    return
   runs = [("cache_off", False, 0), ("cache_on", True, 0)]
   if _HOST.value:
     runs.append(("cache_host", True, 1 << 40))

@@ -29,3 +29,17 @@ def test_bench_prefix_smoke():
   assert out["cache_off"]["peak_kv_pages"] == 12 and out["cache_on"]["peak_kv_pages"] == 6
   host = out["cache_host"]  # the prefix came back from the host tier
   assert host["cached_tokens"] == 4 * 32 and host["loaded"] == 2 and host["spilled"] >= 2
+
+
+def test_bench_prefix_multiturn_smoke():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.bench_prefix", "--model", "tiny",
+                      "--multiturn", "--prefix_len", "40", "--suffix_len", "4", "--max_tokens",
+                      "8", "--max_slots", "1", "--page_size", "16", "--max_chunk", "32",
+                      "--max_prefill_chunks", "1"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["same_greedy_ids"] is True and out["recomputed"]["cached_tokens"] == 0
+  # Turn 1 wrote 44 + 8 - 1 = 51 positions: 3 whole pages of 16 come back for turn 2.
+  assert out["resumed"]["cached_tokens"] == 48 and out["resumed"]["turn2_prompt"] == 56

@@ -1,4 +1,4 @@
-"""Prediction-based early rejection (Mooncake) on a simulated clock (launch.sim_early_rejection):
+"""Prediction-based early rejection (Mooncake) on a simulated clock (launch.early_rejection_sim):
 the real scheduler, front end and predictor over a fake engine whose steps cost simulated
 seconds, a Poisson trace at 2x the engine's capacity. With early rejection the admitted
 requests' p99 TTFT stays within the SLO; without it the queue grows and it does not. Rejections
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launch.sim_early_rejection import capacity, simulate
+from launch.early_rejection_sim import capacity, simulate
 from serving.admission import StepCostModel
 from tests.refenv import REPO
 
