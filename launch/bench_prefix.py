@@ -53,17 +53,24 @@ def _pct(xs, q):
   return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+class _Collect:
+  """An ``on_output`` that keeps each request's ids and, at its end, its cached tokens."""
+
+  def __init__(self):
+    self.ids: dict[str, list[int]] = {}
+    self.cached: dict[str, int] = {}
+
+  def __call__(self, o) -> None:
+    self.ids.setdefault(o.request_id, []).extend(o.token_ids)
+    if o.finished:
+      self.cached[o.request_id] = o.usage.cached_tokens if o.usage else 0
+
+
 def _run(loop, prompts, max_tokens):
   from serving.request import Request
   from serving.stop import StopCriteria
-  ids: dict[str, list[int]] = {}
-  cached = {}
-
-  def cb(o):
-    ids.setdefault(o.request_id, []).extend(o.token_ids)
-    if o.finished:
-      cached[o.request_id] = o.usage.cached_tokens if o.usage else 0
-
+  cb = _Collect()
+  ids, cached = cb.ids, cb.cached
   stop = StopCriteria(max_tokens=max_tokens, ignore_eos=True)
   loop.submit(Request("warm", tuple(prompts[0]), stop=stop), cb)
   loop.run_until_idle()
@@ -104,14 +111,8 @@ def _turn2(loop, turn1, suffix, max_tokens) -> dict:
   """Turn 1 of a session, then turn 2 extending its prompt + answer: turn 2's TTFT."""
   from serving.request import Request
   from serving.stop import StopCriteria
-  ids: dict[str, list[int]] = {}
-  cached = {}
-
-  def cb(o):
-    ids.setdefault(o.request_id, []).extend(o.token_ids)
-    if o.finished:
-      cached[o.request_id] = o.usage.cached_tokens if o.usage else 0
-
+  cb = _Collect()
+  ids, cached = cb.ids, cb.cached
   stop = StopCriteria(max_tokens=max_tokens, ignore_eos=True)
   loop.submit(Request("t1", tuple(turn1), stop=stop, session_id="bench"), cb)
   loop.run_until_idle()
