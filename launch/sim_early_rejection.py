@@ -1,4 +1,4 @@
-"""Early rejection (Mooncake) on a simulated clock: goodput and p99 TTFT at 1x-2x load, with and without.
+"""Early rejection (Mooncake), simulated: goodput and p99 TTFT at 1x-2x load, with and without.
 
   python -m launch.sim_early_rejection --loads 1,1.5,2 --requests 400 --json
 

@@ -8,8 +8,9 @@ translate messages and statuses.
     (``serving.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
     quota, and the predicted SLO miss (``serving.admission``: ``RESOURCE_EXHAUSTED`` with the
     prediction; the backlog and this request's prompt net of the prefix-cache hit it would get,
-    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds ``seed + i``) to the loop. A refused
-    request never reaches the engine, and gets its usage record.
+    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds
+    ``seed + i``) to the loop. A refused request never reaches the engine, and gets its usage
+    record.
   * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
     output, then raises ``ServiceError`` if the request ended in error. The buffer between the
     loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
@@ -27,9 +28,10 @@ translate messages and statuses.
   * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
     ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
     lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
-    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog thread (``start_watchdog``) fails
-    every live stream and turns the state to ``failed`` when an engine step runs past
-    ``watchdog_s`` or the loop reports that the engine cannot continue.
+    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog
+    thread (``start_watchdog``) fails every live stream and turns the state to ``failed`` when
+    an engine step runs past ``watchdog_s`` or the loop reports that the engine cannot
+    continue.
 """
 
 from __future__ import annotations

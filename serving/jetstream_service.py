@@ -1,4 +1,4 @@
-"""JetStream's ``jetstream_proto.Orchestrator`` (``Decode``, ``HealthCheck``) on phaseserve's engine.
+"""JetStream's ``jetstream_proto.Orchestrator`` (``Decode``, ``HealthCheck``) on our engine.
 
 Contract: wire-compatible with JetStream's published ``jetstream/core/proto/jetstream.proto``
 (``serving/proto/jetstream/jetstream.proto`` is that file, unchanged), so its clients work as they

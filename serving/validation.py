@@ -10,7 +10,8 @@ template renders; prompt <= context and prompt + max_tokens <= context (never tr
 ``1 <= max_tokens``; temperature finite and >= 0; top_p in (0, 1]; 0 <= top_k <= vocab (0 = off);
 stop strings non-empty, at most ``max_stop_strings`` of at most ``max_stop_chars`` characters;
 stop ids in range; 0 <= min_tokens <= max_tokens; logprobs in [0, LOGPROBS_MAX]; 0 <= n <=
-``max_n`` (0 means 1); the SLO class is known; a session id has at most 128 characters. Nothing here touches the engine.
+``max_n`` (0 means 1); the SLO class is known; a session id has at most 128 characters.
+Nothing here touches the engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""launch.server processes on 127.0.0.1 for what ends a server's or a client's day: TLS, API keys and
+"""launch.server processes on 127.0.0.1 for what ends a server's or a client's day: TLS, API keys,
 quotas, a full queue, SIGTERM drain with the usage log complete (every authenticated request
 exactly once), and the watchdog of a hung engine step."""
 

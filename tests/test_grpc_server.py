@@ -313,7 +313,8 @@ def test_a_client_that_stops_reading_is_cancelled(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
       m = server.metrics()
-      key = 'phaseserve_requests_total{finish_reason="cancelled",slo_class="server",status="slow_consumer"}'
+      key = ('phaseserve_requests_total{finish_reason="cancelled",slo_class="server",'
+             'status="slow_consumer"}')
       if m.get(key, 0) >= 1:
         break
       time.sleep(0.2)
