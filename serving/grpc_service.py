@@ -57,6 +57,16 @@ def lenient(cls) -> Callable[[bytes], object]:
   return parse
 
 
+def generic_handler(service: str, methods: Mapping[str, tuple[Callable, type, bool]]
+                    ) -> grpc.GenericRpcHandler:
+  """The generic handler of ``service``: name -> (behaviour, request class, server-streaming),
+  each request parsed leniently (``Undecodable`` instead of an exception)."""
+  ser = lambda m: m.SerializeToString()
+  make = {True: grpc.unary_stream_rpc_method_handler, False: grpc.unary_unary_rpc_method_handler}
+  return grpc.method_handlers_generic_handler(service, {
+      name: make[stream](fn, lenient(cls), ser) for name, (fn, cls, stream) in methods.items()})
+
+
 def authenticate(keys: ApiKeys, context: grpc.ServicerContext) -> KeyInfo:
   meta = dict(context.invocation_metadata())
   auth = meta.get("authorization", "")
@@ -175,14 +185,8 @@ class GenerationServicer:
     return self.info
 
   def handlers(self) -> grpc.GenericRpcHandler:
-    ser = lambda m: m.SerializeToString()
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            self.Generate, lenient(pb.GenerateRequest), ser),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            self.Tokenize, lenient(pb.TokenizeRequest), ser),
-        "Detokenize": grpc.unary_unary_rpc_method_handler(
-            self.Detokenize, lenient(pb.DetokenizeRequest), ser),
-        "ServerInfo": grpc.unary_unary_rpc_method_handler(
-            self.ServerInfo, lenient(pb.ServerInfoRequest), ser),
-    })
+    return generic_handler(SERVICE, {
+        "Generate": (self.Generate, pb.GenerateRequest, True),
+        "Tokenize": (self.Tokenize, pb.TokenizeRequest, False),
+        "Detokenize": (self.Detokenize, pb.DetokenizeRequest, False),
+        "ServerInfo": (self.ServerInfo, pb.ServerInfoRequest, False)})

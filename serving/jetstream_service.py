@@ -22,7 +22,7 @@ import grpc
 
 from serving.auth import ApiKeys
 from serving.frontend import Frontend, ServiceError
-from serving.grpc_service import STATUS_CODES, authenticate, lenient, parsed, watch
+from serving.grpc_service import STATUS_CODES, authenticate, generic_handler, parsed, watch
 from serving.proto.jetstream import jetstream_pb2 as js
 from serving.validation import GenerateArgs
 
@@ -77,10 +77,6 @@ class OrchestratorServicer:
     return js.HealthCheckResponse(is_live=self.frontend.state == "serving")
 
   def handlers(self) -> grpc.GenericRpcHandler:
-    ser = lambda m: m.SerializeToString()
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Decode": grpc.unary_stream_rpc_method_handler(
-            self.Decode, lenient(js.DecodeRequest), ser),
-        "HealthCheck": grpc.unary_unary_rpc_method_handler(
-            self.HealthCheck, lenient(js.HealthCheckRequest), ser),
-    })
+    return generic_handler(SERVICE, {"Decode": (self.Decode, js.DecodeRequest, True),
+                                     "HealthCheck": (self.HealthCheck, js.HealthCheckRequest,
+                                                     False)})
