@@ -5,7 +5,7 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
-``--session_pages``, ``--host_tier_bytes``) for ``launch.serve_offline``
+``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``) for ``launch.serve_offline``
 and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
@@ -63,6 +63,9 @@ SESSION_PAGES = flags.DEFINE_integer("session_pages", None, "pinned-session KV p
                                      "(default: a quarter of --kv_pages)", lower_bound=0)
 HOST_TIER = flags.DEFINE_integer("host_tier_bytes", 0, "host-memory tier for KV pages the prefix "
                                  "cache evicts (0: none)", lower_bound=0)
+KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16", "int8"],
+                             "KV page dtype (auto: the activation dtype; int8: per-token, per-head "
+                             "scales)")
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -106,7 +109,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         max_prefill_chunks=PREFILL_CHUNKS.value, max_waiting=max_waiting,
         max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value,
         session_idle_s=SESSION_IDLE.value, session_pages=SESSION_PAGES.value,
-        host_tier_bytes=HOST_TIER.value)
+        host_tier_bytes=HOST_TIER.value,
+        kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value)
     steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                                        PREFILL_DEVICES.value, HARDWARE.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,

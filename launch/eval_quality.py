@@ -2,6 +2,7 @@
 
   python -m launch.eval_quality --model smollm2-135m --json
   python -m launch.eval_quality --model path/to/model.gguf --variants f32,int8 --max_docs 2
+  python -m launch.eval_quality --variants f32,f32+kv8,int8,int8+kv8   # the int8 KV cache
 
 Scores every next token of each passage of ``--text`` (passages split at lines holding only
 ``===``; default: the project's own English passages, ``tests/data/english_passages.txt``) with
@@ -34,11 +35,12 @@ _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a tab
 def run() -> dict:
   import jax.numpy as jnp
   from models.loader import load_model
-  from models.quality import VARIANTS, compare, make_variants, read_passages
+  from models.quality import KV8, VARIANTS, compare, make_variants, read_passages
 
-  unknown = [v for v in _VARIANTS.value if v not in VARIANTS]
+  unknown = [v for v in _VARIANTS.value if v.removesuffix(KV8) not in VARIANTS]
   if unknown or not _VARIANTS.value:
-    raise CliError(f"--variants must be a non-empty list of {', '.join(VARIANTS)}; got "
+    raise CliError(f"--variants must be a non-empty list of {', '.join(VARIANTS)} (each "
+                   f"optionally with {KV8}: over an int8 KV cache); got "
                    f"{','.join(_VARIANTS.value)!r}")
   try:
     docs_text = read_passages(_TEXT.value)

@@ -1,8 +1,9 @@
 """Paged against contiguous KV decode timing, shared by ``launch.bench_pages`` and
 ``launch.bench_engine`` (no flags here: flags belong to the scripts).
 
-Contract: ``run(model, dtype_name, batch, context, page_sizes, steps, repeats) -> dict`` (the JSON
-object ``launch.bench_pages`` documents); a bad argument is a ``ValueError``.
+Contract: ``run(model, dtype_name, batch, context, page_sizes, steps, repeats, kv_int8=False)
+-> dict`` (the JSON object ``launch.bench_pages`` documents; ``kv_int8`` also times an int8 pool
+per page size, the same pages and table); a bad argument is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from launch import machine
 
 
 def run(model: str, dtype_name: str, batch: int, context: int, page_sizes: tuple[int, ...],
-        steps: int, repeats: int) -> dict:
+        steps: int, repeats: int, kv_int8: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -53,6 +54,9 @@ def run(model: str, dtype_name: str, batch: int, context: int, page_sizes: tuple
     pool = paged_kv.init_paged(cfg, batch, batch * m, z, m, dtype)
     table = rng.permutation(batch * m).reshape(batch, m).astype(np.int32)
     stores[f"paged_{z}"] = pool.replace(page_table=jnp.asarray(table))
+    if kv_int8:
+      pool8 = paged_kv.init_paged(cfg, batch, batch * m, z, m, jnp.int8)
+      stores[f"int8_{z}"] = pool8.replace(page_table=jnp.asarray(table))
 
   def call(name: str) -> float:
     store = stores[name].replace(lengths=jnp.full((batch,), start, jnp.int32))  # donated
@@ -71,6 +75,20 @@ def run(model: str, dtype_name: str, batch: int, context: int, page_sizes: tuple
   ms = {name: statistics.median(v) / steps * 1e3 for name, v in times.items()}
   best = {name: min(v) / steps * 1e3 for name, v in times.items()}
   base, base_best = ms["contiguous"], best["contiguous"]
+
+  def entry(z: int) -> dict:
+    e = {"page_size": z, "ms_per_step": ms[f"paged_{z}"], "x_contiguous": ms[f"paged_{z}"] / base,
+         "best_ms_per_step": best[f"paged_{z}"],
+         "x_contiguous_best": best[f"paged_{z}"] / base_best,
+         "kv_bytes": batch * context // z * paged_kv.page_bytes(cfg, z, dtype)}
+    if kv_int8:
+      e.update({"int8_ms_per_step": ms[f"int8_{z}"],
+                "int8_x_paged": ms[f"int8_{z}"] / ms[f"paged_{z}"],
+                "int8_best_ms_per_step": best[f"int8_{z}"],
+                "int8_x_paged_best": best[f"int8_{z}"] / best[f"paged_{z}"],
+                "int8_kv_bytes": batch * context // z * paged_kv.page_bytes(cfg, z, jnp.int8)})
+    return e
+
   return {
       "model": cfg.name, "dtype": dtype_name, "batch": batch, "context": context,
       "steps": steps, "repeats": repeats,
@@ -78,9 +96,6 @@ def run(model: str, dtype_name: str, batch: int, context: int, page_sizes: tuple
       "cpu": machine.cpu_model(), "jax_version": jax.__version__,
       "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
       "contiguous_ms_per_step": base, "contiguous_best_ms_per_step": base_best,
-      "paged": [{"page_size": z, "ms_per_step": ms[f"paged_{z}"],
-                 "x_contiguous": ms[f"paged_{z}"] / base,
-                 "best_ms_per_step": best[f"paged_{z}"],
-                 "x_contiguous_best": best[f"paged_{z}"] / base_best} for z in page_sizes],
+      "paged": [entry(z) for z in page_sizes],
       "wall_s": time.perf_counter() - t0,
   }

@@ -6,17 +6,27 @@ M page-table entries per slot (a slot holds at most M * Z positions).
 
 Contract:
   * ``PagedKV`` (a ``flax.struct`` pytree, a ``models.kv_cache.KVStore``): ``k_pages`` and
-    ``v_pages`` ``[L, P, K, Z, H]``, ``page_table [B, M] int32``, ``lengths [B] int32``. Position
+    ``v_pages`` ``[L, P, K, Z, H]`` (``Pages``: a float array, or for an int8 pool a
+    ``models.quant.QuantArray`` of int8 values ``[L, P, K, Z, H]`` and float32 scales
+    ``[L, P, K, Z, 1]``, one per token and kv head), ``page_table [B, M] int32``,
+    ``lengths [B] int32``. Every page-level operation (copies, transfers, the host tier) maps
+    over the leaves of ``Pages``: the page axis is axis 1 of each. Position
     ``p`` of slot ``b`` lives at page ``page_table[b, p // Z]``, offset ``p % Z``, in every
     layer. A table entry outside ``[0, P)`` is the null page (``init_paged`` and the allocator use
     ``P``): nothing is written there and reads of it return zeros. ``max_len = M * Z``.
+  * int8 pools (``init_paged(dtype=int8)``): ``write`` quantizes each token's K and V per kv
+    head (symmetric, max |x| -> 127, ``quant.quantize_array`` over H), ``read`` dequantizes
+    after the gather, and the native decode kernel reads int8 with the scales in its loop (the
+    logit of a key times its K scale, each probability times its V scale). Unwritten pages hold
+    scale 0 and read as zeros. ``page_bytes`` counts the scales.
   * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
     page is the null page or that is ``>= max_len`` (padding, routed there by
     ``kv_cache.chunk_positions``) is dropped by the scatter: it never lands on page 0 or on another
     slot's page. That a real token has a page is the allocator's job (``serving.kv_pages``
     refuses to extend a sequence past its capacity); ``unbacked`` counts the tokens of a chunk
     that would be dropped, for a debug check before the step.
-  * ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``: a gather of the first
+  * ``read(layer, attend_len, dtype=None)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``
+    (``dtype``: of an int8 pool's dequantized values, default float32): a gather of the first
     ``ceil(attend_len / Z)`` table entries of every slot into contiguous ``[B, K, S, H]``.
     Cost: it materialises the attended context once per layer and step, i.e. one extra write and
     read of ``2 * B * K * attend_len * H`` elements over the contiguous cache's slice (decode at
@@ -39,15 +49,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention, cpu_paged_attention, kv_cache
+from models import attention, cpu_paged_attention, kv_cache, quant
 from models.config import ModelConfig
 from models.kv_cache import KVCache
+from models.quant import QuantArray
+
+Pages = jax.Array | QuantArray  # [L, P, K, Z, H]; int8: + scales [L, P, K, Z, 1] float32
+
+
+def is_int8(dtype: str | np.dtype | type) -> bool:
+  return jnp.dtype(dtype) == jnp.dtype(jnp.int8)
+
+
+def pages_dtype(pages: Pages) -> np.dtype:
+  """The stored value dtype (int8 for a quantized pool)."""
+  return (pages.quant if isinstance(pages, QuantArray) else pages).dtype
+
+
+def _store(pages: Pages, layer: int, page_BT: jax.Array, off_BT: jax.Array, x_BTKH: jax.Array
+           ) -> Pages:
+  if isinstance(pages, QuantArray):
+    qx = quant.quantize_array(x_BTKH, (3,))  # quant [B, T, K, H], scale [B, T, K, 1]
+    return pages.replace(
+        quant=pages.quant.at[layer, page_BT, :, off_BT, :].set(qx.quant, mode="drop"),
+        scale=pages.scale.at[layer, page_BT, :, off_BT, :].set(qx.scale, mode="drop"))
+  return pages.at[layer, page_BT, :, off_BT, :].set(x_BTKH.astype(pages.dtype), mode="drop")
 
 
 @flax.struct.dataclass
 class PagedKV:
-  k_pages: jax.Array  # [L, P, K, Z, H]
-  v_pages: jax.Array  # [L, P, K, Z, H]
+  k_pages: Pages  # [L, P, K, Z, H]
+  v_pages: Pages  # [L, P, K, Z, H]
   page_table: jax.Array  # [B, M] int32; entries outside [0, P) = null page
   lengths: jax.Array  # [B] int32
 
@@ -82,26 +114,24 @@ class PagedKV:
   def write(self, layer: int, wpos_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array
             ) -> "PagedKV":
     page_BT, off_BT = self.locate(wpos_BT)
-    k = self.k_pages.at[layer, page_BT, :, off_BT, :].set(k_BTKH.astype(self.k_pages.dtype),
-                                                          mode="drop")
-    v = self.v_pages.at[layer, page_BT, :, off_BT, :].set(v_BTKH.astype(self.v_pages.dtype),
-                                                          mode="drop")
-    return self.replace(k_pages=k, v_pages=v)
+    return self.replace(k_pages=_store(self.k_pages, layer, page_BT, off_BT, k_BTKH),
+                        v_pages=_store(self.v_pages, layer, page_BT, off_BT, v_BTKH))
 
-  def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]:
+  def read(self, layer: int, attend_len: int, dtype=None) -> tuple[jax.Array, jax.Array]:
     if attend_len > self.max_len:
       raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
     n = -(-attend_len // self.page_size)
     ids_BM = self.page_table[:, :n]
-    return _gather(self.k_pages, layer, ids_BM, attend_len), _gather(self.v_pages, layer,
-                                                                     ids_BM, attend_len)
+    return (_gather(self.k_pages, layer, ids_BM, attend_len, dtype),
+            _gather(self.v_pages, layer, ids_BM, attend_len, dtype))
 
 
   def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     if (t == 1 and cpu_paged_attention.available()
-        and cpu_paged_attention.supported(n, self.k_pages.shape[2], h, self.k_pages.dtype)):
+        and cpu_paged_attention.supported(n, self.k_pages.shape[2], h,
+                                          pages_dtype(self.k_pages))):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
       q_BNH = (q_BTNH[:, 0].astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
@@ -109,10 +139,19 @@ class PagedKV:
                                                      self.page_table, pos_BT[:, 0], layer,
                                                      attend_len)
       return out_BNH[:, None].astype(q_BTNH.dtype)
-    return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
+    return attention.attend(q_BTNH, *self.read(layer, attend_len, q_BTNH.dtype), pos_BT)
 
 
-def _gather(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -> jax.Array:
+def _gather(pages: Pages, layer: int, ids_BM: jax.Array, s: int, dtype=None) -> jax.Array:
+  if isinstance(pages, QuantArray):
+    q_BKSH = _gather_one(pages.quant, layer, ids_BM, s)
+    scale_BKS1 = _gather_one(pages.scale, layer, ids_BM, s)
+    return (q_BKSH.astype(jnp.float32) * scale_BKS1).astype(dtype or jnp.float32)
+  x_BKSH = _gather_one(pages, layer, ids_BM, s)
+  return x_BKSH if dtype is None else x_BKSH.astype(dtype)
+
+
+def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -> jax.Array:
   b, m = ids_BM.shape
   _, _, kh, z, h = pages_LPKZH.shape
   x_BMKZH = pages_LPKZH.at[layer, ids_BM].get(mode="fill", fill_value=0)
@@ -122,17 +161,25 @@ def _gather(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -> ja
 
 def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
                pages_per_seq: int, dtype=jnp.float32) -> PagedKV:
-  """An empty pool (zeros) with every table entry the null page."""
+  """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized."""
   shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-  return PagedKV(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+
+  def empty() -> Pages:
+    if is_int8(dtype):
+      return QuantArray(quant=jnp.zeros(shape, jnp.int8),
+                        scale=jnp.zeros(shape[:-1] + (1,), jnp.float32))
+    return jnp.zeros(shape, dtype)
+
+  return PagedKV(k_pages=empty(), v_pages=empty(),
                  page_table=jnp.full((batch, pages_per_seq), num_pages, jnp.int32),
                  lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | np.dtype | type) -> int:
-  """Bytes of one page: K and V of every layer, ``page_size`` positions."""
-  itemsize = jnp.dtype(dtype).itemsize
-  return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
+  """Bytes of one page: K and V of every layer, ``page_size`` positions (int8: with the
+  float32 scale of every token and kv head)."""
+  per_token_head = cfg.head_dim * jnp.dtype(dtype).itemsize + (4 if is_int8(dtype) else 0)
+  return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * per_token_head
 
 
 def copy_pages(kv: PagedKV, src_C: jax.Array, dst_C: jax.Array) -> PagedKV:
@@ -140,9 +187,9 @@ def copy_pages(kv: PagedKV, src_C: jax.Array, dst_C: jax.Array) -> PagedKV:
   outside ``[0, P)`` is padding and copies nothing."""
   dst_C = jnp.where((dst_C >= 0) & (dst_C < kv.num_pages), dst_C, kv.num_pages)
   src_C = jnp.clip(src_C, 0, kv.num_pages - 1)
-  k = kv.k_pages.at[:, dst_C].set(kv.k_pages[:, src_C], mode="drop")
-  v = kv.v_pages.at[:, dst_C].set(kv.v_pages[:, src_C], mode="drop")
-  return kv.replace(k_pages=k, v_pages=v)
+  copy = lambda a: a.at[:, dst_C].set(a[:, src_C], mode="drop")
+  return kv.replace(k_pages=jax.tree.map(copy, kv.k_pages),
+                    v_pages=jax.tree.map(copy, kv.v_pages))
 
 
 def unbacked(kv: PagedKV, start_B: jax.Array | None, lens_B: jax.Array, t: int) -> jax.Array:
@@ -167,4 +214,5 @@ def to_cache(kv: PagedKV, max_len: int | None = None) -> KVCache:
   return KVCache(k=k, v=v, lengths=kv.lengths)
 
 
-__all__ = ["PagedKV", "init_paged", "page_bytes", "copy_pages", "unbacked", "to_cache"]
+__all__ = ["PagedKV", "Pages", "is_int8", "pages_dtype", "init_paged", "page_bytes", "copy_pages",
+           "unbacked", "to_cache"]

@@ -5,7 +5,9 @@ Contract:
   * ``make_variants(params, cfg, names)`` builds the named precision variants of float params:
     ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only int8, f32
     activations: the GPU/TPU policy) and ``w8a8`` (int8 weights and per-token int8 activations:
-    the CPU policy).
+    the CPU policy). A name with the suffix ``+kv8`` (``f32+kv8``, ``int8+kv8``, ...) is the
+    base variant run over an int8 KV cache (``models.paged_kv`` int8 pages: per-token, per-head
+    scales); ``kv_dtype_of(name)`` says which cache a name runs over.
   * ``compare(variants, docs, cfg)`` scores each named params variant on every token of every
     document (a list of token-id lists, each scored from position 0 with no context carried
     over) and compares its next-token distributions with the FIRST variant's (the reference,
@@ -33,6 +35,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.kv_cache import init_cache
+from models.paged_kv import init_paged
 from models.transformer import prefill
 from models.weights import Params, quantize
 
@@ -63,28 +66,49 @@ def read_passages(path: str | Path) -> list[str]:
   return [p for p in parts if p]
 
 
+KV8 = "+kv8"
+
+
+def kv_dtype_of(name: str) -> str | None:
+  """``"int8"`` for a ``+kv8`` variant, else None (the activation dtype's cache)."""
+  return "int8" if name.endswith(KV8) else None
+
+
 def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIANTS
                   ) -> dict[str, Params]:
   f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-  out: dict[str, Params] = {}
-  for name in names:
-    if name == "f32":
-      out[name] = f32
-    elif name == "bf16":
-      out[name] = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
-    elif name in ("int8", "w8a8"):
-      out[name] = quantize(f32, cfg, act_quant=name == "w8a8")
-    else:
-      raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
-  return out
+  built: dict[str, Params] = {}  # base variant -> params (shared by its +kv8 twin)
+
+  def base(name: str) -> Params:
+    if name not in built:
+      if name == "f32":
+        built[name] = f32
+      elif name == "bf16":
+        built[name] = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
+      elif name in ("int8", "w8a8"):
+        built[name] = quantize(f32, cfg, act_quant=name == "w8a8")
+      else:
+        raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}, each "
+                         f"optionally with {KV8})")
+    return built[name]
+
+  return {full: base(full.removesuffix(KV8)) for full in names}
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _log_probs(params: Params, tokens_BT: jax.Array, lens_B: jax.Array, *, cfg: ModelConfig
-               ) -> jax.Array:
+_KV8_PAGE = 64
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_dtype"))
+def _log_probs(params: Params, tokens_BT: jax.Array, lens_B: jax.Array, *, cfg: ModelConfig,
+               kv_dtype: str | None = None) -> jax.Array:
   """Log-softmax of every position's next-token logits: [B, T, V] f32."""
   b, t = tokens_BT.shape
-  cache = init_cache(cfg, b, t, params["final_norm"].dtype)
+  if kv_dtype == "int8":  # an int8 paged pool, row b on pages [b * M, (b + 1) * M)
+    m = -(-t // _KV8_PAGE)
+    cache = init_paged(cfg, b, b * m, _KV8_PAGE, m, jnp.int8).replace(
+        page_table=jnp.arange(b * m, dtype=jnp.int32).reshape(b, m))
+  else:
+    cache = init_cache(cfg, b, t, params["final_norm"].dtype)
   logits_BTV, _ = prefill(params, tokens_BT, cache, jnp.zeros((b,), jnp.int32), lens_B,
                           cfg=cfg, attend_len=t, all_logits=True)
   return jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
@@ -127,7 +151,7 @@ def compare(variants: Mapping[str, Params], docs: Sequence[Sequence[int]], cfg: 
   out: dict[str, VariantQuality] = {}
   ref = None
   for name, params in variants.items():
-    logp = _log_probs(params, jnp.asarray(toks), lens, cfg=cfg)
+    logp = _log_probs(params, jnp.asarray(toks), lens, cfg=cfg, kv_dtype=kv_dtype_of(name))
     ref = logp if ref is None else ref
     nll, kl, agree = (float(v) for v in _scores(logp, ref, jnp.asarray(targets),
                                                   jnp.asarray(mask)))

@@ -60,7 +60,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache
 from models.config import ModelConfig
-from models.paged_kv import PagedKV, init_paged
+from models.paged_kv import PagedKV, Pages, init_paged, is_int8, pages_dtype
+from models.quant import QuantArray
 from models.weights import Params, abstract_params
 from partitioning import comm
 from partitioning.collectives import shard_params, sharded_forward
@@ -98,14 +99,16 @@ class PagedShardedStep:
   def kv_shards(self) -> int:
     return axes_size(self.mesh, self.kv_axes)
 
-  def pool_spec(self) -> PagedKV:
-    pages = P(None, spec_entry(self.kv_axes))  # [L, P.ab, K, Z, H]
+  def pool_spec(self, dtype=None) -> PagedKV:
+    """``PagedKV`` of ``PartitionSpec`` (``dtype`` int8: the pages are ``QuantArray`` specs,
+    values and scales sharded alike)."""
+    pages = _pages_spec(P(None, spec_entry(self.kv_axes)), dtype)  # [L, P.ab, K, Z, H]
     return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P())  # type: ignore[arg-type]
 
-  def kv_sharding(self) -> PagedKV:
-    """``PagedKV`` of ``NamedSharding``: pages ``[L, P.ab, K, Z, H]``, table and lengths
-    replicated."""
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.pool_spec())
+  def kv_sharding(self, dtype=None) -> PagedKV:
+    """``PagedKV`` of ``NamedSharding``: pages ``[L, P.ab, K, Z, H]`` (int8: and their scales
+    ``[L, P.ab, K, Z, 1]``), table and lengths replicated."""
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.pool_spec(dtype))
 
   # -- the Step protocol --------------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class PagedShardedStep:
     self._check_pages(num_pages)
     make = functools.partial(init_paged, self.cfg, batch, num_pages, page_size, pages_per_seq,
                              dtype)
-    return jax.jit(make, out_shardings=self.kv_sharding())()
+    return jax.jit(make, out_shardings=self.kv_sharding(dtype))()
 
   def describe(self) -> dict[str, object]:
     plan = self.plan(self.mesh.devices.size)
@@ -163,13 +166,13 @@ class PagedShardedStep:
       raise ValueError(f"{b} rows run attention over {plan.ab}, the pool is over {self.kv_axes}")
     c = kv_cache.chunk_positions(kv.lengths, start_B, lens_B, t, kv.max_len)
     ab = spec_entry(self.kv_axes)
-    pages = P(None, ab)  # [L, P.ab, K, Z, H]
+    pages = _pages_spec(P(None, ab), pages_dtype(kv.k_pages))  # [L, P.ab, K, Z, H]
     spec = PagedKV(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
                    lengths=P())  # type: ignore[arg-type]  # lengths unread inside (positions are)
     axes = self.kv_axes
 
     def localize(block: PagedKV) -> PagedKV:
-      p_s = block.k_pages.shape[1]
+      p_s = block.num_pages
       local_BM = block.page_table - comm.linear_index(axes) * p_s
       ok_BM = (local_BM >= 0) & (local_BM < p_s)
       return block.replace(page_table=jnp.where(ok_BM, local_BM, p_s))
@@ -182,6 +185,13 @@ class PagedShardedStep:
                                   all_logits=False, store_spec=spec, localize=localize,
                                   merge=merge)
     return logits, kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=c.lengths_B)
+
+
+def _pages_spec(spec: P, dtype) -> P | QuantArray:
+  """The spec tree of a pool's pages: ``spec`` itself, or for int8 ``QuantArray(spec, spec)``."""
+  if dtype is not None and is_int8(dtype):
+    return QuantArray(quant=spec, scale=spec)  # type: ignore[arg-type]
+  return spec
 
 
 def misplaced(kv: PagedKV, kv_shards: int) -> jax.Array:
@@ -291,18 +301,21 @@ def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: Lay
 
 def relayout(kv: PagedKV, dst: PagedShardedStep) -> PagedKV:
   """The whole pool in ``dst``'s sharding (same page ids). Cost: see the module contract."""
-  return jax.device_put(kv, dst.kv_sharding())
+  return jax.device_put(kv, dst.kv_sharding(pages_dtype(kv.k_pages)))
 
 
 @functools.partial(jax.jit, donate_argnames=("pages",))
-def _scatter_pages(pages: jax.Array, ids_C: jax.Array, x_LCKZH: jax.Array) -> jax.Array:
-  ids_C = jnp.where((ids_C >= 0) & (ids_C < pages.shape[1]), ids_C, pages.shape[1])
-  return pages.at[:, ids_C].set(x_LCKZH.astype(pages.dtype), mode="drop")
+def _scatter_pages(pages: Pages, ids_C: jax.Array, x_LCKZH: Pages) -> Pages:
+  def put(a, x):
+    ids = jnp.where((ids_C >= 0) & (ids_C < a.shape[1]), ids_C, a.shape[1])
+    return a.at[:, ids].set(x.astype(a.dtype), mode="drop")
+  return jax.tree.map(put, pages, x_LCKZH)
 
 
 @jax.jit
-def _gather_pages(pages: jax.Array, ids_C: jax.Array) -> jax.Array:
-  return pages.at[:, ids_C].get(mode="fill", fill_value=0)  # [L, C, K, Z, H]
+def _gather_pages(pages: Pages, ids_C: jax.Array) -> Pages:
+  # [L, C, K, Z, H] (int8: and the scales [L, C, K, Z, 1])
+  return jax.tree.map(lambda a: a.at[:, ids_C].get(mode="fill", fill_value=0), pages)
 
 
 def transfer_pages(src: PagedKV, dst: PagedKV, src_ids: Sequence[int] | jax.Array,
@@ -310,11 +323,11 @@ def transfer_pages(src: PagedKV, dst: PagedKV, src_ids: Sequence[int] | jax.Arra
   """Copies pages ``src_ids[c]`` of ``src`` into ``dst_ids[c]`` of ``dst`` (any two meshes);
   returns the new ``dst`` (its pages donated) in ``dst``'s sharding. Tables and lengths are
   the caller's (the destination's host allocator)."""
-  dst_sharding = dst.k_pages.sharding
+  dst_sharding = jax.tree.leaves(dst.k_pages)[0].sharding
   if not isinstance(dst_sharding, NamedSharding):
     raise ValueError("transfer_pages: the destination pool must have a NamedSharding")
-  src_mesh = src.k_pages.sharding.mesh if isinstance(src.k_pages.sharding, NamedSharding) \
-      else None
+  src_sharding = jax.tree.leaves(src.k_pages)[0].sharding
+  src_mesh = src_sharding.mesh if isinstance(src_sharding, NamedSharding) else None
   ids_s = np.asarray(src_ids, np.int32)
   ids_d = np.asarray(dst_ids, np.int32)
   if ids_s.shape != ids_d.shape or ids_s.ndim != 1:

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.paged_kv import PagedKV, copy_pages
+from models.paged_kv import PagedKV, Pages, copy_pages
 from models.step import Step
 from models.transformer import bucket
 from models.weights import Params
@@ -104,18 +104,21 @@ def _logprobs(logits_BV: jax.Array, tok_B: jax.Array, n: int) -> LogprobArrays |
 
 
 @jax.jit
-def _read_pages(kv: PagedKV, ids_N: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """K and V of pages ``ids_N`` (clipped; padding reads page 0): [L, N, K, Z, H] each."""
+def _read_pages(kv: PagedKV, ids_N: jax.Array) -> tuple[Pages, Pages]:
+  """K and V of pages ``ids_N`` (clipped; padding reads page 0): [L, N, K, Z, H] each (every
+  leaf of ``Pages``: int8 values and their scales)."""
   ids_N = jnp.clip(ids_N, 0, kv.num_pages - 1)
-  return kv.k_pages[:, ids_N], kv.v_pages[:, ids_N]
+  take = lambda a: a[:, ids_N]
+  return jax.tree.map(take, kv.k_pages), jax.tree.map(take, kv.v_pages)
 
 
 @jax.jit
-def _write_pages(kv: PagedKV, ids_N: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+def _write_pages(kv: PagedKV, ids_N: jax.Array, k: Pages, v: Pages) -> PagedKV:
   """Writes K / V [L, N, K, Z, H] into pages ``ids_N``; ids outside the pool are padding."""
   ids_N = jnp.where((ids_N >= 0) & (ids_N < kv.num_pages), ids_N, kv.num_pages)
-  return kv.replace(k_pages=kv.k_pages.at[:, ids_N].set(k.astype(kv.k_pages.dtype), mode="drop"),
-                    v_pages=kv.v_pages.at[:, ids_N].set(v.astype(kv.v_pages.dtype), mode="drop"))
+  put = lambda a, x: a.at[:, ids_N].set(x.astype(a.dtype), mode="drop")
+  return kv.replace(k_pages=jax.tree.map(put, kv.k_pages, k),
+                    v_pages=jax.tree.map(put, kv.v_pages, v))
 
 
 @functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab",
@@ -435,9 +438,9 @@ class Engine:
       group = plan.spills[g:g + cap]
       ids = np.zeros((bucket(len(group), minimum=1),), np.int32)
       ids[:len(group)] = [sp.page for sp in group]
-      k, v = _read_pages(self.kv, jnp.asarray(ids))
+      leaves = jax.tree.leaves(_read_pages(self.kv, jnp.asarray(ids)))
       for i, sp in enumerate(group):
-        parts = (k[:, i], v[:, i])
+        parts = tuple(leaf[:, i] for leaf in leaves)  # K and V (int8: values and scales)
         for part in parts:
           part.copy_to_host_async()
         store.put(sp.key, parts)
@@ -449,12 +452,14 @@ class Engine:
       ids = np.full((n,), self.config.num_pages, np.int32)
       ids[:len(group)] = [ld.page for ld in group]
       parts = [store.take(ld.key) for ld in group]
-      shape = parts[0][0].shape
-      k = np.zeros((shape[0], n) + shape[1:], parts[0][0].dtype)
-      v = np.zeros_like(k)
-      for i, (pk, pv) in enumerate(parts):
-        k[:, i], v[:, i] = pk, pv
-      self.kv = _write_pages(self.kv, jnp.asarray(ids), jnp.asarray(k), jnp.asarray(v))
+      leaves = []
+      for j, first in enumerate(parts[0]):
+        x = np.zeros((first.shape[0], n) + first.shape[1:], first.dtype)
+        for i, page in enumerate(parts):
+          x[:, i] = page[j]
+        leaves.append(jnp.asarray(x))
+      k, v = jax.tree.unflatten(jax.tree.structure((self.kv.k_pages, self.kv.v_pages)), leaves)
+      self.kv = _write_pages(self.kv, jnp.asarray(ids), k, v)
 
   @property
   def _tier_cap(self) -> int:

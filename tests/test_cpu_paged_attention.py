@@ -1,12 +1,13 @@
 """models.cpu_paged_attention: the native decode attention over the page pool equals the gather
-path (``PagedKV.read`` + ``models.attention.attend``) for f32 and bf16 pages, both bf16 code
-paths (AVX-512 BF16 dot products, and f32 FMAs), null table entries, rows of every length from 1
-key to the full table, ``max_keys`` below the table's capacity, multiquery and grouped heads;
+path (``PagedKV.read`` + ``models.attention.attend``) for f32, bf16 and int8 pages (values
+and per-token, per-head scales), both bf16 code paths (AVX-512 BF16 dot products, and f32
+FMAs), null table entries, rows of every length from 1 key to the full table, ``max_keys`` below the table's capacity, multiquery and grouped heads;
 ``PagedKV.attend`` picks it for decode and the model's decode logits agree with the gather path.
 
 Tolerances, relative to the reference's magnitude ``max(1, max|ref|)``: f32 pages 1e-5 (the
 same products, summed in another order); bf16 pages 2e-2 (both paths round q and the
-probabilities to bf16 and the output to bf16: one bf16 rounding step is 2^-8 = 3.9e-3 relative).
+probabilities to bf16 and the output to bf16: one bf16 rounding step is 2^-8 = 3.9e-3 relative);
+int8 pages 1e-5 (both paths dequantize the same int8 values and scales and compute in f32).
 """
 
 import os
@@ -17,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import attention, cpu_paged_attention as cpa, native_build, paged_kv as PK
+from models import attention, cpu_paged_attention as cpa, native_build, paged_kv as PK, quant
 from models import transformer as T
 from models.config import get_preset
 from models.weights import init_params
 
 needs_kernel = pytest.mark.skipif(not cpa.available(),
                                   reason="native paged attention unavailable (CPU / compiler)")
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "int8": 1e-5}
 
 
 def assert_close(got, ref, c: float) -> None:
@@ -43,15 +44,25 @@ def test_kernel_builds_where_the_cpu_supports_it():
   assert cpa.available() == capable
 
 
+def _pages(x, dtype):
+  """Float pages, or for int8 the ``QuantArray`` of per-token, per-head quantized values (token
+  magnitudes spread over 1e-2..1e2, so the scales matter)."""
+  if jnp.dtype(dtype) != jnp.int8:
+    return jnp.asarray(x, dtype)
+  spread = np.exp(np.random.default_rng(1).uniform(-4.6, 4.6, x.shape[:-1] + (1,)))
+  return quant.quantize_array(jnp.asarray(x * spread, jnp.float32), (4,))
+
+
 def _case(rng, b, n, kh, h, z, m, dtype, layers=2):
   p = b * m + 3
-  k = jnp.asarray(rng.standard_normal((layers, p, kh, z, h)), dtype)
-  v = jnp.asarray(rng.standard_normal((layers, p, kh, z, h)), dtype)
+  k = _pages(rng.standard_normal((layers, p, kh, z, h)), dtype)
+  v = _pages(rng.standard_normal((layers, p, kh, z, h)), dtype)
   table = rng.permutation(p)[:b * m].reshape(b, m).astype(np.int32)
   table[0, -1] = p  # a null entry (reads as zeros) inside row 0's visible range
   pos = rng.integers(0, m * z, size=b).astype(np.int32)
   pos[0], pos[-1] = m * z - 1, 0  # the full table; a single visible key
-  q = jnp.asarray(rng.standard_normal((b, 1, n, h)), dtype)
+  q_dtype = jnp.float32 if jnp.dtype(dtype) == jnp.int8 else dtype
+  q = jnp.asarray(rng.standard_normal((b, 1, n, h)) * 0.1, q_dtype)
   return q, k, v, jnp.asarray(table), jnp.asarray(pos)
 
 
@@ -59,7 +70,7 @@ def _case(rng, b, n, kh, h, z, m, dtype, layers=2):
 @pytest.mark.parametrize("b,n,kh,h,z,m", [(5, 9, 3, 64, 16, 4), (6, 12, 1, 64, 64, 2),
                                           (4, 4, 1, 16, 8, 5), (3, 2, 2, 32, 16, 3)])
 @pytest.mark.parametrize("dtype,bf16_dot", [("float32", "1"), ("bfloat16", "1"),
-                                            ("bfloat16", "0")])
+                                            ("bfloat16", "0"), ("int8", "1")])
 def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monkeypatch):
   monkeypatch.setenv("PHASESERVE_PAGED_BF16_DOT", bf16_dot)
   rng = np.random.default_rng(b * 100 + n)
@@ -100,13 +111,14 @@ def test_bad_shapes_are_refused():
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_model_decode_through_the_kernel_equals_the_gather_path(dtype, monkeypatch):
   """``small``-shaped heads (multiquery, 64-wide) on a two-layer model: decode logits with the
-  kernel equal those with it switched off, at the model's own tolerance for the dtype."""
+  kernel equal those with it switched off, at the model's own tolerance for the dtype (int8:
+  an int8 pool under f32 params)."""
   cfg = get_preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=32)
   dt = jnp.dtype(dtype)
-  params = init_params(cfg, jax.random.key(1), dt)
+  params = init_params(cfg, jax.random.key(1), jnp.float32 if dtype == "int8" else dt)
   rng = np.random.default_rng(3)
   z, m, b = 16, 4, 3
   table = jnp.asarray(rng.permutation(b * m + 2)[:b * m].reshape(b, m), jnp.int32)
@@ -125,4 +137,4 @@ def test_model_decode_through_the_kernel_equals_the_gather_path(dtype, monkeypat
   monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")  # the gather path (a fresh trace)
   ref, native_off = decode()
   assert native and not native_off
-  assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2}[dtype])
+  assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2, "int8": 1e-4}[dtype])

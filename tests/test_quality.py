@@ -4,8 +4,9 @@ project's own English passages (``tests/data/english_passages.txt``, about 2,300
 Every next token of every passage is scored in f32, bf16, int8 weight-only and int8 W8A8 (per-token
 activations); each variant is compared with f32. Figures (AMD EPYC, 2026-12-01, see BUILD_NOTES.md):
 f32 perplexity 20.60; bf16 20.62 (KL 0.0005, top-1 0.988); int8 20.69 (KL 0.0040, top-1 0.944);
-W8A8 21.15 (KL 0.033, top-1 0.864). The thresholds leave about 2-3x headroom for summation-order
-differences between machines (AMX bf16/int8 on the Xeon) and catch broken quantization or
+W8A8 21.15 (KL 0.033, top-1 0.864); over the int8 KV cache (per-token, per-head scales) f32+kv8
+20.64 (KL 0.0007, top-1 0.981) and int8+kv8 20.72 (+0.16% over int8 weights alone). The
+thresholds leave about 2-3x headroom for summation-order differences between machines (AMX bf16/int8 on the Xeon) and catch broken quantization or
 precision handling (a scale on the wrong axis moves perplexity by orders of magnitude; W8A8 on
 this model already costs 2.7%, which is why the CPU int8 default is weight-only).
 """
@@ -16,12 +17,15 @@ import jax.numpy as jnp
 import pytest
 
 from models.loader import load_model
-from models.quality import compare, make_variants, read_passages
+from models.quality import VARIANTS, compare, make_variants, read_passages
 from tests.refenv import REPO
 
 TEXT = REPO / "tests" / "data" / "english_passages.txt"
 # variant -> (max perplexity increase over f32 as a fraction, max mean KL, min top-1 agreement)
-GATES = {"bf16": (0.01, 0.003, 0.97), "int8": (0.02, 0.015, 0.90), "w8a8": (0.06, 0.08, 0.80)}
+GATES = {"bf16": (0.01, 0.003, 0.97), "int8": (0.02, 0.015, 0.90), "w8a8": (0.06, 0.08, 0.80),
+         "f32+kv8": (0.01, 0.003, 0.95), "int8+kv8": (0.025, 0.02, 0.90)}
+# The int8 KV cache's own gate: perplexity within this fraction of the same weights' float cache.
+KV8_GATE = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,7 @@ def scores():
   cfg, params, tok = load_model("smollm2-135m", jnp.float32)
   docs = [tok.encode(p) for p in read_passages(TEXT)]
   assert len(docs) >= 5 and sum(map(len, docs)) >= 2000
-  return compare(make_variants(params, cfg), docs, cfg)
+  return compare(make_variants(params, cfg, VARIANTS + ("f32+kv8", "int8+kv8")), docs, cfg)
 
 
 def test_f32_perplexity_is_that_of_a_trained_model(scores):
@@ -50,3 +54,9 @@ def test_read_passages_splits_on_marker(tmp_path):
   p = tmp_path / "t.txt"
   p.write_text("one\ntwo\n===\nthree\n===\n\n")
   assert read_passages(p) == ["one\ntwo", "three"]
+
+
+@pytest.mark.parametrize("base", ["f32", "int8"])
+def test_int8_kv_cache_close_to_the_float_cache(scores, base):
+  ref, got = scores[base], scores[base + "+kv8"]
+  assert got.perplexity <= ref.perplexity * (1 + KV8_GATE), (base, got, ref)
