@@ -1,8 +1,14 @@
 """Multiquery / grouped-query attention of a chunk of queries over a KV cache.
 
-Contract: ``attend(q_BTNH, k_BKSH, v_BKSH, q_pos_BT)`` computes causal attention in absolute
-positions: query (b, t) sees key s iff ``s <= q_pos_BT[b, t]``. N query heads share K kv heads
-(N = K * G; K = 1 is multiquery). Softmax in float32; result in the query dtype.
+Contract: ``attend(q_BTNH, k_BKSH, v_BKSH, q_pos_BT, keys=None)`` computes causal attention in
+absolute positions: query (b, t) sees key s iff ``s <= q_pos_BT[b, t]``. With ``keys`` (a
+``KeyPositions``: the absolute position of every key ``pos_BS`` (< 0: no key there), and per row
+``sinks_B`` / ``window_B``) key s is visible iff ``0 <= pos_BS[b, s] <= q_pos`` and
+(``window_B[b] == 0`` or ``pos_BS[b, s] < sinks_B[b]`` or ``pos_BS[b, s] > q_pos - window_B[b]``):
+the first ``sinks`` tokens plus the last ``window`` (StreamingLLM), keys in any order. N query
+heads share K kv heads (N = K * G; K = 1 is multiquery). Softmax in float32; result in the query
+dtype. A query that sees no key gets zeros; a block of keys all hidden from a query adds nothing
+to it (the probabilities are masked, not only the logits).
 
 How (internals, free to change):
   * The G query heads of a kv head and the T queries are folded into one row axis R = T * G, so
@@ -13,42 +19,65 @@ How (internals, free to change):
     ``while`` loop over key blocks of ``KEY_BLOCK`` positions with an online softmax (running max
     and sum, as FlashAttention), stopping at the block holding the block's last visible key. Only
     keys at or before a query's position are ever read, so a causal prefill does about half the
-    work of the full ``[T, S]`` product, and the f32 logits of one step stay in cache.
+    work of the full ``[T, S]`` product, and the f32 logits of one step stay in cache. With
+    explicit ``keys`` every block is visited (a key's place says nothing of its position).
   * Softmax normalisation is applied to the ``[R, H]`` output rather than to ``[R, S]`` weights.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 _NEG = -1e30
+_TINY = 1e-30  # a row's softmax sum when it sees no key (its output: 0 / _TINY = 0)
 QUERY_BLOCK = 256  # query positions per block (x G rows)
 KEY_BLOCK = 512  # key positions per online-softmax step
 
 
-def _rows_mask(pos_BT: jax.Array, g: int, key_pos_S: jax.Array) -> jax.Array:
-  """[B, 1, R, S] mask for rows R = (t, g): key s visible to query t."""
+class KeyPositions(NamedTuple):
+  pos_BS: jax.Array  # [B, S] int32 absolute position of each key; < 0: none
+  sinks_B: jax.Array  # [B] int32 first positions always visible (with a window)
+  window_B: jax.Array  # [B] int32 most recent positions visible; 0: every earlier one
+
+
+def _visible(q_pos_BT: jax.Array, keys: KeyPositions | None, start: int, s: int) -> jax.Array:
+  """[B, T, S] key s (of the block starting at ``start``) visible to query t."""
+  if keys is None:
+    kp = (start + jnp.arange(s, dtype=jnp.int32))[None, None, :]  # [1, 1, S]
+    return kp <= q_pos_BT[:, :, None]
+  kp = lax.dynamic_slice_in_dim(keys.pos_BS, start, s, axis=1)[:, None, :]  # [B, 1, S]
+  qp = q_pos_BT[:, :, None]
+  win = keys.window_B[:, None, None]
+  recent = (win == 0) | (kp < keys.sinks_B[:, None, None]) | (kp > qp - win)
+  return (kp >= 0) & (kp <= qp) & recent
+
+
+def _rows_mask(pos_BT: jax.Array, g: int, keys: KeyPositions | None, start: int, s: int
+               ) -> jax.Array:
+  """[B, 1, R, S] mask for rows R = (t, g)."""
   b, t = pos_BT.shape
-  s = key_pos_S.shape[0]
-  m = key_pos_S[None, None, :] <= pos_BT[:, :, None]  # [B, T, S]
+  m = _visible(pos_BT, keys, start, s)
   return jnp.broadcast_to(m[:, :, None, :], (b, t, g, s)).reshape(b, 1, t * g, s)
 
 
-def _one_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype):
+def _one_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, keys):
   s = k_BKSH.shape[2]
   logits = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, k_BKSH.astype(dtype),
                       preferred_element_type=jnp.float32)
-  logits = jnp.where(_rows_mask(pos_BT, g, jnp.arange(s, dtype=jnp.int32)), logits, _NEG)
+  mask = _rows_mask(pos_BT, g, keys, 0, s)
+  logits = jnp.where(mask, logits, _NEG)
   m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - m)
+  p = jnp.where(mask, jnp.exp(logits - m), 0.0)
   out = jnp.einsum("bkrs,bksh->bkrh", p.astype(dtype), v_BKSH.astype(dtype),
                    preferred_element_type=jnp.float32)
-  return out / jnp.sum(p, axis=-1, keepdims=True)
+  return out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), _TINY)
 
 
-def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block):
+def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block, keys):
   """Online softmax over key blocks [0, last visible key of these queries]."""
   b, kh, r, h = q_BKRH.shape
   s = k_BKSH.shape[2]
@@ -57,8 +86,13 @@ def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block):
     pad = n_blocks * key_block - s
     k_BKSH = jnp.pad(k_BKSH, ((0, 0), (0, 0), (0, pad), (0, 0)))
     v_BKSH = jnp.pad(v_BKSH, ((0, 0), (0, 0), (0, pad), (0, 0)))
-  last = jnp.minimum(jnp.max(pos_BT), s - 1)
-  steps = last // key_block + 1
+    if keys is not None:
+      keys = keys._replace(pos_BS=jnp.pad(keys.pos_BS, ((0, 0), (0, pad)), constant_values=-1))
+  if keys is None:
+    last = jnp.minimum(jnp.max(pos_BT), s - 1)
+    steps = last // key_block + 1
+  else:
+    steps = n_blocks
 
   def body(j, carry):
     m, l, acc = carry
@@ -66,10 +100,10 @@ def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block):
     kb = lax.dynamic_slice_in_dim(k_BKSH, start, key_block, axis=2).astype(dtype)
     vb = lax.dynamic_slice_in_dim(v_BKSH, start, key_block, axis=2).astype(dtype)
     logits = jnp.einsum("bkrh,bksh->bkrs", q_BKRH, kb, preferred_element_type=jnp.float32)
-    key_pos = start + jnp.arange(key_block, dtype=jnp.int32)
-    logits = jnp.where(_rows_mask(pos_BT, g, key_pos), logits, _NEG)
+    mask = _rows_mask(pos_BT, g, keys, start, key_block)
+    logits = jnp.where(mask, logits, _NEG)
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1, keepdims=True))
-    p = jnp.exp(logits - m_new)
+    p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)  # a hidden block adds nothing
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
     acc = acc * corr + jnp.einsum("bkrs,bksh->bkrh", p.astype(dtype), vb,
@@ -79,11 +113,11 @@ def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block):
   init = (jnp.full((b, kh, r, 1), _NEG, jnp.float32), jnp.zeros((b, kh, r, 1), jnp.float32),
           jnp.zeros((b, kh, r, h), jnp.float32))
   _, l, acc = lax.fori_loop(0, steps, body, init)
-  return acc / l
+  return acc / jnp.maximum(l, _TINY)
 
 
-def attend(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, q_pos_BT: jax.Array
-           ) -> jax.Array:
+def attend(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, q_pos_BT: jax.Array,
+           keys: KeyPositions | None = None) -> jax.Array:
   b, t, n, h = q_BTNH.shape
   kh = k_BKSH.shape[1]
   s = k_BKSH.shape[2]
@@ -95,13 +129,13 @@ def attend(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, q_pos_BT: ja
   q_BKRH = jnp.transpose(q.reshape(b, t, kh, g, h), (0, 2, 1, 3, 4)).reshape(b, kh, t * g, h)
   pos = q_pos_BT.astype(jnp.int32)
   if s <= KEY_BLOCK:
-    out_BKRH = _one_block(q_BKRH, k_BKSH, v_BKSH, pos, g, dtype)
+    out_BKRH = _one_block(q_BKRH, k_BKSH, v_BKSH, pos, g, dtype, keys)
   else:
     outs = []
     for lo in range(0, t, QUERY_BLOCK):
       hi = min(t, lo + QUERY_BLOCK)
       outs.append(_flash_block(q_BKRH[:, :, lo * g:hi * g], k_BKSH, v_BKSH, pos[:, lo:hi], g,
-                               dtype, KEY_BLOCK))
+                               dtype, KEY_BLOCK, keys))
     out_BKRH = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
   out = jnp.transpose(out_BKRH.reshape(b, kh, t, g, h), (0, 2, 1, 3, 4)).reshape(b, t, n, h)
   return out.astype(dtype)

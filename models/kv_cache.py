@@ -8,14 +8,18 @@ Contract:
     ``>= lengths[b]`` may hold stale values: attention is causal in absolute position, so a query
     never reads a position that its own sequence has not written.
   * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
-    can hold; a write position ``>= max_len`` is padding and is dropped), ``write(layer, wpos_BT,
+    can hold; a write position ``>= max_len`` is dropped), ``raw_keys`` (True: keys are stored
+    before RoPE and rotated inside ``attend``, so the model writes them unrotated),
+    ``rope_positions(pos_BT)`` (the positions the model rotates the queries by: ``pos_BT``
+    itself, or a store's in-cache positions), ``write(layer, wpos_BT,
     k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
     with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
     (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
     layer ``layer``; a store may compute it without ``read``, as ``PagedKV`` does for decode),
     and ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
-    ``t`` tokens per row (absolute positions, write positions with padding routed to ``max_len``,
+    ``t`` tokens per row (absolute positions, write positions with padding routed to ``PAD_POS``,
+    which every store drops,
     last valid index, new lengths), shared by ``models.transformer`` and the sharded step.
 """
 
@@ -31,6 +35,7 @@ from models import attention
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+PAD_POS = 1 << 30  # the write position of a padding token: past every store, always dropped
 
 
 class KVStore(Protocol):
@@ -39,6 +44,11 @@ class KVStore(Protocol):
 
   @property
   def max_len(self) -> int: ...
+
+  @property
+  def raw_keys(self) -> bool: ...
+
+  def rope_positions(self, pos_BT: jax.Array) -> jax.Array: ...
 
   def write(self, layer: int, wpos_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array
             ) -> Self: ...
@@ -64,6 +74,13 @@ class KVCache:
   @property
   def max_len(self) -> int:
     return self.k.shape[3]
+
+  @property
+  def raw_keys(self) -> bool:
+    return False
+
+  def rope_positions(self, pos_BT: jax.Array) -> jax.Array:
+    return pos_BT
 
   @staticmethod
   def logical_axes() -> "KVCache":
@@ -103,7 +120,7 @@ def write(k_cache: jax.Array, v_cache: jax.Array, layer: int, wpos_BT: jax.Array
 class ChunkPositions(NamedTuple):
   start_B: jax.Array  # [B] int32 first absolute position of each row's chunk
   pos_BT: jax.Array  # [B, T] int32 absolute position of every query (padding included)
-  wpos_BT: jax.Array  # [B, T] int32 write position; padding -> max_len (dropped)
+  wpos_BT: jax.Array  # [B, T] int32 write position; padding -> PAD_POS (dropped)
   last_B: jax.Array  # [B] int32 index in the chunk of each row's last valid token
   lengths_B: jax.Array  # [B] int32 lengths after the chunk (rows with lens 0 keep theirs)
 
@@ -115,7 +132,7 @@ def chunk_positions(lengths_B: jax.Array, start_B: jax.Array | None, lens_B: jax
   start_B = (lengths_B if start_B is None else start_B).astype(jnp.int32)
   t_T = jnp.arange(t, dtype=jnp.int32)
   pos_BT = start_B[:, None] + t_T[None, :]
-  wpos_BT = jnp.where(t_T[None, :] < lens_B[:, None], pos_BT, max_len)
+  wpos_BT = jnp.where(t_T[None, :] < lens_B[:, None], pos_BT, PAD_POS)
   last_B = jnp.clip(lens_B - 1, 0, t - 1).astype(jnp.int32)
   new_B = jnp.where(lens_B > 0, start_B + lens_B, lengths_B).astype(jnp.int32)
   return ChunkPositions(start_B, pos_BT, wpos_BT, last_B, new_B)

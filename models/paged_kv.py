@@ -52,9 +52,18 @@ import numpy as np
 from models import attention, cpu_paged_attention, kv_cache, quant
 from models.config import ModelConfig
 from models.kv_cache import KVCache
+from models.layers import rotate, rotation
 from models.quant import QuantArray
 
 Pages = jax.Array | QuantArray  # [L, P, K, Z, H]; int8: + scales [L, P, K, Z, 1] float32
+
+
+def ring_entries(window: int, page_size: int) -> int:
+  """Page-table entries of a window row: the sink page (entry 0) and a ring of every page a
+  window of ``window`` positions can touch, ``(window - 1) // Z + 2`` (``PagedKV.ring_B``)."""
+  if window < 1:
+    raise ValueError(f"window must be >= 1, got {window}")
+  return 3 + (window - 1) // page_size
 
 
 def is_int8(dtype: str | np.dtype | type) -> bool:
@@ -82,6 +91,55 @@ class PagedKV:
   v_pages: Pages  # [L, P, K, Z, H]
   page_table: jax.Array  # [B, M] int32; entries outside [0, P) = null page
   lengths: jax.Array  # [B] int32
+  # A raw-key pool (``rope_theta`` set): the per-row cache policy, see "Attention sinks".
+  sinks: jax.Array | None = None  # [B] int32 first positions kept (with a window)
+  window: jax.Array | None = None  # [B] int32 most recent positions kept; 0: all of them
+  rope_theta: float | None = flax.struct.field(pytree_node=False, default=None)
+
+  @property
+  def raw_keys(self) -> bool:
+    return self.rope_theta is not None
+
+  def _policy(self) -> tuple[jax.Array, jax.Array]:
+    zeros = jnp.zeros_like(self.lengths)
+    return (zeros if self.sinks is None else self.sinks,
+            zeros if self.window is None else self.window)
+
+  def _shift(self, pos_BT: jax.Array) -> jax.Array:
+    """How far a query's in-cache position is below its absolute one (0 until the sinks and
+    the window are full)."""
+    sinks_B, window_B = self._policy()
+    over = pos_BT - (sinks_B + window_B - 1)[:, None]
+    return jnp.where(window_B[:, None] > 0, jnp.maximum(over, 0), 0)
+
+  def rope_positions(self, pos_BT: jax.Array) -> jax.Array:
+    return pos_BT - self._shift(pos_BT) if self.raw_keys else pos_BT
+
+  def ring_B(self) -> jax.Array:
+    """[B] table entries each row uses: ``ring_entries(window)`` for a window row (at most M),
+    else M."""
+    m = self.pages_per_seq
+    if self.window is None:
+      return jnp.full((self.batch,), m, jnp.int32)
+    w = self.window
+    return jnp.where(w > 0, jnp.minimum(3 + (jnp.maximum(w, 1) - 1) // self.page_size, m), m)
+
+  def key_positions(self, t_B: jax.Array, s: int) -> jax.Array:
+    """[B, S] absolute position held by each of a row's first ``s`` cache positions when its
+    latest position is ``t_B`` (< 0: never written). Entry 0 holds positions [0, Z); a window
+    row's later pages are a ring over entries [1, R) (``R = ring_B()``): logical page q >= R
+    reuses entry ``1 + (q - 1) % (R - 1)``, whose latest q <= t is the position's."""
+    z = self.page_size
+    r1_B1 = jnp.maximum(self.ring_B() - 1, 1)[:, None]
+    s_S = jnp.arange(s, dtype=jnp.int32)
+    j_S, o_S = s_S // z, s_S % z
+    qq_BS = (t_B[:, None] - o_S[None, :]) // z  # the latest logical page with offset o <= t
+    k_BS = (qq_BS - j_S[None, :]) // r1_B1
+    p_BS = (j_S[None, :] + k_BS * r1_B1) * z + o_S[None, :]
+    p_BS = jnp.where(j_S[None, :] == 0, o_S[None, :], p_BS)
+    ok_BS = jnp.where(j_S[None, :] == 0, o_S[None, :] <= t_B[:, None],
+                      (k_BS >= 0) & (j_S[None, :] <= r1_B1))
+    return jnp.where(ok_BS, p_BS, -1)
 
   @property
   def batch(self) -> int:
@@ -104,9 +162,14 @@ class PagedKV:
     return self.pages_per_seq * self.page_size
 
   def locate(self, wpos_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(page id, offset) of every write position; unbacked or padding positions -> page P."""
+    """(page id, offset) of every write position; unbacked or padding positions -> page P. A
+    window row's positions past the table wrap onto its ring (``key_positions``)."""
     z, m = self.page_size, self.pages_per_seq
     idx_BT = wpos_BT // z
+    if self.raw_keys and self.window is not None:
+      r_B1 = self.ring_B()[:, None]
+      ring_BT = (self.window[:, None] > 0) & (idx_BT >= r_B1) & (wpos_BT < kv_cache.PAD_POS)
+      idx_BT = jnp.where(ring_BT, 1 + (idx_BT - 1) % jnp.maximum(r_B1 - 1, 1), idx_BT)
     page_BT = jnp.take_along_axis(self.page_table, jnp.clip(idx_BT, 0, m - 1), axis=1)
     ok_BT = (wpos_BT >= 0) & (idx_BT < m) & (page_BT >= 0) & (page_BT < self.num_pages)
     return jnp.where(ok_BT, page_BT, self.num_pages), wpos_BT % z
@@ -129,6 +192,8 @@ class PagedKV:
   def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
+    if self.raw_keys:
+      return self._attend_raw(layer, q_BTNH, pos_BT, attend_len)
     if (t == 1 and cpu_paged_attention.available()
         and cpu_paged_attention.supported(n, self.k_pages.shape[2], h,
                                           pages_dtype(self.k_pages))):
@@ -140,6 +205,27 @@ class PagedKV:
                                                      attend_len)
       return out_BNH[:, None].astype(q_BTNH.dtype)
     return attention.attend(q_BTNH, *self.read(layer, attend_len, q_BTNH.dtype), pos_BT)
+
+  def _attend_raw(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
+                  ) -> jax.Array:
+    """The gather path over raw keys: each key rotated by its in-cache position (a sink: its
+    own; a window key: its absolute position less the row's shift), causal and window masks on
+    absolute positions. A chunk (T > 1) must not wrap nor shift (see "Attention sinks")."""
+    k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
+    sinks_B, window_B = self._policy()
+    if q_BTNH.shape[1] == 1:
+      t_B = pos_BT[:, 0]
+      kpos_BS = self.key_positions(t_B, attend_len)
+      shift_B = self._shift(t_B[:, None])
+    else:
+      kpos_BS = jnp.broadcast_to(jnp.arange(attend_len, dtype=jnp.int32), (self.batch,
+                                                                            attend_len))
+      shift_B = jnp.zeros((self.batch, 1), jnp.int32)
+    rpos_BS = jnp.where(kpos_BS < sinks_B[:, None], kpos_BS, kpos_BS - shift_B)
+    rot = rotation(jnp.maximum(rpos_BS, 0), k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
+    k_BKSH = jnp.swapaxes(rotate(jnp.swapaxes(k_BKSH, 1, 2), rot), 1, 2)
+    keys = attention.KeyPositions(kpos_BS, sinks_B, window_B)
+    return attention.attend(q_BTNH, k_BKSH, v_BKSH, pos_BT, keys)
 
 
 def _gather(pages: Pages, layer: int, ids_BM: jax.Array, s: int, dtype=None) -> jax.Array:
@@ -160,7 +246,7 @@ def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -
 
 
 def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
-               pages_per_seq: int, dtype=jnp.float32) -> PagedKV:
+               pages_per_seq: int, dtype=jnp.float32, raw_keys: bool = False) -> PagedKV:
   """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized."""
   shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
@@ -172,7 +258,10 @@ def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
 
   return PagedKV(k_pages=empty(), v_pages=empty(),
                  page_table=jnp.full((batch, pages_per_seq), num_pages, jnp.int32),
-                 lengths=jnp.zeros((batch,), jnp.int32))
+                 lengths=jnp.zeros((batch,), jnp.int32),
+                 sinks=jnp.zeros((batch,), jnp.int32) if raw_keys else None,
+                 window=jnp.zeros((batch,), jnp.int32) if raw_keys else None,
+                 rope_theta=cfg.rope_theta if raw_keys else None)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | np.dtype | type) -> int:
@@ -214,5 +303,5 @@ def to_cache(kv: PagedKV, max_len: int | None = None) -> KVCache:
   return KVCache(k=k, v=v, lengths=kv.lengths)
 
 
-__all__ = ["PagedKV", "Pages", "is_int8", "pages_dtype", "init_paged", "page_bytes", "copy_pages",
+__all__ = ["PagedKV", "Pages", "ring_entries", "is_int8", "pages_dtype", "init_paged", "page_bytes", "copy_pages",
            "unbacked", "to_cache"]

@@ -15,7 +15,10 @@ Contract:
     every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
     ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
   * ``cache`` is any ``models.kv_cache.KVStore``: the contiguous ``KVCache`` or the paged
-    ``models.paged_kv.PagedKV``; the same store type comes back.
+    ``models.paged_kv.PagedKV``; the same store type comes back. Queries are rotated by
+    ``cache.rope_positions`` (absolute positions, or a sink + window pool's in-cache ones); keys
+    by their absolute position before the write, unless ``cache.raw_keys`` (then the store
+    rotates them at attention time).
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
   return logits.astype(jnp.float32)
 
 
-def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, cfg: ModelConfig,
-           attend_len: int) -> tuple[jax.Array, Store]:
+def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q: Rotation,
+           cfg: ModelConfig, attend_len: int) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  q_BTNH = rotate(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), rot)
-  k_BTKH = rotate(quant.einsum("btd,dkh->btkh", h_BTD, layer["k"]), rot)
+  q_BTNH = rotate(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), rot_q)
+  k_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["k"])
+  if not cache.raw_keys:  # a raw-key store rotates keys by their in-cache position itself
+    k_BTKH = rotate(k_BTKH, rot)
   v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
@@ -80,8 +85,11 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
   c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   x_BTD = embed(params, tokens_BT, cfg, dtype)
   rot = rotation(c.pos_BT, cfg.head_dim, cfg.rope_theta)
+  rot_q = rotation(cache.rope_positions(c.pos_BT), cfg.head_dim, cfg.rope_theta) \
+      if cache.raw_keys else rot
   for l, layer in enumerate(params["layers"]):
-    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, cfg, attend_len)
+    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, rot_q, cfg,
+                          attend_len)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
   logits = _unembed(params, x_BTD, cfg)
