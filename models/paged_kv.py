@@ -20,8 +20,8 @@ Contract:
     logit of a key times its K scale, each probability times its V scale). Unwritten pages hold
     scale 0 and read as zeros. ``page_bytes`` counts the scales.
   * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
-    page is the null page or that is ``>= max_len`` (padding, routed there by
-    ``kv_cache.chunk_positions``) is dropped by the scatter: it never lands on page 0 or on another
+    page is the null page, past the table (``>= max_len``, but for a window row's ring), or
+    padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it never lands on page 0 or on another
     slot's page. That a real token has a page is the allocator's job (``serving.kv_pages``
     refuses to extend a sequence past its capacity); ``unbacked`` counts the tokens of a chunk
     that would be dropped, for a debug check before the step.
@@ -40,6 +40,23 @@ Contract:
     filled last page (``copy_pages``) before the child writes.
   * Attention is causal in absolute position, so stale or foreign values past a slot's length are
     never seen; unwritten pages hold zeros (finite), which the masked softmax needs.
+
+Attention sinks (StreamingLLM). ``init_paged(raw_keys=True)`` makes a raw-key pool
+(``rope_theta`` set): the model writes keys before RoPE (``raw_keys``), and ``attend`` rotates
+each gathered key by its in-cache position. Per row, ``sinks`` and ``window`` (``[B]`` int32,
+``window == 0``: plain causal attention) keep the first ``sinks`` positions and the last
+``window``. In-cache positions: while the row is at most ``sinks + window`` long they are the
+absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at ``t``, a sink
+keeps its own, a window key at ``p`` is at ``p - shift`` and the query at ``t - shift =
+sinks + window - 1`` (``rope_positions``): the kept list indexed from 0, as the paper does.
+Causality and the window are masks on absolute positions (``attention.KeyPositions``).
+A window row uses ``R = ring_entries(window, Z)`` table entries: entry 0 (positions [0, Z),
+the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`` reuses at
+``1 + (q - 1) % (R - 1)``, so its KV is R pages however long it runs (``key_positions`` maps
+each cache position back to the absolute position it holds). Limits: ``sinks <= Z``; a chunk of
+more than one query (prefill) must not pass ``sinks + window`` (so it needs no shift: its keys
+are at their absolute positions); decode has no limit. Raw-key pools take the gather path (the
+native decode kernel reads rotated keys only).
 """
 
 from __future__ import annotations
@@ -303,5 +320,5 @@ def to_cache(kv: PagedKV, max_len: int | None = None) -> KVCache:
   return KVCache(k=k, v=v, lengths=kv.lengths)
 
 
-__all__ = ["PagedKV", "Pages", "ring_entries", "is_int8", "pages_dtype", "init_paged", "page_bytes", "copy_pages",
-           "unbacked", "to_cache"]
+__all__ = ["PagedKV", "Pages", "ring_entries", "is_int8", "pages_dtype", "init_paged",
+           "page_bytes", "copy_pages", "unbacked", "to_cache"]
