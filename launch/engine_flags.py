@@ -5,7 +5,7 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
-``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``) for ``launch.serve_offline``
+``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``) for ``launch.serve_offline``
 and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
@@ -66,6 +66,8 @@ HOST_TIER = flags.DEFINE_integer("host_tier_bytes", 0, "host-memory tier for KV 
 KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16", "int8"],
                              "KV page dtype (auto: the activation dtype; int8: per-token, per-head "
                              "scales)")
+SINKS = flags.DEFINE_bool("attention_sinks", False, "a raw-key KV pool: requests may ask for "
+                          "attention sinks + a window (StreamingLLM; mode single only)")
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -110,7 +112,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value,
         session_idle_s=SESSION_IDLE.value, session_pages=SESSION_PAGES.value,
         host_tier_bytes=HOST_TIER.value,
-        kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value)
+        kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
+        attention_sinks=SINKS.value)
     steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                                        PREFILL_DEVICES.value, HARDWARE.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,

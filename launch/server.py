@@ -118,7 +118,8 @@ def main(argv: list[str]) -> None:
   limits = Limits(max_context=loop.scheduler.max_context,
                   default_max_tokens=_DEFAULT_MAX_TOKENS.value, max_n=_MAX_N.value,
                   slo_classes=tuple(c.name for c in classes),
-                  default_slo_class=_DEFAULT_SLO.value)
+                  default_slo_class=_DEFAULT_SLO.value,
+                  attention_sinks=loop.scheduler.sinks, page_size=loop.scheduler.pool.page_size)
   frontend = Frontend(loop, tok, FrontendConfig(
       limits, classes, _SLO_SCALE.value, _EARLY_REJECT.value, _MAX_QUEUE.value,
       _STREAM_BYTES.value, _STALL.value, _WATCHDOG.value, _FAULTS.value), registry,

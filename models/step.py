@@ -8,7 +8,9 @@ own jitted programs, with ``attend_len`` static.
   * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
     active row at position ``kv.lengths[b]``.
   * ``place_params(params)`` puts params where the step expects them (its resident layout).
-  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype)``: an empty paged pool, placed.
+  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False)``: an empty
+    paged pool, placed (``raw_keys``: a raw-key pool for attention sinks, ``models.paged_kv``;
+    a step that cannot run one raises ``ValueError``).
   * ``describe()``: a JSON-able description of the plan (layouts, mesh, reasons).
 ``UnshardedStep`` is the single-device model (``models.transformer``); the partitioned
 implementation lives in ``partitioning/`` (imports flow launch -> serving -> partitioning ->
@@ -42,7 +44,7 @@ class Step(Protocol):
   def place_params(self, params: Params) -> Params: ...
 
   def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-              dtype: jnp.dtype) -> PagedKV: ...
+              dtype: jnp.dtype, raw_keys: bool = False) -> PagedKV: ...
 
   def describe(self) -> dict[str, object]: ...
 
@@ -63,9 +65,10 @@ class UnshardedStep:
   def place_params(self, params: Params) -> Params:
     return jax.device_put(params, jax.local_devices()[0])
 
-  def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype) -> PagedKV:
-    return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5))(
-        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype)
+  def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False
+              ) -> PagedKV:
+    return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
+        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys)
 
   def describe(self) -> dict[str, object]:
     dev = jax.local_devices()[0]

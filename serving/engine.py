@@ -57,12 +57,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.paged_kv import PagedKV, Pages, copy_pages
+from models.paged_kv import PagedKV, Pages, copy_pages, ring_entries
 from models.step import Step
 from models.transformer import bucket
 from models.weights import Params
 from serving.host_tier import HostStore
-from serving.request import TokenLogprobs
+from serving.request import Sinks, TokenLogprobs
 from serving.sampling import LOGPROBS_MAX, SamplingArrays, SamplingParams, logprobs, sample
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
 
@@ -76,6 +76,7 @@ class EngineConfig:
   kv_dtype: str = "float32"
   valid_vocab: int | None = None  # sample only ids below this (a tokenizer smaller than V)
   lag: int = 1
+  sinks: bool = False  # a raw-key pool: slots may run the attention-sink policy
 
   @property
   def pages_per_seq(self) -> int:
@@ -97,6 +98,13 @@ def _rows(x: jax.Array, idx: jax.Array, fill) -> jax.Array:
 
 def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
   return jax.tree.map(lambda a: _rows(a, idx, 0), s)
+
+
+def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
+  """A raw-key pool's per-slot sinks / window for the rows of a call (nothing otherwise)."""
+  if kv.sinks is None:
+    return {}
+  return {"sinks": _rows(kv.sinks, idx, 0), "window": _rows(kv.window, idx, 0)}
 
 
 def _logprobs(logits_BV: jax.Array, tok_B: jax.Array, n: int) -> LogprobArrays | None:
@@ -129,7 +137,7 @@ def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: Sampling
                   lens_R: jax.Array, sample_R: jax.Array, *, step: Step, attend_len: int,
                   greedy_only: bool, valid_vocab: int, logprobs_n: int):
   sub = kv.replace(page_table=_rows(kv.page_table, slots_R, kv.num_pages),
-                   lengths=_rows(kv.lengths, slots_R, 0))
+                   lengths=_rows(kv.lengths, slots_R, 0), **_policy_rows(kv, slots_R))
   logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
   tok_R = sample(logits_RV[:, :valid_vocab], start_R + lens_R, _sampling_rows(samp, slots_R),
                  greedy_only)
@@ -148,7 +156,8 @@ def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingA
                  slots_N: jax.Array, pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int,
                  attend_len: int, greedy_only: bool, valid_vocab: int, logprobs_n: int):
   # Row i runs slot slots_N[i] (padding rows: slot max_slots, the null page, inactive).
-  sub = kv.replace(page_table=_rows(kv.page_table, slots_N, kv.num_pages), lengths=pos_N)
+  sub = kv.replace(page_table=_rows(kv.page_table, slots_N, kv.num_pages), lengths=pos_N,
+                   **_policy_rows(kv, slots_N))
   last_N = _rows(last_S, slots_N, 0)
   logits_NV, sub = step.decode(params, last_N, sub, active_N, attend_len=attend_len)
   tok_N = jnp.where(active_N, sample(logits_NV[:, :valid_vocab], pos_N + 1,
@@ -210,14 +219,18 @@ class Engine:
     self.decode = decode
     self.config = config
     self.params = step.place_params(params)
+    if config.sinks and decode is not None:
+      raise ValueError("attention sinks run on one pool (mode single); not disaggregated")
     self.kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
-                           config.pages_per_seq, jnp.dtype(config.kv_dtype))
+                           config.pages_per_seq, jnp.dtype(config.kv_dtype),
+                           **({"raw_keys": True} if config.sinks else {}))
     self.last_S = jnp.zeros((config.max_slots,), jnp.int32)
     # Committed from the start, as every later step's outputs are: the warm-up's first program
     # would otherwise compile for uncommitted inputs and the first real step compile it again.
     self.kv = jax.tree.map(lambda a: jax.device_put(a, a.sharding), self.kv)
     self.last_S = jax.device_put(self.last_S, self.kv.lengths.sharding)
     self._samp_host = [SamplingParams()] * config.max_slots
+    self._policy_host = np.zeros((2, config.max_slots), np.int32)  # sinks, window per slot
     self._samp = SamplingArrays.from_params(self._samp_host)
     self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
     self.kv_shards = int(getattr(step, "kv_shards", 1))
@@ -247,14 +260,29 @@ class Engine:
 
   # -- the engine contract ------------------------------------------------------------------
 
-  def setup(self, slot: int, sampling: SamplingParams) -> None:
+  def setup(self, slot: int, sampling: SamplingParams, sinks: Sinks | None = None) -> None:
     self._samp_host[slot] = sampling
+    if sinks is not None and not self.config.sinks:
+      raise ValueError("this engine's pool has no attention sinks (EngineConfig.sinks)")
+    self._policy_host[:, slot] = (sinks.sinks, sinks.window) if sinks else (0, 0)
+
+  def _push_policy(self) -> None:
+    sharding = self.kv.lengths.sharding
+    self.kv = self.kv.replace(sinks=jax.device_put(self._policy_host[0], sharding),
+                              window=jax.device_put(self._policy_host[1], sharding))
+
+  def _row_end(self, slot: int, end: int) -> int:
+    """Positions a row's attention reads: a window row's ring once it has wrapped."""
+    window = int(self._policy_host[1, slot])
+    if not window:
+      return end
+    return min(end, ring_entries(window, self.config.page_size) * self.config.page_size)
 
   def prefill(self, chunks: Sequence[PrefillChunk]) -> "_Part":
     r, row_of = self._arrange([c.slot for c in chunks], self.kv_shards)
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
                maximum=self.config.max_seq_tokens)
-    end = max(c.start + len(c.token_ids) for c in chunks)
+    end = max(self._row_end(c.slot, c.start + len(c.token_ids)) for c in chunks)
     attend = self._attend(end)
     toks = np.zeros((r, t), np.int32)
     slots = np.full((r,), self.config.max_slots, np.int32)
@@ -303,7 +331,7 @@ class Engine:
       row_of = [r.slot for r in rows]
     else:
       n, row_of = self._arrange([r.slot for r in rows], shards)
-    attend = self._attend(max(r.position for r in rows) + 1)
+    attend = self._attend(max(self._row_end(r.slot, r.position + 1) for r in rows))
     slots = np.full((n,), self.config.max_slots, np.int32)
     if shards == 1:
       slots[:] = np.arange(n)
@@ -390,8 +418,10 @@ class Engine:
   def execute(self, plan: StepPlan) -> StepResult | None:
     if plan.setups:
       for s in plan.setups:
-        self.setup(s.slot, s.sampling)
+        self.setup(s.slot, s.sampling, s.sinks)
       self._samp = SamplingArrays.from_params(self._samp_host)
+      if self.config.sinks:
+        self._push_policy()
     if plan.spills or plan.forget or plan.loads:
       self._host_tier(plan)
     if plan.copies:  # rare (prefix pages into another sub-pool): timed, so it waits for them

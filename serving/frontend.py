@@ -52,6 +52,7 @@ from models.tokenizer import Tokenizer
 from serving import admission
 from serving.admission import SloClass
 from serving.auth import KeyInfo, OverQuota, Quotas
+from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
 from serving.request import Request, RequestOutput
@@ -284,10 +285,16 @@ class Frontend:
       self._refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id,
                    api)
     prompt = len(v.prompt_ids)
-    refusal = self.loop.scheduler.pool.can_ever_fit(prompt + v.stop.max_tokens)
+    pool = self.loop.scheduler.pool
+    if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
+      refusal = pool.can_ever_fit(0, ring_entries(v.sinks.window, pool.page_size))
+      field = "attention_sinks.window"
+    else:
+      refusal = pool.can_ever_fit(prompt + v.stop.max_tokens)
+      field = "max_tokens"
     if refusal is not None:
       self._refuse(Status.INVALID_ARGUMENT, "invalid_argument",
-                   f"{(field_names or {}).get('max_tokens', 'max_tokens')}: {refusal.message}",
+                   f"{(field_names or {}).get(field, field)}: {refusal.message}",
                    key, client_request_id, api, v.slo_class, prompt)
     sched = self.loop.scheduler
     if sched.num_waiting + self.loop.num_arriving + v.n > self.config.max_queue:
@@ -328,7 +335,7 @@ class Frontend:
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       # Only sample 0 of a session continues it (one conversation, one pinned path).
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
-                    v.session_id if i == 0 else "")
+                    v.session_id if i == 0 else "", v.sinks)
       trace = RequestTrace(sid, self.loop.clock)
       trace.record("arrival")
       stream.traces.append(trace)

@@ -109,7 +109,9 @@ def _args(r: pb.GenerateRequest) -> GenerateArgs:
       top_p=opt(s, "top_p"), seed=opt(s, "seed"), stop=list(r.stop),
       stop_token_ids=list(r.stop_token_ids), min_tokens=opt(r, "min_tokens"),
       ignore_eos=r.ignore_eos, logprobs=opt(r, "logprobs"), n=opt(r, "n"), priority=r.priority,
-      slo_class=r.slo_class or None, session_id=r.session_id)
+      slo_class=r.slo_class or None, session_id=r.session_id,
+      sinks_window=r.attention_sinks.window if r.HasField("attention_sinks") else None,
+      sinks=opt(r.attention_sinks, "sinks") if r.HasField("attention_sinks") else None)
 
 
 def _timings(t: Mapping[str, float | None]) -> pb.Timings:

@@ -30,6 +30,11 @@ Contract:
     than its whole sub-pool holds: reject at arrival, or stop it; preempting others cannot help),
     ``"no_pages"`` (the sub-pool is full now: preempt or wait). Misuse
     (unknown or duplicate id, negative counts) raises ``ValueError``.
+  * **Ring sequences** (attention sinks, ``allocate(..., ring=R)``): a window row of a raw-key
+    pool (``models.paged_kv``) holds exactly ``R`` pages from its first step, whatever its
+    length: positions past ``R * page_size`` wrap onto pages 1..R-1 on the device, so ``extend``
+    only counts tokens, never takes pages nor refuses for capacity. Ring sequences share no page
+    (no prefix, no fork).
   * ``can_ever_fit(n_tokens)`` is the arrival check: ``None`` or the ``Refusal`` (capacity or
     budget) that a request needing ``n_tokens`` positions would certainly meet.
   * ``fork(parent, child)`` makes ``child`` a copy of ``parent`` in the same sub-pool: the full
@@ -59,7 +64,7 @@ from typing import Hashable, Literal, Sequence
 import numpy as np
 
 from models.config import ModelConfig
-from models.paged_kv import page_bytes
+from models.paged_kv import page_bytes, ring_entries
 
 RefusalKind = Literal["capacity", "budget", "no_pages"]
 
@@ -139,6 +144,7 @@ class _Seq:
   shard: int
   pages: list[int]
   tokens: int
+  ring: int = 0  # > 0: a ring sequence of exactly this many pages
 
 
 class PagePool:
@@ -163,7 +169,15 @@ class PagePool:
   def pages_for(self, n_tokens: int) -> int:
     return -(-n_tokens // self.page_size)
 
-  def can_ever_fit(self, n_tokens: int) -> Refusal | None:
+  def can_ever_fit(self, n_tokens: int, ring: int = 0) -> Refusal | None:
+    if ring:
+      if ring > self.max_pages_per_seq:
+        return Refusal("capacity", f"a window needing {ring} KV pages exceeds a sequence's "
+                       f"page table of {self.max_pages_per_seq}")
+      if ring > self.budget.pages_per_shard:
+        return Refusal("budget", f"a window needing {ring} KV pages exceeds a shard's KV "
+                       f"budget of {self.budget.pages_per_shard}")
+      return None
     if n_tokens > self.max_seq_tokens:
       return Refusal("capacity", f"{n_tokens} positions exceed a sequence's capacity of "
                      f"{self.max_seq_tokens} ({self.max_pages_per_seq} pages x "
@@ -233,7 +247,7 @@ class PagePool:
   # -- changes ------------------------------------------------------------------------------
 
   def allocate(self, seq: Hashable, n_tokens: int, shard: int | None = None,
-               prefix: Sequence[int] = ()) -> Refusal | None:
+               prefix: Sequence[int] = (), ring: int = 0) -> Refusal | None:
     if seq in self._seqs:
       raise ValueError(f"sequence {seq!r} already holds pages")
     if n_tokens < 0:
@@ -248,15 +262,17 @@ class PagePool:
     for page in prefix:
       if not (shard * n <= page < (shard + 1) * n and self._ref[page] > 0):
         raise ValueError(f"prefix page {page} is not a live page of shard {shard}")
-    refusal = self.can_ever_fit(n_tokens)
+    if ring and (prefix or ring < 2):
+      raise ValueError("a ring sequence takes no prefix and needs at least 2 pages")
+    refusal = self.can_ever_fit(n_tokens, ring)
     if refusal:
       return refusal
-    need = self.pages_for(n_tokens) - len(prefix)
+    need = (ring or self.pages_for(n_tokens)) - len(prefix)
     if need > len(self._free[shard]):
       return self._no_pages(shard, need)
     for page in prefix:
       self._ref[page] += 1
-    self._seqs[seq] = _Seq(shard, list(prefix) + self._take(shard, need), n_tokens)
+    self._seqs[seq] = _Seq(shard, list(prefix) + self._take(shard, need), n_tokens, ring)
     return None
 
   def retain(self, pages: Sequence[int]) -> None:
@@ -284,6 +300,9 @@ class PagePool:
     if n_new < 0:
       raise ValueError(f"n_new must be >= 0, got {n_new}")
     total = s.tokens + n_new
+    if s.ring:
+      s.tokens = total
+      return None
     refusal = self.can_ever_fit(total)
     if refusal:
       return Refusal(refusal.kind, f"sequence {seq!r} at {s.tokens} positions cannot take "
@@ -297,6 +316,8 @@ class PagePool:
 
   def fork(self, parent: Hashable, child: Hashable) -> Forked | Refusal:
     p = self._get(parent)
+    if p.ring:
+      raise ValueError(f"ring sequence {parent!r} cannot be forked")
     if child in self._seqs:
       raise ValueError(f"sequence {child!r} already holds pages")
     full = p.tokens // self.page_size
@@ -333,13 +354,16 @@ class PagePool:
     n, z = self.budget.pages_per_shard, self.page_size
     refs = np.zeros_like(self._ref)
     for seq, s in self._seqs.items():
-      assert len(s.pages) == self.pages_for(s.tokens), (seq, len(s.pages), s.tokens)
+      if s.ring:
+        assert len(s.pages) == s.ring and all(self._ref[p] == 1 for p in s.pages), (seq, s)
+      else:
+        assert len(s.pages) == self.pages_for(s.tokens), (seq, len(s.pages), s.tokens)
       assert len(s.pages) <= self.max_pages_per_seq, (seq, len(s.pages))
       assert len(set(s.pages)) == len(s.pages), (seq, s.pages)
       for page in s.pages:
         assert s.shard * n <= page < (s.shard + 1) * n, (seq, page, s.shard)
         refs[page] += 1
-      if s.tokens % z:  # the partly filled last page is written again: it must be private
+      if s.tokens % z and not s.ring:  # the partly filled last page is written again: private
         assert self._ref[s.pages[-1]] == 1, (seq, s.pages[-1], int(self._ref[s.pages[-1]]))
     refs += self._retained
     assert np.array_equal(refs, self._ref), np.nonzero(refs != self._ref)
@@ -372,4 +396,4 @@ class PagePool:
 
 
 __all__ = ["PagePool", "PageBudget", "page_budget", "Refusal", "PageCopy", "Forked",
-           "ShardUsage"]
+           "ShardUsage", "ring_entries"]

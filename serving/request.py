@@ -18,7 +18,23 @@ import dataclasses
 from serving.sampling import SamplingParams, fresh_seed
 from serving.stop import FinishReason, StopCriteria
 
-__all__ = ["Request", "RequestOutput", "Usage", "fresh_seed"]
+__all__ = ["Request", "RequestOutput", "Sinks", "Usage", "fresh_seed", "MAX_STREAM_TOKENS"]
+
+
+MAX_STREAM_TOKENS = 1 << 24  # a sink stream's max_tokens (positions stay far below PAD_POS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sinks:
+  """The attention-sink cache policy (StreamingLLM): keep the first ``sinks`` tokens and the
+  last ``window``; the stream may run far past the context with KV of a fixed size. Needs an
+  engine over a raw-key pool (``launch.server --attention_sinks``)."""
+  window: int
+  sinks: int = 4
+
+  def __post_init__(self):
+    if self.window < 1 or self.sinks < 0:
+      raise ValueError(f"attention sinks need window >= 1 and sinks >= 0, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +45,7 @@ class Request:
   stop: StopCriteria = StopCriteria(max_tokens=16)
   priority: int = 0
   session_id: str = ""  # multi-turn: this turn's KV stays pinned for the next (serving.sessions)
+  sinks: Sinks | None = None  # the attention-sink cache policy; None: the whole context
 
   def __post_init__(self):
     if self.sampling.seed is None:  # the client gave no seed: draw one now, once

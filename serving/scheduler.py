@@ -44,6 +44,13 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
   * ``fail(message, waiting=False)`` ends every running sequence (and, with ``waiting``, every
     queued one) as ``error`` after an engine fault: pages and slots are released and nothing is
     left in flight; it returns the outputs at once.
+  * Attention sinks (``Request.sinks``, when built with ``sinks=True``: the engine runs a
+    raw-key pool): the request's sequence is a ring of ``ring_entries(window, page_size)``
+    pages from admission (``PagePool`` ring sequences), so it may run past the context for as
+    many tokens as ``max_tokens`` asks (up to ``MAX_STREAM_TOKENS``); its prompt must fit in
+    ``sinks + window`` (prefill does not roll the window) and ``sinks`` in a page. It neither
+    uses nor feeds the prefix cache and sessions, and is never a preemption victim (its
+    recomputation would not be the same stream once the window has rolled).
   * ``idle`` is True when nothing is waiting, running or in flight.
 Imports nothing from JAX: the plan is plain data.
 """
@@ -60,11 +67,12 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from serving.kv_pages import PageCopy, PagePool, Refusal
+from serving.kv_pages import PageCopy, PagePool, Refusal, ring_entries
 from serving.lifecycle import RequestTrace
 from serving.prefix_cache import Match, PageLoad, PageSpill, PrefixCache
 from serving.sessions import Sessions
-from serving.request import Request, RequestOutput, TokenLogprobs, Usage
+from serving.request import (MAX_STREAM_TOKENS, Request, RequestOutput, Sinks, TokenLogprobs,
+                             Usage)
 from serving.sampling import SamplingParams
 from serving.stop import FinishReason, StopChecker
 
@@ -90,6 +98,7 @@ class SlotSetup:
   slot: int
   request_id: str
   sampling: SamplingParams
+  sinks: Sinks | None = None  # the slot's cache policy (a raw-key pool's per-row sinks/window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +161,10 @@ class _Seq:
   def key(self) -> tuple[int, int]:
     return (self.req.priority, self.order)  # smaller runs first
 
+  def ring(self, page_size: int) -> int:
+    """Pages of its ring (attention sinks), 0 for a whole-context sequence."""
+    return ring_entries(self.req.sinks.window, page_size) if self.req.sinks else 0
+
 
 class Scheduler:
   """Plans steps over a ``PagePool``; see the module contract."""
@@ -160,7 +173,7 @@ class Scheduler:
                max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
                max_context: int | None = None, max_prefill_chunks: int | None = None,
                prefix_cache: PrefixCache | None = None, cache_generated: bool = True,
-               sessions: Sessions | None = None):
+               sessions: Sessions | None = None, sinks: bool = False):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     self.pool = pool
@@ -177,6 +190,7 @@ class Scheduler:
     if sessions is not None and (prefix_cache is None or sessions.cache is not prefix_cache):
       raise ValueError("sessions pin pages of the scheduler's own prefix cache")
     self.sessions = sessions
+    self.sinks = sinks
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -200,6 +214,8 @@ class Scheduler:
     reason = None
     if len(self._waiting) >= self.max_waiting:
       reason = f"the waiting queue is full ({self.max_waiting} requests)"
+    elif req.sinks is not None:
+      reason = self._sinks_refusal(req)
     elif need > self.max_context:
       reason = (f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.stop.max_tokens}) "
                 f"exceeds the context ({self.max_context} tokens)")
@@ -217,6 +233,21 @@ class Scheduler:
     heapq.heappush(self._waiting, (req.priority, seq.order, req.request_id))
     trace.record("queued")
     return None
+
+  def _sinks_refusal(self, req: Request) -> str | None:
+    s, z = req.sinks, self.pool.page_size
+    assert s is not None
+    if not self.sinks:
+      return "attention sinks need a server started with --attention_sinks"
+    if s.sinks > z:
+      return f"sinks ({s.sinks}) must fit in one KV page ({z} positions)"
+    if len(req.prompt_ids) > s.sinks + s.window:
+      return (f"prompt ({len(req.prompt_ids)} tokens) exceeds sinks + window "
+              f"({s.sinks} + {s.window}): the prefill does not roll the window")
+    if req.stop.max_tokens > MAX_STREAM_TOKENS:
+      return f"max_tokens ({req.stop.max_tokens}) exceeds a stream's {MAX_STREAM_TOKENS}"
+    refusal = self.pool.can_ever_fit(0, ring_entries(s.window, z))
+    return refusal.message if refusal else None
 
   def cancel(self, request_id: str) -> None:
     with self._cancel_lock:
@@ -294,7 +325,7 @@ class Scheduler:
       seq.slot = heapq.heappop(self._free_slots)
       seq.state = _State.RUNNING
       self._running.append(seq)
-      setups.append(SlotSetup(seq.slot, rid, seq.req.sampling))
+      setups.append(SlotSetup(seq.slot, rid, seq.req.sampling, seq.req.sinks))
       if seq.preemptions:
         seq.trace.record("resumed")
       if self.sessions is not None and seq.req.session_id and not seq.preemptions:
@@ -319,7 +350,7 @@ class Scheduler:
 
   def _lookup(self, seq: _Seq) -> Match | None:
     cache = self.prefix_cache
-    if cache is None:
+    if cache is None or seq.req.sinks is not None:
       return None
     shard = cache.best_shard(seq.tokens)
     if shard is None:
@@ -334,6 +365,7 @@ class Scheduler:
     rid, cache, pool = seq.req.request_id, self.prefix_cache, self.pool
     start = hit.tokens(pool.page_size) if hit is not None else 0
     total = start + min(budget, self.max_chunk, len(seq.tokens) - start)
+    ring = seq.ring(pool.page_size)
     if hit is not None:
       shard = hit.shard
     else:  # the sub-pool with the most free or reclaimable pages
@@ -343,10 +375,10 @@ class Scheduler:
     if cache is not None:
       if hit is not None:
         cache.lock(hit)  # never evicted to make room for itself
-      short = pool.pages_for(total) - len(prefix) - pool.usage()[shard].free
+      short = (ring or pool.pages_for(total)) - len(prefix) - pool.usage()[shard].free
       if short > 0:
         cache.evict(shard, short)
-    refusal = pool.allocate(rid, total, shard, prefix=prefix)
+    refusal = pool.allocate(rid, total, shard, prefix=prefix, ring=ring)
     if refusal is None:
       seq.match = hit
       seq.computed = start
@@ -431,7 +463,7 @@ class Scheduler:
 
   def _victim(self, seq: _Seq) -> _Seq | None:
     shard = self.pool.shard_of(seq.req.request_id)
-    cands = [s for s in self._running if s.key > seq.key
+    cands = [s for s in self._running if s.key > seq.key and s.req.sinks is None
              and self.pool.shard_of(s.req.request_id) == shard]
     return max(cands, key=lambda s: s.key, default=None)
 
@@ -482,7 +514,7 @@ class Scheduler:
     """Caches the whole pages of ``seq.tokens[:written]`` (positions whose KV a step planned
     earlier writes; only the prompt's when decode writes another pool)."""
     rid = seq.req.request_id
-    if self.prefix_cache is None or rid not in self.pool:
+    if self.prefix_cache is None or rid not in self.pool or seq.req.sinks is not None:
       return
     if not self.cache_generated:
       written = min(written, len(seq.req.prompt_ids))
@@ -495,7 +527,8 @@ class Scheduler:
     if reason is not FinishReason.ERROR and seq.state is _State.RUNNING:
       self._cache(seq, len(seq.tokens) - 1)  # the last id's KV is not written yet
       rid = seq.req.request_id
-      if self.sessions is not None and seq.req.session_id and rid in self.pool:
+      if (self.sessions is not None and seq.req.session_id and rid in self.pool
+          and seq.req.sinks is None):
         # The turn is paused: keep its KV pinned for the next one (matched on ids).
         self.sessions.pin(seq.req.session_id, self.prefix_cache.match(  # type: ignore[union-attr]
             seq.tokens, self.pool.shard_of(rid), count=False))

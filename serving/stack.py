@@ -46,6 +46,7 @@ class ServingConfig:
   session_idle_s: float = 300.0  # a paused session's KV stays pinned this long (serving.sessions)
   session_pages: int | None = None  # pinned-session page budget (default: a quarter of the pool)
   host_tier_bytes: int = 0  # host-memory tier for evicted prefix pages (0: none)
+  attention_sinks: bool = False  # a raw-key pool: requests may ask for sinks + a window
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -71,11 +72,12 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                     max_prefill_chunks=config.max_prefill_chunks, prefix_cache=cache,
                     # Two pools: decode writes generated KV into its own, which prefill never
                     # reads, so only prompt pages (written by prefill) may be reused.
-                    cache_generated=decode is None, sessions=sessions)
+                    cache_generated=decode is None, sessions=sessions,
+                    sinks=config.attention_sinks)
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=config.lag), decode=decode, host_store=store)
+      lag=config.lag, sinks=config.attention_sinks), decode=decode, host_store=store)
   return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
                      max_traces=max_traces)
 
@@ -94,6 +96,7 @@ def describe(loop: ServingLoop) -> dict[str, object]:
           "max_step_tokens": loop.scheduler.max_step_tokens,
           "max_prefill_chunks": loop.scheduler.max_prefill_chunks,
           "prefix_cache": loop.scheduler.prefix_cache is not None,
+          "attention_sinks": loop.scheduler.sinks,
           "host_tier_pages": (loop.scheduler.prefix_cache.host_capacity
                               if loop.scheduler.prefix_cache is not None else 0),
           "step": loop.engine.step.describe()}

@@ -11,7 +11,10 @@ template renders; prompt <= context and prompt + max_tokens <= context (never tr
 stop strings non-empty, at most ``max_stop_strings`` of at most ``max_stop_chars`` characters;
 stop ids in range; 0 <= min_tokens <= max_tokens; logprobs in [0, LOGPROBS_MAX]; 0 <= n <=
 ``max_n`` (0 means 1); the SLO class is known; a session id has at most 128 characters.
-Nothing here touches the engine.
+Attention sinks (``sinks_window`` given): the server has them (``Limits.attention_sinks``),
+window >= 1, 0 <= sinks <= ``Limits.page_size`` (default 4), n = 1, no session, the prompt
+within sinks + window, and instead of the context ``max_tokens <= MAX_STREAM_TOKENS`` (the
+stream may run past the context: its KV is a fixed ring). Nothing here touches the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Mapping, Sequence
 
 from models.chat_template import ChatMessage
 from models.tokenizer import Tokenizer
+from serving.request import MAX_STREAM_TOKENS, Sinks
 from serving.sampling import LOGPROBS_MAX, SamplingParams, fresh_seed
 from serving.stop import StopCriteria
 
@@ -44,6 +48,8 @@ class Limits:
   max_stop_chars: int = 256
   slo_classes: tuple[str, ...] = ("interactive", "server", "long")
   default_slo_class: str = "server"
+  attention_sinks: bool = False  # the engine runs a raw-key pool (serving.request.Sinks)
+  page_size: int = 16  # the KV page size (sinks live in the first page)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,8 @@ class GenerateArgs:
   priority: int = 0
   slo_class: str | None = None
   session_id: str = ""
+  sinks_window: int | None = None  # attention sinks: the window (None: the whole context)
+  sinks: int | None = None  # attention sinks: the sink tokens (default 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,7 @@ class Validated:
   priority: int
   slo_class: str
   session_id: str = ""
+  sinks: Sinks | None = None
 
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -134,6 +143,8 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
       raise bad("messages", f"the chat template failed: {e}") from None
     if not ids:
       raise bad("messages", "the rendered prompt is empty")
+  if args.sinks_window is not None:
+    return _with_sinks(args, ids, limits, bad, vocab)
   ctx = limits.max_context
   if len(ids) >= ctx:
     raise bad("prompt", f"the prompt has {len(ids)} tokens; the context holds {ctx} "
@@ -146,6 +157,37 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
   if len(ids) + max_tokens > ctx:
     raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
               f"the context ({ctx} tokens)")
+  return _rest(args, ids, max_tokens, limits, bad, vocab)
+
+
+def _with_sinks(args: GenerateArgs, ids: list[int], limits: Limits, bad, vocab: int
+                ) -> Validated:
+  window = args.sinks_window
+  sinks = 4 if args.sinks is None else args.sinks
+  if not limits.attention_sinks:
+    raise bad("attention_sinks", "this server was started without --attention_sinks")
+  if window < 1:  # type: ignore[operator]
+    raise bad("attention_sinks.window", f"must be >= 1, got {window}")
+  if not 0 <= sinks <= limits.page_size:
+    raise bad("attention_sinks.sinks", f"must be in [0, {limits.page_size}] (one KV page), "
+              f"got {sinks}")
+  if len(ids) > sinks + window:  # type: ignore[operator]
+    raise bad("prompt", f"the prompt has {len(ids)} tokens; with attention sinks it must fit in "
+              f"sinks + window = {sinks + window}")  # type: ignore[operator]
+  if args.n not in (None, 0, 1):
+    raise bad("n", "attention sinks take one sample (n = 1)")
+  if args.session_id:
+    raise bad("session_id", "a stream with attention sinks cannot continue a session")
+  max_tokens = limits.default_max_tokens if args.max_tokens is None else args.max_tokens
+  if not 1 <= max_tokens <= MAX_STREAM_TOKENS:
+    raise bad("max_tokens", f"must be in [1, {MAX_STREAM_TOKENS}] for a stream, got "
+              f"{max_tokens}")
+  v = _rest(args, ids, max_tokens, limits, bad, vocab)
+  return dataclasses.replace(v, sinks=Sinks(window, sinks))  # type: ignore[arg-type]
+
+
+def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, bad,
+          vocab: int) -> Validated:
   temperature = 0.0 if args.temperature is None else float(args.temperature)
   if not math.isfinite(temperature) or temperature < 0:
     raise bad("temperature", f"must be finite and >= 0, got {temperature}")

@@ -13,14 +13,26 @@ rotation happens (the same angles).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import prometheus_client as prom
 import pytest
 
 from models import attention, paged_kv as PK, transformer as T
 from models.config import get_preset
+from models.step import UnshardedStep
+from models.tokenizer import ByteTokenizer
 from models.weights import init_params
+from serving import stack
+from serving.auth import KeyInfo
+from serving.frontend import Frontend, FrontendConfig
+from serving.request import MAX_STREAM_TOKENS, Request, Sinks
+from serving.stop import FinishReason, StopCriteria
+from serving.usage import UsageLog
+from serving.validation import GenerateArgs, InvalidArgument, Limits, validate
 
 CFG = get_preset("tiny").replace(num_kv_heads=2)
 TOL = 1e-4
@@ -48,29 +60,37 @@ def _np_norm(x, w, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def reference_stream(params, cfg, tokens, sinks: int, window: int) -> np.ndarray:
-  """[len(tokens), V] logits in float64 numpy, one token at a time over a contiguous kept list
-  per layer: the kept keys (stored raw) rotated by their index in it, the query by its own."""
-  assert cfg.activation == "swiglu" and not (cfg.parallel_block or cfg.embed_scale
-                                             or cfg.norm_plus_one or cfg.tie_embeddings)
-  f64 = lambda a: np.asarray(a, np.float64)
-  layers = [{k: f64(v) for k, v in layer.items()} for layer in params["layers"]]
-  embed, unembed, final = f64(params["embed"]), f64(params["unembed"]), f64(params["final_norm"])
-  g = cfg.num_heads // cfg.num_kv_heads
-  kept = [[] for _ in layers]  # per layer: [(absolute position, raw k [K, H], v [K, H])]
-  out = []
-  for t, tok in enumerate(tokens):
-    x = embed[tok]  # [D]
-    for l, w in enumerate(layers):
+class Reference:
+  """float64 numpy, one token at a time over a contiguous kept list per layer: the kept keys
+  (stored raw) rotated by their index in it, the query by its own (the last)."""
+
+  def __init__(self, params, cfg, sinks: int, window: int):
+    assert cfg.activation == "swiglu" and not (cfg.parallel_block or cfg.embed_scale
+                                               or cfg.norm_plus_one or cfg.tie_embeddings)
+    f64 = lambda a: np.asarray(a, np.float64)
+    self.cfg, self.sinks, self.window = cfg, sinks, window
+    self.layers = [{k: f64(v) for k, v in layer.items()} for layer in params["layers"]]
+    self.embed, self.unembed = f64(params["embed"]), f64(params["unembed"])
+    self.final = f64(params["final_norm"])
+    self.kept = [[] for _ in self.layers]  # per layer: [(absolute position, raw k, v)]
+    self.t = 0
+
+  def feed(self, tok: int) -> np.ndarray:
+    """Logits [V] after token ``tok`` at the next position."""
+    cfg, t = self.cfg, self.t
+    g = cfg.num_heads // cfg.num_kv_heads
+    x = self.embed[tok]  # [D]
+    for l, w in enumerate(self.layers):
       h = _np_norm(x, w["attn_norm"], cfg.norm_eps)
       q = np.einsum("d,dnh->nh", h, w["q"])
-      kept[l].append((t, np.einsum("d,dkh->kh", h, w["k"]), np.einsum("d,dkh->kh", h, w["v"])))
-      if window:
-        kept[l] = [e for e in kept[l] if e[0] < sinks or e[0] > t - window]
-      n = len(kept[l])
-      ks = _np_rope(np.stack([e[1] for e in kept[l]]).transpose(1, 0, 2),  # [K, n, H]
+      kept = self.kept[l]
+      kept.append((t, np.einsum("d,dkh->kh", h, w["k"]), np.einsum("d,dkh->kh", h, w["v"])))
+      if self.window:
+        kept[:] = [e for e in kept if e[0] < self.sinks or e[0] > t - self.window]
+      n = len(kept)
+      ks = _np_rope(np.stack([e[1] for e in kept]).transpose(1, 0, 2),  # [K, n, H]
                     np.arange(n, dtype=np.float64), cfg.rope_theta)
-      vs = np.stack([e[2] for e in kept[l]]).transpose(1, 0, 2)
+      vs = np.stack([e[2] for e in kept]).transpose(1, 0, 2)
       qr = _np_rope(q[:, None, :], np.asarray([n - 1.0]), cfg.rope_theta)[:, 0]  # [N, H]
       logits = np.einsum("nh,nsh->ns", qr, np.repeat(ks, g, axis=0)) / np.sqrt(cfg.head_dim)
       p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -80,8 +100,25 @@ def reference_stream(params, cfg, tokens, sinks: int, window: int) -> np.ndarray
       hm = _np_norm(x, w["mlp_norm"], cfg.norm_eps)
       gate, up = hm @ w["gate"], hm @ w["up"]
       x = x + (gate / (1 + np.exp(-gate)) * up) @ w["down"]
-    out.append(_np_norm(x, final, cfg.norm_eps) @ unembed)
-  return np.stack(out)
+    self.t += 1
+    return _np_norm(x, self.final, cfg.norm_eps) @ self.unembed
+
+
+def reference_stream(params, cfg, tokens, sinks: int, window: int) -> np.ndarray:
+  """[len(tokens), V] logits of ``Reference`` fed ``tokens``."""
+  ref = Reference(params, cfg, sinks, window)
+  return np.stack([ref.feed(t) for t in tokens])
+
+
+def reference_greedy(params, cfg, prompt, n: int, sinks: int, window: int, vocab: int):
+  ref = Reference(params, cfg, sinks, window)
+  for t in prompt:
+    logits = ref.feed(t)
+  out = []
+  for _ in range(n):
+    out.append(int(np.argmax(logits[:vocab])))
+    logits = ref.feed(out[-1])
+  return out
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +217,123 @@ def test_explicit_key_positions_equal_a_dense_masked_softmax():
   _close(got, ref, "explicit key positions")
   none = attention.KeyPositions(jnp.full((b, s), -1, jnp.int32), keys.sinks_B, keys.window_B)
   assert float(jnp.max(jnp.abs(attention.attend(q, k, v, jnp.asarray(qpos), none)))) == 0.0
+
+
+# -- the serving engine: the per-request policy ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loop(params):
+  return stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+      max_slots=4, page_size=Z, kv_pages=64, max_chunk=16, max_prefill_chunks=2, max_context=32,
+      attention_sinks=True))
+
+
+def _run(loop, reqs):
+  got: dict[str, list[int]] = {}
+  final = {}
+  peak: dict[str, int] = {}  # most pages each request held
+  for r in reqs:
+    loop.submit(r, lambda o: (got.setdefault(o.request_id, []).extend(o.token_ids),
+                              final.__setitem__(o.request_id, o) if o.finish_reason else None))
+  while not loop.idle:
+    loop.step()
+    pool = loop.scheduler.pool
+    pool.check()
+    for seq in pool.sequences:
+      peak[seq] = max(peak.get(seq, 0), len(pool.table(seq)))
+  return got, final, peak
+
+
+def test_a_served_stream_8x_the_context_keeps_its_ring_and_equals_the_reference(params, loop):
+  """A sinks request (window 12, sinks 4) generates 256 tokens on a server whose context is
+  32, beside a plain request: the stream holds ring_entries(12, 4) = 5 pages throughout, its
+  greedy ids equal the numpy reference's, and the plain request's ids equal an engine without
+  sinks."""
+  prompt = tuple(range(40, 50))
+  stream = Request("s", prompt, stop=StopCriteria(256, ignore_eos=True), sinks=Sinks(12, 4))
+  plain = Request("p", prompt, stop=StopCriteria(12, ignore_eos=True))
+  got, final, peak = _run(loop, [stream, plain])
+  assert final["s"].finish_reason is FinishReason.LENGTH and len(got["s"]) == 256
+  assert peak["s"] == PK.ring_entries(12, Z) == 5 and loop.scheduler.pool.pages_used == 0
+  vocab = ByteTokenizer.VOCAB_SIZE
+  assert got["s"] == reference_greedy(params, CFG, prompt, 256, 4, 12, vocab)
+  other = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+      max_slots=4, page_size=Z, kv_pages=64, max_chunk=16, max_prefill_chunks=2,
+      max_context=32))
+  again, _, _ = _run(other, [Request("p", prompt, stop=StopCriteria(12, ignore_eos=True))])
+  assert got["p"] == again["p"]
+
+
+@pytest.mark.parametrize("sinks,window,prompt_len,match", [
+    (4, 8, 13, "exceeds sinks \\+ window"), (5, 12, 8, "must fit in one KV page"),
+    (4, 200, 8, "exceeds a sequence's page table")])
+def test_bad_sink_requests_are_rejected_with_the_reason(loop, sinks, window, prompt_len, match):
+  req = Request("bad", tuple(range(1, prompt_len + 1)), stop=StopCriteria(4),
+                sinks=Sinks(window, sinks))
+  _, final, _ = _run(loop, [req])
+  assert final["bad"].finish_reason is FinishReason.REJECTED
+  assert re.search(match, final["bad"].message), final["bad"].message
+
+
+def test_sinks_need_a_raw_key_pool(params):
+  plain = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+      max_slots=2, page_size=Z, kv_pages=16, max_chunk=16, max_context=32))
+  req = Request("x", (1, 2, 3), stop=StopCriteria(4), sinks=Sinks(8))
+  _, final, _ = _run(plain, [req])
+  assert final["x"].finish_reason is FinishReason.REJECTED
+  assert "--attention_sinks" in final["x"].message
+
+
+# -- the front end: the request fields --------------------------------------------------------
+
+SINK_LIMITS = Limits(max_context=32, attention_sinks=True, page_size=Z)
+
+
+@pytest.mark.parametrize("args,limits,field", [
+    (dict(sinks_window=8), Limits(max_context=32), "attention_sinks"),
+    (dict(sinks_window=0), SINK_LIMITS, "attention_sinks.window"),
+    (dict(sinks_window=8, sinks=Z + 1), SINK_LIMITS, "attention_sinks.sinks"),
+    (dict(sinks_window=2, sinks=1), SINK_LIMITS, "prompt"),  # 4 prompt tokens > 1 + 2
+    (dict(sinks_window=8, n=2), SINK_LIMITS, "n"),
+    (dict(sinks_window=8, session_id="s"), SINK_LIMITS, "session_id"),
+    (dict(sinks_window=8, max_tokens=MAX_STREAM_TOKENS + 1), SINK_LIMITS, "max_tokens")])
+def test_bad_sink_fields_are_named(args, limits, field):
+  with pytest.raises(InvalidArgument) as e:
+    validate(GenerateArgs(token_ids=[1, 2, 3, 4], **args), ByteTokenizer(), limits)
+  assert e.value.field == field, e.value
+
+
+def test_a_stream_may_ask_for_more_than_the_context():
+  v = validate(GenerateArgs(token_ids=[1, 2, 3], sinks_window=8, max_tokens=1000),
+               ByteTokenizer(), SINK_LIMITS)
+  assert v.sinks == Sinks(8, 4) and v.stop.max_tokens == 1000
+  with pytest.raises(InvalidArgument, match="exceeds the context"):
+    validate(GenerateArgs(token_ids=[1, 2, 3], max_tokens=1000), ByteTokenizer(), SINK_LIMITS)
+
+
+def test_the_grpc_request_carries_the_policy():
+  from serving.grpc_service import _args
+  from serving.proto.phaseserve.v1 import generation_pb2 as pb
+  r = pb.GenerateRequest(text="hi", attention_sinks=pb.AttentionSinks(window=64, sinks=2))
+  a = _args(r)
+  assert (a.sinks_window, a.sinks) == (64, 2)
+  a = _args(pb.GenerateRequest(text="hi", attention_sinks=pb.AttentionSinks(window=64)))
+  assert (a.sinks_window, a.sinks) == (64, None)
+  assert _args(pb.GenerateRequest(text="hi")).sinks_window is None
+
+
+def test_the_frontend_streams_past_the_context(loop):
+  fe = Frontend(loop, ByteTokenizer(), FrontendConfig(SINK_LIMITS), prom.CollectorRegistry(),
+                UsageLog(None))
+  fe.set_state("serving")
+  loop.start()
+  try:
+    stream = fe.generate(GenerateArgs(token_ids=list(range(40, 50)), sinks_window=12,
+                                      max_tokens=100, ignore_eos=True), KeyInfo("anonymous"))
+    ids, final = [], None
+    for _, out in stream.events():
+      ids += out.token_ids
+      final = out if out.finished else final
+    assert len(ids) == 100 and final.finish_reason is FinishReason.LENGTH
+  finally:
+    loop.stop(timeout=10)

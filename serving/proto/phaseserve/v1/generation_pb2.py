@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,serving/proto/phaseserve/v1/generation.proto\x12\rphaseserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.phaseserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8c\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe0\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.phaseserve.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x03\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x12\n\nsession_id\x18\x0c \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensJ\x04\x08\x10\x10\x11R\x0ftruncate_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.phaseserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x07Timings\x12\x14\n\x07queue_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tprefill_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_queue_sB\x0c\n\n_prefill_sB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x9a\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.phaseserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.phaseserve.v1.Usage\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.phaseserve.v1.Timings\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.phaseserve.v1.TokenLogprob\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.phaseserve.v1.Final\"h\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x0f\n\x07\x61\x64\x64_bos\x18\x03 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ServerInfoRequest\"8\n\x08SloClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"-\n\x0bPhaseLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xcc\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x0c\n\x04mesh\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12+\n\x07prefill\x18\x06 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12*\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12\x10\n\x08kv_pages\x18\x08 \x01(\x05\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x11\n\tmax_slots\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x11\n\tmax_queue\x18\x0c \x01(\x05\x12\r\n\x05max_n\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12\x12\n\nvocab_size\x18\x0f \x01(\x05\x12,\n\x0bslo_classes\x18\x10 \x03(\x0b\x32\x17.phaseserve.v1.SloClass\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x11 \x01(\t\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x12 \x01(\x05\x12\x0f\n\x07version\x18\x13 \x01(\t*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.phaseserve.v1.GenerateRequest\x1a\x1f.phaseserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.phaseserve.v1.TokenizeRequest\x1a\x1f.phaseserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .phaseserve.v1.DetokenizeRequest\x1a!.phaseserve.v1.DetokenizeResponse\x12Q\n\nServerInfo\x12 .phaseserve.v1.ServerInfoRequest\x1a!.phaseserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,serving/proto/phaseserve/v1/generation.proto\x12\rphaseserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.phaseserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8c\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\">\n\x0e\x41ttentionSinks\x12\x0e\n\x06window\x18\x01 \x01(\x05\x12\x12\n\x05sinks\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_sinks\"\x98\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.phaseserve.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x03\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x12\n\nsession_id\x18\x0c \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x36\n\x0f\x61ttention_sinks\x18\x11 \x01(\x0b\x32\x1d.phaseserve.v1.AttentionSinksB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensJ\x04\x08\x10\x10\x11R\x0ftruncate_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.phaseserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x07Timings\x12\x14\n\x07queue_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tprefill_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_queue_sB\x0c\n\n_prefill_sB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x9a\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.phaseserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.phaseserve.v1.Usage\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.phaseserve.v1.Timings\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.phaseserve.v1.TokenLogprob\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.phaseserve.v1.Final\"h\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x0f\n\x07\x61\x64\x64_bos\x18\x03 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ServerInfoRequest\"8\n\x08SloClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"-\n\x0bPhaseLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xcc\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x0c\n\x04mesh\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12+\n\x07prefill\x18\x06 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12*\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12\x10\n\x08kv_pages\x18\x08 \x01(\x05\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x11\n\tmax_slots\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x11\n\tmax_queue\x18\x0c \x01(\x05\x12\r\n\x05max_n\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12\x12\n\nvocab_size\x18\x0f \x01(\x05\x12,\n\x0bslo_classes\x18\x10 \x03(\x0b\x32\x17.phaseserve.v1.SloClass\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x11 \x01(\t\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x12 \x01(\x05\x12\x0f\n\x07version\x18\x13 \x01(\t*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.phaseserve.v1.GenerateRequest\x1a\x1f.phaseserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.phaseserve.v1.TokenizeRequest\x1a\x1f.phaseserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .phaseserve.v1.DetokenizeRequest\x1a!.phaseserve.v1.DetokenizeResponse\x12Q\n\nServerInfo\x12 .phaseserve.v1.ServerInfoRequest\x1a!.phaseserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.phaseserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2358
-  _globals['_FINISHREASON']._serialized_end=2440
+  _globals['_FINISHREASON']._serialized_start=2478
+  _globals['_FINISHREASON']._serialized_end=2560
   _globals['_CHATMESSAGE']._serialized_start=63
   _globals['_CHATMESSAGE']._serialized_end=107
   _globals['_MESSAGES']._serialized_start=109
@@ -41,36 +41,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=190
   _globals['_SAMPLING']._serialized_start=193
   _globals['_SAMPLING']._serialized_end=333
-  _globals['_GENERATEREQUEST']._serialized_start=336
-  _globals['_GENERATEREQUEST']._serialized_end=816
-  _globals['_TOPLOGPROB']._serialized_start=818
-  _globals['_TOPLOGPROB']._serialized_end=865
-  _globals['_TOKENLOGPROB']._serialized_start=867
-  _globals['_TOKENLOGPROB']._serialized_end=956
-  _globals['_USAGE']._serialized_start=958
-  _globals['_USAGE']._serialized_end=1038
-  _globals['_TIMINGS']._serialized_start=1041
-  _globals['_TIMINGS']._serialized_end=1216
-  _globals['_FINAL']._serialized_start=1219
-  _globals['_FINAL']._serialized_end=1373
-  _globals['_GENERATERESPONSE']._serialized_start=1376
-  _globals['_GENERATERESPONSE']._serialized_end=1546
-  _globals['_TOKENIZEREQUEST']._serialized_start=1548
-  _globals['_TOKENIZEREQUEST']._serialized_end=1652
-  _globals['_TOKENIZERESPONSE']._serialized_start=1654
-  _globals['_TOKENIZERESPONSE']._serialized_end=1691
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1693
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1731
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1733
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1767
-  _globals['_SERVERINFOREQUEST']._serialized_start=1769
-  _globals['_SERVERINFOREQUEST']._serialized_end=1788
-  _globals['_SLOCLASS']._serialized_start=1790
-  _globals['_SLOCLASS']._serialized_end=1846
-  _globals['_PHASELAYOUT']._serialized_start=1848
-  _globals['_PHASELAYOUT']._serialized_end=1893
-  _globals['_SERVERINFORESPONSE']._serialized_start=1896
-  _globals['_SERVERINFORESPONSE']._serialized_end=2356
-  _globals['_GENERATION']._serialized_start=2443
-  _globals['_GENERATION']._serialized_end=2777
+  _globals['_ATTENTIONSINKS']._serialized_start=335
+  _globals['_ATTENTIONSINKS']._serialized_end=397
+  _globals['_GENERATEREQUEST']._serialized_start=400
+  _globals['_GENERATEREQUEST']._serialized_end=936
+  _globals['_TOPLOGPROB']._serialized_start=938
+  _globals['_TOPLOGPROB']._serialized_end=985
+  _globals['_TOKENLOGPROB']._serialized_start=987
+  _globals['_TOKENLOGPROB']._serialized_end=1076
+  _globals['_USAGE']._serialized_start=1078
+  _globals['_USAGE']._serialized_end=1158
+  _globals['_TIMINGS']._serialized_start=1161
+  _globals['_TIMINGS']._serialized_end=1336
+  _globals['_FINAL']._serialized_start=1339
+  _globals['_FINAL']._serialized_end=1493
+  _globals['_GENERATERESPONSE']._serialized_start=1496
+  _globals['_GENERATERESPONSE']._serialized_end=1666
+  _globals['_TOKENIZEREQUEST']._serialized_start=1668
+  _globals['_TOKENIZEREQUEST']._serialized_end=1772
+  _globals['_TOKENIZERESPONSE']._serialized_start=1774
+  _globals['_TOKENIZERESPONSE']._serialized_end=1811
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1813
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1851
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1853
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1887
+  _globals['_SERVERINFOREQUEST']._serialized_start=1889
+  _globals['_SERVERINFOREQUEST']._serialized_end=1908
+  _globals['_SLOCLASS']._serialized_start=1910
+  _globals['_SLOCLASS']._serialized_end=1966
+  _globals['_PHASELAYOUT']._serialized_start=1968
+  _globals['_PHASELAYOUT']._serialized_end=2013
+  _globals['_SERVERINFORESPONSE']._serialized_start=2016
+  _globals['_SERVERINFORESPONSE']._serialized_end=2476
+  _globals['_GENERATION']._serialized_start=2563
+  _globals['_GENERATION']._serialized_end=2897
 # @@protoc_insertion_point(module_scope)

@@ -50,8 +50,16 @@ class Sampling(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class AttentionSinks(_message.Message):
+    __slots__ = ("window", "sinks")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SINKS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    sinks: int
+    def __init__(self, window: _Optional[int] = ..., sinks: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "max_tokens", "sampling", "stop_token_ids", "stop", "logprobs", "n", "priority", "slo_class", "session_id", "client_request_id", "min_tokens", "ignore_eos")
+    __slots__ = ("text", "token_ids", "messages", "max_tokens", "sampling", "stop_token_ids", "stop", "logprobs", "n", "priority", "slo_class", "session_id", "client_request_id", "min_tokens", "ignore_eos", "attention_sinks")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +75,7 @@ class GenerateRequest(_message.Message):
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: Messages
@@ -82,7 +91,8 @@ class GenerateRequest(_message.Message):
     client_request_id: str
     min_tokens: int
     ignore_eos: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., slo_class: _Optional[str] = ..., session_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    attention_sinks: AttentionSinks
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., slo_class: _Optional[str] = ..., session_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., attention_sinks: _Optional[_Union[AttentionSinks, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
