@@ -5,8 +5,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
-``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``) for ``launch.serve_offline``
-and ``launch.server``.
+``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``) for
+``launch.serve_offline`` and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
 given) and assembles the serving loop; user errors raise ``CliError``.

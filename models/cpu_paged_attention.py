@@ -11,8 +11,9 @@ Contract:
   * ``decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B, layer, max_keys) -> [B, N, H]``
     f32 (``k_pages`` / ``v_pages``: arrays, or for int8 pools ``QuantArray`` of int8 values and
     float32 scales ``[L, P, K, Z, 1]``, one per token and kv head): for row b and query head n
-    (kv head ``n // G``), softmax attention of ``q_BNH[b, n]`` (f32, already scaled by ``H ** -0.5`` and rounded as the caller wants) over keys
-    ``s < min(pos_B[b] + 1, max_keys)`` of layer ``layer`` of the pool ``[L, P, K, Z, H]``,
+    (kv head ``n // G``), softmax attention of ``q_BNH[b, n]`` (f32, already scaled by
+    ``H ** -0.5`` and rounded as the caller wants) over keys ``s < min(pos_B[b] + 1,
+    max_keys)`` of layer ``layer`` of the pool ``[L, P, K, Z, H]``,
     key ``s`` read at page ``table_BM[b, s // Z]``, offset ``s % Z``. A table entry outside
     ``[0, P)`` reads as zeros (the null page of ``models.paged_kv``). A row with no visible key
     gives zeros. Only the visible keys are touched: nothing is gathered or materialised.

@@ -21,8 +21,8 @@ Contract:
     scale 0 and read as zeros. ``page_bytes`` counts the scales.
   * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
     page is the null page, past the table (``>= max_len``, but for a window row's ring), or
-    padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it never lands on page 0 or on another
-    slot's page. That a real token has a page is the allocator's job (``serving.kv_pages``
+    padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it
+    never lands on page 0 or on another slot's page. That a real token has a page is the allocator's job (``serving.kv_pages``
     refuses to extend a sequence past its capacity); ``unbacked`` counts the tokens of a chunk
     that would be dropped, for a debug check before the step.
   * ``read(layer, attend_len, dtype=None)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``

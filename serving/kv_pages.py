@@ -50,9 +50,10 @@ Contract:
     outside any sequence (the prefix cache's); ``drop`` returns the pages that became free.
   * ``check()`` verifies the invariants (raises ``AssertionError``): every page's reference
     count equals the number of page-table references to it plus the retained ones; the free
-    lists are disjoint from the used pages, hold no duplicates and together with them cover every page; a sequence's pages
-    are in its own sub-pool, cover its tokens exactly and fit its capacity; a page a sequence may
-    still write (its partly filled last page) belongs to it alone.
+    lists are disjoint from the used pages, hold no duplicates and together with them cover
+    every page; a sequence's pages are in its own sub-pool, cover its tokens exactly (a ring
+    sequence: exactly its ring, all private) and fit its capacity; a page a sequence may still
+    write (its partly filled last page) belongs to it alone.
   * ``usage()`` gives pages used / cached / free per sub-pool (for metrics gauges).
 """
 
