@@ -150,11 +150,12 @@ def main(argv: list[str]) -> None:
     try:
       http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
           _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,
-          max_context=limits.max_context))
+          max_context=limits.max_context, tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value))
     except OSError as e:
       running.server.stop(None)
       raise CliError(str(e))
-    logging.info("OpenAI HTTP API on http://%s:%d/v1", _HOST.value, http.port)
+    logging.info("OpenAI HTTP API on %s://%s:%d/v1", "https" if _TLS_CERT.value else "http",
+                 _HOST.value, http.port)
     if _PORT_FILE.value:
       with open(_PORT_FILE.value + ".http", "w") as f:
         f.write(str(http.port))

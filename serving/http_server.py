@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: aiohttp on its own asyncio loop thread, over the Frontend.
 
 Contract: ``serve(frontend, keys, registry, HttpOptions) -> RunningHttp`` binds ``host:port``
-(0: any free port; ``RunningHttp.port`` is the bound one) and serves at once, in the same
+(0: any free port; ``RunningHttp.port`` is the bound one; HTTPS with ``tls_cert`` and
+``tls_key``) and serves at once, in the same
 process and over the same ``serving.frontend.Frontend`` as the gRPC service (so validation,
 quotas, the KV budget, early rejection, drain, usage records and metrics are the same);
 ``RunningHttp.stop(timeout)`` closes it. Routes:
@@ -32,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import ssl
 import threading
 import time
 from typing import Any, AsyncIterator, Sequence
@@ -61,6 +63,8 @@ class HttpOptions:
   max_concurrent: int = 512  # threads bridging to the Frontend
   max_context: int = 0  # reported by /v1/models
   shutdown_s: float = 2.0
+  tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
+  tls_key: str | None = None
 
 
 def _sse(obj: Any) -> bytes:
@@ -302,7 +306,14 @@ class RunningHttp:
       self._runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None,
                                    shutdown_timeout=opts.shutdown_s)
       self._loop.run_until_complete(self._runner.setup())
-      site = web.TCPSite(self._runner, opts.host, opts.port, reuse_port=False)
+      ctx = None
+      if opts.tls_cert or opts.tls_key:
+        if not (opts.tls_cert and opts.tls_key):
+          raise ValueError("TLS needs both a certificate and a key")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+      site = web.TCPSite(self._runner, opts.host, opts.port, reuse_port=False,
+                         ssl_context=ctx)
       self._loop.run_until_complete(site.start())
       self.port = self._runner.addresses[0][1]
     except BaseException as e:  # reported to serve()'s caller
