@@ -8,8 +8,10 @@ sequence (read from /metrics); SIGTERM drains HTTP and gRPC streams (the last te
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import http.client
 import json
+import random
 import signal
 import time
 
@@ -555,6 +557,47 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
   conn.close()
   m2 = server.wait_idle(timeout=10, port=server.http_port)
   assert time.monotonic() - t0 < 3.0 and m2.get(key, 0) - m.get(key, 0) == 1
+
+
+def test_load_96_requests_with_disconnects_and_bad_ones(server):
+  """Concurrent streams, bodies, clients that go away and bad requests on the one event loop:
+  the good answers equal the same request alone, then nothing is left running."""
+  rng = random.Random(0)
+  prompts = [f"prompt {k}" for k in range(4)]
+  body = lambda k: {"model": MODEL, "prompt": prompts[k], "max_tokens": 10, "ignore_eos": True}
+  alone = {k: _request(server, "POST", "/v1/completions", body(k))[2]["choices"][0]["text"]
+           for k in range(len(prompts))}
+  kinds = [rng.choice(["stream"] * 3 + ["plain"] * 3 + ["gone"] * 2 + ["bad"] * 2)
+           for _ in range(96)]
+
+  def one(i: int):
+    kind, k = kinds[i], i % len(prompts)
+    if kind == "bad":
+      return kind, _request(server, "POST", "/v1/completions", dict(body(k), top_p=2.0))[0]
+    if kind == "plain":
+      out = _request(server, "POST", "/v1/completions", body(k))[2]
+      return kind, out["choices"][0]["text"] == alone[k]
+    if kind == "stream":
+      status, events, done = _sse(server, "/v1/completions", body(k))
+      text = "".join(e["choices"][0]["text"] for e in events)
+      return kind, status == 200 and done and text == alone[k]
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(dict(body(k), stream=True)).encode(),
+                 headers={"Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    first = r.readline()
+    conn.sock.close()
+    conn.close()
+    return kind, r.status == 200 and first.startswith(b"data: ")
+
+  t0 = time.monotonic()
+  with cf.ThreadPoolExecutor(96) as pool:
+    results = list(pool.map(one, range(96)))
+  assert time.monotonic() - t0 < 90
+  for kind, res in results:
+    assert res == (400 if kind == "bad" else True), (kind, res)
+  assert {k for k, _ in results} == {"stream", "plain", "gone", "bad"}
+  server.wait_idle(timeout=20, port=server.http_port)
 
 
 def test_sigterm_drains_http_streams_like_grpc_ones(server, stub):
