@@ -67,6 +67,11 @@ class HttpOptions:
   tls_key: str | None = None
 
 
+def _cancel_admitted(fut: asyncio.Future) -> None:
+  if not fut.cancelled() and fut.exception() is None:
+    fut.result().cancel(Status.CANCELLED, "the client closed the connection")
+
+
 def _sse(obj: Any) -> bytes:
   return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
@@ -139,10 +144,16 @@ class _Api:
                   request: web.Request) -> list[Stream]:
     rid = request.headers.get("X-Request-Id", "")[:256]
     streams: list[Stream] = []
+    loop = asyncio.get_running_loop()
     try:
       for args in parsed.prompts:
-        streams.append(await self.call(self.frontend.generate, args, key, rid, "openai",
-                                       dict(parsed.field_names), parsed.user))
+        fut = loop.run_in_executor(self.pool, self.frontend.generate, args, key, rid, "openai",
+                                   dict(parsed.field_names), parsed.user)
+        try:
+          streams.append(await asyncio.shield(fut))
+        except asyncio.CancelledError:  # the client left while it was being admitted
+          fut.add_done_callback(_cancel_admitted)
+          raise
     except ServiceError as e:
       for s in streams:  # one prompt of a batch was refused: the request is
         s.cancel(Status.CANCELLED, "another prompt of the request was refused")
