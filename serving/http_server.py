@@ -155,7 +155,7 @@ class _Api:
           fut.add_done_callback(_cancel_admitted)
           raise
     except ServiceError as e:
-      for s in streams:  # one prompt of a batch was refused: the request is
+      for s in streams:  # one prompt of a batch was refused: so is the whole request
         s.cancel(Status.CANCELLED, "another prompt of the request was refused")
       raise http_api.api_error(e) from None
     except BaseException:
@@ -226,7 +226,8 @@ class _Api:
         obj = shape.chunk(shape.choice(p, i), out)
         if obj is None:
           continue
-        if resp is None and not out.text and out.finish_reason not in _OK_FINISH:
+        if resp is None and out.finished and not out.text and \
+            out.finish_reason not in _OK_FINISH:
           held.append(obj)  # a failed sample: the stream's error (a plain HTTP one) follows
           continue
         if resp is None:  # headers go with the first event: earlier failures are HTTP errors

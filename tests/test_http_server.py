@@ -322,6 +322,13 @@ def test_n_samples_batch_prompts_and_logprobs(server, client):
     # (greedy: the chosen id is the best; two ids may decode to one string, so <=, not ==)
     assert 1 <= len(top) <= 3 and p <= 0 and max(top.values()) <= p + 1e-6
   assert lp.text_offset[0] == 0
+  status, events, done = _sse(server, "/v1/completions", {  # the same, streamed
+      "model": MODEL, "prompt": "Hello", "max_tokens": 5, "logprobs": 3, "ignore_eos": True})
+  assert status == 200 and done and events[-1]["choices"][0]["finish_reason"] == "length"
+  assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+  assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == lp.tokens
+  assert [p for e in events for p in e["choices"][0]["logprobs"]["token_logprobs"]] == \
+      lp.token_logprobs
   chat = client.chat.completions.create(
       model=MODEL, messages=CHATS[0], max_tokens=4, logprobs=True, top_logprobs=2,
       extra_body={"ignore_eos": True}).choices[0].logprobs.content
