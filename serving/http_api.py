@@ -1,6 +1,8 @@
 """OpenAI's HTTP API as protocol logic: JSON bodies in, JSON bodies out; no I/O, no aiohttp.
 
 Contract (``serving.http_server`` is the wiring; every guarantee lives in ``serving.frontend``):
+  * ``decode_body(bytes)`` is the JSON body; invalid JSON is a 400, and a string that is not
+    valid UTF-8 (raw bytes, or an escaped lone surrogate) a 400 naming its field.
   * ``parse_completion(body, model)`` / ``parse_chat(body, model) -> Parsed`` check the body's
     shape and types and translate it to one ``serving.validation.GenerateArgs`` per prompt
     (``None`` where a field was absent or null) plus the field-name map, so that every value
@@ -31,6 +33,7 @@ Contract (``serving.http_server`` is the wiring; every guarantee lives in ``serv
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any, Mapping, Sequence
 
@@ -123,6 +126,45 @@ def api_error(e: ServiceError) -> ApiError:
 
 
 # -- requests -----------------------------------------------------------------------------------
+
+
+def _bad_text(v: Any, path: str) -> str | None:
+  """The path of the first string under ``v`` that is not valid Unicode (a surrogate: invalid
+  UTF-8 bytes decoded with surrogateescape, or a lone ``\\ud800`` escape), else None."""
+  if isinstance(v, str):
+    return path if any("\ud800" <= ch <= "\udfff" for ch in v) else None
+  if isinstance(v, list):
+    for i, x in enumerate(v):
+      found = _bad_text(x, f"{path}[{i}]")
+      if found:
+        return found
+  if isinstance(v, dict):
+    for k, x in v.items():
+      if _bad_text(k, "") is not None:
+        return ""  # a field name
+      found = _bad_text(x, f"{path}.{k}" if path else k)
+      if found:
+        return found
+  return None
+
+
+def decode_body(data: bytes) -> Any:
+  """The JSON request body; a string that is not valid UTF-8 is a 400 naming its field, as the
+  gRPC service names a proto field."""
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError:
+    text = data.decode("utf-8", "surrogateescape")  # located below, by field
+  try:
+    body = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+  field = _bad_text(body, "")
+  if field == "":
+    raise ApiError(400, "the request body is not valid UTF-8 (in a field name)")
+  if field is not None:
+    raise bad(field, "invalid UTF-8")
+  return body
 
 
 @dataclasses.dataclass(frozen=True)

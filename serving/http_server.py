@@ -130,10 +130,7 @@ class _Api:
     if request.content_length is not None and request.content_length > limit:
       raise ApiError(413, f"the request body is larger than {limit} bytes")
     data = await request.read()  # aiohttp refuses more than client_max_size (413 above)
-    try:
-      return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    return http_api.decode_body(data)
 
   async def call(self, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

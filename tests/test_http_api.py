@@ -151,3 +151,19 @@ def test_response_shapes():
                                 "text_offset": [0, 1, 2]}
   assert [http_api.FINISH[f] for f in FinishReason] == ["stop", "length", "cancelled",
                                                         "rejected", "error"]
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "ab\xff"}', "prompt"),
+    (b'{"prompt": "\\ud800x"}', "prompt"),  # an escaped lone surrogate is not text either
+    (b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', "messages[0].content"),
+    (b'{"stop": ["ok", "\xfe"]}', "stop[1]"),
+    (b'{"a\xff": 1}', None),
+    (b'{', None),
+])
+def test_invalid_utf8_and_json_are_400_naming_the_field(raw, param):
+  with pytest.raises(ApiError) as e:
+    http_api.decode_body(raw)
+  assert e.value.status == 400 and e.value.param == param
+  assert e.value.message == (f"{param}: invalid UTF-8" if param else e.value.message)
+  assert http_api.decode_body('{"prompt": "hé"}'.encode()) == {"prompt": "hé"}

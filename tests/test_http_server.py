@@ -456,10 +456,16 @@ def test_every_bad_input_gets_its_status_and_an_openai_error(server, stub):
       "presence_penalty": 0.0, "logit_bias": {}, "echo": False, "best_of": 1, "top_k": 0})
   assert got == 200, out
   # Not JSON, invalid UTF-8, not an object, wrong method, unknown path.
-  for raw, needle in ((b"{", "not valid JSON"), (b'{"prompt": "\xff"}', "not valid JSON"),
+  for raw, needle in ((b"{", "not valid JSON"), (b'{"prompt": "\xff"}', "prompt: invalid UTF-8"),
+                      (b'{"model": "tiny-chat", "prompt": "\\udc80"}', "prompt: invalid UTF-8"),
+                      (b'{"model": "tiny-chat", "prompt": "hi", "temperature": NaN}',
+                       "temperature: must be finite"),
+                      (b'{"model": "tiny-chat", "prompt": "hi", "temperature": Infinity}',
+                       "temperature: must be finite"),
                       (b"[1, 2]", "must be a JSON object")):
     got, _, out = _request(server, "POST", "/v1/completions", raw=raw)
     assert got == 400 and _is_error(out) and needle in out["error"]["message"], out
+    validated += out["error"]["code"] == "invalid_argument"
   got, _, out = _request(server, "GET", "/v1/completions")
   assert got == 405 and _is_error(out)
   got, _, out = _request(server, "GET", "/v1/nothing")
