@@ -1,12 +1,15 @@
-"""The gRPC service: phaseserve's API and JetStream's on one port, with health and reflection.
+"""The gRPC service: phaseserve's API and JetStream's on one port, with health and reflection;
+with ``--http_port``, OpenAI's HTTP API beside it (``serving.http_server``) over the same engine.
 
-  python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100
+  python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100 \
+      --http_port 8000
 
 Start-up: load the model, choose each phase's layout (the planner's unless given; logged with
 its numbers), build the engine, bind the port (health NOT_SERVING), compile every bucketed
 program, then readiness turns SERVING; the start-up time is logged and exported
 (``phaseserve_startup_seconds``). ``--port 0`` binds a free port; ``--port_file`` receives the
-bound one (tests). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
+bound one (tests; the HTTP port goes to ``PORT_FILE.http``, the metrics port to
+``PORT_FILE.metrics``). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
 ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
 flushed, exit 0. Bad flags exit 2 with one line.
 """
@@ -40,6 +43,10 @@ _EARLY_REJECT = flags.DEFINE_bool("early_reject", True,
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to bind")
 _PORT = flags.DEFINE_integer("port", 9000, "gRPC port (0: any free port)", lower_bound=0)
 _PORT_FILE = flags.DEFINE_string("port_file", None, "write the bound port here")
+_HTTP_PORT = flags.DEFINE_integer("http_port", None, "OpenAI-compatible HTTP port (0: any free "
+                                  "port; default: no HTTP server)", lower_bound=0)
+_SERVED_MODEL = flags.DEFINE_string("served_model_name", None, "the model id of the HTTP API "
+                                    "(default: the model's name)")
 _METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port "
                                      "(0: any free port)", lower_bound=0)
 _MAX_MESSAGE = flags.DEFINE_integer("max_message_bytes", 4 << 20, "largest request message",
@@ -138,6 +145,21 @@ def main(argv: list[str]) -> None:
         tls_key=_TLS_KEY.value))
   except (OSError, RuntimeError, ValueError) as e:
     raise CliError(f"cannot serve on {_HOST.value}:{_PORT.value}: {e}")
+  http = None
+  if _HTTP_PORT.value is not None:
+    from serving import http_server
+    try:
+      http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
+          _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,
+          max_context=limits.max_context, tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value))
+    except OSError as e:
+      running.server.stop(None)
+      raise CliError(str(e))
+    logging.info("OpenAI HTTP API on %s://%s:%d/v1", "https" if _TLS_CERT.value else "http",
+                 _HOST.value, http.port)
+    if _PORT_FILE.value:
+      with open(_PORT_FILE.value + ".http", "w") as f:
+        f.write(str(http.port))
   if _METRICS_PORT.value is not None:
     metrics_server, _ = prom.start_http_server(_METRICS_PORT.value, addr=_HOST.value,
                                                registry=registry)
@@ -178,6 +200,8 @@ def main(argv: list[str]) -> None:
   logging.info("draining (grace %.1f s)", _GRACE.value)
   cancelled = frontend.drain(_GRACE.value)
   running.server.stop(grace=1.0).wait(5.0)
+  if http is not None:
+    http.stop()
   loop.stop(timeout=5.0)
   frontend.usage.close()
   logging.info("stopped (%d requests cancelled at the end of the grace period)", cancelled)

@@ -17,6 +17,9 @@ Contract:
     a sandbox violation, any error raised while rendering, and ``raise_exception(message)`` (whose
     ``message`` is kept verbatim in the error).
   * Compiled templates are cached per template string; nothing is built at import time.
+  * ``DEFAULT_CHAT_TEMPLATE`` is the template of the random presets' byte tokenizer (they have
+    no template of their own): one line ``role: content`` per message, then ``assistant: ``
+    when ``add_generation_prompt``; no special tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ import jinja2.sandbox
 import jinja2.utils
 
 _MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
 
 
 class ChatMessage(TypedDict):

@@ -10,8 +10,8 @@ Contract:
   * ``ByteTokenizer`` (the built-in presets): ids 0..255 are the UTF-8 bytes, then
     ``BOS = 256``, ``EOS = 257``, ``PAD = 258``; ``vocab_size`` is 259 whatever the model's vocab
     (the ``small`` preset's 32000-id vocab uses only the first 259).
-  * Chat: ``chat_template`` is the model's Jinja2 chat template (None when it has none, as for
-    ``ByteTokenizer``); ``apply_chat_template(messages, add_generation_prompt=True) -> str``
+  * Chat: ``chat_template`` is the model's Jinja2 chat template (None when it has none;
+    ``ByteTokenizer``, the random presets', has ``models.chat_template.DEFAULT_CHAT_TEMPLATE``); ``apply_chat_template(messages, add_generation_prompt=True) -> str``
     renders it (``models.chat_template``: sandboxed, every failure and a tokenizer without a
     template is a ``ValueError``) with ``bos_token`` / ``eos_token`` (the special tokens' text, set
     even when ``bos_id`` is None); ``encode_chat`` encodes that text without prepending
@@ -42,7 +42,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import tokenizers
 
-from models.chat_template import ChatMessage, render_chat_template
+from models.chat_template import DEFAULT_CHAT_TEMPLATE, ChatMessage, render_chat_template
 from models.config import PRESET_NAMES, get_preset
 
 _REPLACEMENT = "\ufffd"
@@ -138,6 +138,10 @@ class ByteTokenizer(Tokenizer):
   @property
   def pad_id(self) -> int:
     return self.PAD
+
+  @property
+  def chat_template(self) -> str:
+    return DEFAULT_CHAT_TEMPLATE
 
   def __repr__(self) -> str:
     return "ByteTokenizer()"

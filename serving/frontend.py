@@ -76,10 +76,14 @@ class Status(str, enum.Enum):
 
 
 class ServiceError(Exception):
-  def __init__(self, status: Status, message: str):
+  """``reason`` is the refusal's ``phaseserve_rejections_total`` label (``queue_full``,
+  ``quota``, ``slo``, ...) when the request was refused at arrival, else ``""``."""
+
+  def __init__(self, status: Status, message: str, reason: str = ""):
     super().__init__(message)
     self.status = status
     self.message = message
+    self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +109,7 @@ class Stream:
   """One client call: ``n`` samples' outputs through one bounded buffer."""
 
   def __init__(self, frontend: "Frontend", request_id: str, v: Validated, key: KeyInfo,
-               client_request_id: str, api: str, quota: list[float] | None):
+               client_request_id: str, api: str, quota: list[float] | None, user: str = ""):
     self.frontend = frontend
     self.request_id = request_id
     self.validated = v
@@ -113,6 +117,7 @@ class Stream:
     self.client_request_id = client_request_id
     self.api = api
     self.quota = quota
+    self.user = user
     self.ids = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
     self.traces: list[RequestTrace] = []
     self.finals: list[RequestOutput | None] = [None] * v.n
@@ -264,26 +269,30 @@ class Frontend:
   # -- admission ------------------------------------------------------------------------------
 
   def _refuse(self, status: Status, reason: str, message: str, key: KeyInfo,
-              client_request_id: str, api: str, slo: str = "", prompt_tokens: int = 0) -> None:
+              client_request_id: str, api: str, slo: str = "", prompt_tokens: int = 0,
+              user: str = "") -> None:
     self.metrics.rejections.labels(reason=reason).inc()
     self.metrics.requests.labels(status=status.value, finish_reason="", slo_class=slo).inc()
     self.usage.write({"request_id": "", "client_request_id": client_request_id,
                       "api_key": key.name, "api": api, "slo_class": slo, "status": status.value,
                       "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
-                      "completion_tokens": 0, "finish_reason": []})
-    raise ServiceError(status, message)
+                      "completion_tokens": 0, "finish_reason": [],
+                      **({"user": user} if user else {})})
+    raise ServiceError(status, message, reason)
 
   def generate(self, args: GenerateArgs, key: KeyInfo, client_request_id: str = "",
-               api: str = "phaseserve", field_names: dict[str, str] | None = None) -> Stream:
+               api: str = "phaseserve", field_names: dict[str, str] | None = None,
+               user: str = "") -> Stream:
+    """``user``: the caller's end-user id (OpenAI's ``user``), kept in the usage record."""
+    refuse = lambda *a, **k: self._refuse(*a, user=user, **k)
     if self.state != "serving":
       why = {"loading": "the server is loading and warming up",
              "draining": "the server is shutting down"}.get(self.state, "the engine is down")
-      self._refuse(Status.UNAVAILABLE, "unavailable", why, key, client_request_id, api)
+      refuse(Status.UNAVAILABLE, "unavailable", why, key, client_request_id, api)
     try:
       v = validate(args, self.tokenizer, self.config.limits, field_names)
     except InvalidArgument as e:
-      self._refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id,
-                   api)
+      refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
     prompt = len(v.prompt_ids)
     pool = self.loop.scheduler.pool
     if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
@@ -293,14 +302,14 @@ class Frontend:
       refusal = pool.can_ever_fit(prompt + v.stop.max_tokens)
       field = "max_tokens"
     if refusal is not None:
-      self._refuse(Status.INVALID_ARGUMENT, "invalid_argument",
-                   f"{(field_names or {}).get(field, field)}: {refusal.message}",
-                   key, client_request_id, api, v.slo_class, prompt)
+      refuse(Status.INVALID_ARGUMENT, "invalid_argument",
+             f"{(field_names or {}).get(field, field)}: {refusal.message}",
+             key, client_request_id, api, v.slo_class, prompt)
     sched = self.loop.scheduler
     if sched.num_waiting + self.loop.num_arriving + v.n > self.config.max_queue:
-      self._refuse(Status.REJECTED, "queue_full",
-                   f"the queue is full ({self.config.max_queue} requests waiting)", key,
-                   client_request_id, api, v.slo_class, prompt)
+      refuse(Status.REJECTED, "queue_full",
+             f"the queue is full ({self.config.max_queue} requests waiting)", key,
+             client_request_id, api, v.slo_class, prompt)
     slo = self.classes[v.slo_class]
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
     # reuse (a lock-free read of the loop's tree), and about one token per further sample.
@@ -312,15 +321,14 @@ class Frontend:
     if self.config.early_reject:
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
-        self._refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
-                     api, v.slo_class, prompt)
+        refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
+               api, v.slo_class, prompt)
     try:
       quota = self.quotas.admit(key, prompt + v.n * v.stop.max_tokens, time.monotonic())
     except OverQuota as e:
-      self._refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class,
-                   prompt)
+      refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class, prompt)
     rid = f"req-{self._prefix}-{next(self._ids)}"
-    stream = Stream(self, rid, v, key, client_request_id, api, quota)
+    stream = Stream(self, rid, v, key, client_request_id, api, quota, user)
     stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s
     with self._lock:
       self._live[rid] = stream
@@ -419,9 +427,8 @@ class Frontend:
         "status": stream.status.value, "message": stream.message,
         "prompt_tokens": len(v.prompt_ids) * v.n, "cached_tokens": cached,
         "completion_tokens": completion,
-        "finish_reason": finish, "n": v.n, **{k: t.get(k) for k in
-                                              ("queue_s", "prefill_s", "ttft_s", "tpot_s",
-                                               "e2e_s")}})
+        "finish_reason": finish, "n": v.n, **({"user": stream.user} if stream.user else {}),
+        **{k: t.get(k) for k in ("queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s")}})
 
   # -- shutdown and the watchdog --------------------------------------------------------------
 

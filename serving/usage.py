@@ -7,7 +7,9 @@ writes exactly one record per request on the request's one end path (``serving.f
 name, never the key), ``slo_class``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
 ``queue_s``, ``prefill_s``, ``ttft_s``, ``tpot_s``, ``e2e_s``, ``finish_reason`` (per sample),
 ``status`` (``ok``, ``invalid_argument``, ``rejected``, ``cancelled``, ``deadline_exceeded``,
-``slow_consumer``, ``error``, ``unavailable``), ``message`` and ``api`` (which front end).
+``slow_consumer``, ``error``, ``unavailable``), ``message``, ``api`` (which front end:
+``phaseserve``, ``jetstream``, ``openai``) and, when the client named one (OpenAI's ``user``),
+``user``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 ``ServerProc.start(tmp_path, *flags)`` binds a free port (``--port 0 --port_file``), waits for
 readiness through the health service and returns; ``stop()`` sends SIGTERM, waits, then kills,
 and returns the exit code. ``metrics()`` scrapes the Prometheus endpoint into {series: value}.
+With ``--http_port 0`` among the flags, ``http_port`` is the OpenAI HTTP API's bound port (bound
+before the port file is written, so before the warm-up), else None.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ TINY = ("--model", "tiny", "--max_context", "128", "--max_slots", "8", "--kv_pag
 
 class ServerProc:
   def __init__(self, proc: subprocess.Popen, port: int, metrics_port: int | None, log_path: str,
-               credentials: grpc.ChannelCredentials | None = None):
+               credentials: grpc.ChannelCredentials | None = None,
+               http_port: int | None = None):
     self.proc = proc
+    self.http_port = http_port
     self.port = port
     self.metrics_port = metrics_port
     self.log_path = log_path
@@ -53,7 +57,8 @@ class ServerProc:
         time.sleep(0.1)
       port = int(open(port_file).read())
       mport = int(open(port_file + ".metrics").read())
-      server = cls(proc, port, mport, log_path, credentials)
+      hport = int(open(port_file + ".http").read()) if "--http_port" in flags else None
+      server = cls(proc, port, mport, log_path, credentials, hport)
       if wait_ready:
         server.wait_health("phaseserve.v1.Generation", health_pb2.HealthCheckResponse.SERVING,
                            deadline - time.monotonic())
@@ -99,8 +104,9 @@ class ServerProc:
         raise TimeoutError(f"health of {service!r} never became {status}: {self.log()}")
       time.sleep(0.1)
 
-  def metrics(self) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+  def metrics(self, port: int | None = None) -> dict[str, float]:
+    """``port``: scrape another endpoint of the same registry (the HTTP API's /metrics)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port or self.metrics_port}/metrics",
                                   timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
@@ -109,11 +115,11 @@ class ServerProc:
         out[m.group(1)] = float(m.group(2))
     return out
 
-  def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+  def wait_idle(self, timeout: float = 30.0, port: int | None = None) -> dict[str, float]:
     """Until no sequence runs, no KV page is used and no stream is live (read from /metrics)."""
     deadline = time.monotonic() + timeout
     while True:
-      m = self.metrics()
+      m = self.metrics(port)
       if (m.get("phaseserve_running_sequences") == 0 and m.get("phaseserve_kv_pages_used") == 0
           and m.get("phaseserve_live_streams") == 0):
         return m

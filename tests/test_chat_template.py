@@ -1,5 +1,5 @@
 """models.chat_template: SmolLM2's ChatML template by hand, the sandbox, message validation, the
-tokenizer-level API (templates from HF directories; none for the byte tokenizer)."""
+tokenizer-level API (templates from HF directories; the byte tokenizer's default)."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from models.chat_template import render_chat_template, validate_messages
+from models.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template, validate_messages
 from models.tokenizer import ByteTokenizer, HFTokenizer, TokenizersTokenizer
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct.Q4_1.gguf, verbatim (test_gguf_tokenizer checks
@@ -130,10 +130,13 @@ def _word_tokenizer() -> tokenizers.Tokenizer:
 
 
 def test_tokenizer_chat_api():
-  byte = ByteTokenizer()
-  assert byte.chat_template is None
-  with pytest.raises(ValueError, match="no chat template"):
-    byte.apply_chat_template(USER)
+  byte = ByteTokenizer()  # the random presets: the documented default template
+  assert byte.chat_template == DEFAULT_CHAT_TEMPLATE
+  assert byte.apply_chat_template([{"role": "system", "content": "be brief"}] + USER) == (
+      "system: be brief\nuser: What is the capital of France?\nassistant: ")
+  assert byte.apply_chat_template(USER, add_generation_prompt=False) == (
+      "user: What is the capital of France?\n")
+  assert byte.encode_chat(USER) == list(b"user: What is the capital of France?\nassistant: ")
   template = ("{{ bos_token }}{% for m in messages %}<|im_start|> {{ m.content }} <|im_end|>"
               "{% endfor %}")
   tok = TokenizersTokenizer(_word_tokenizer(), bos_id=1, eos_ids=[2, 5], chat_template=template)

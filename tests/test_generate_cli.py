@@ -79,7 +79,6 @@ def test_streaming_text_mode():
     (("--model", "tiny"), "exactly one of"),
     (("--model", "tiny", "--prompt", "x", "--chat", "y"), "exactly one of"),
     (("--model", "tiny", "--prompt_ids", "1", "--chat", "y"), "exactly one of"),
-    (("--model", "tiny", "--chat", "hi"), "has no chat template"),
     (("--model", "tiny", "--prompt", "x", "--top_p", "0"), "top_p"),
     (("--model", "tiny", "--prompt", "x", "--no_such_flag"), "no_such_flag"),
     (("--model", "tiny", "--prompt", "x", "--max_tokens", "0"), "max_tokens"),
@@ -145,8 +144,7 @@ def test_build_prompt():
   byte = ByteTokenizer()
   assert build_prompt(byte, prompt="hi") == [byte.bos_id, *b"hi"]
   assert build_prompt(byte, prompt_ids=[5, 6]) == [5, 6]
-  with pytest.raises(CliError, match="has no chat template"):
-    build_prompt(byte, chat="hi")
+  assert build_prompt(byte, chat="hi") == list(b"user: hi\nassistant: ")  # the default template
   with pytest.raises(CliError, match="exactly one of"):
     build_prompt(byte, prompt="a", chat="b")
   with pytest.raises(CliError, match="exactly one of"):

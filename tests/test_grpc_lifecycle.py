@@ -1,13 +1,16 @@
 """launch.server processes on 127.0.0.1 for what ends a server's or a client's day: TLS, API keys,
 quotas, a full queue, SIGTERM drain with the usage log complete (every authenticated request
-exactly once), and the watchdog of a hung engine step."""
+exactly once), and the watchdog of a hung engine step; the OpenAI HTTP port beside gRPC shares
+the TLS certificate, the keys, the queue bound and the failed state."""
 
 from __future__ import annotations
 
 import collections
 import datetime
+import http.client
 import ipaddress
 import json
+import ssl
 import threading
 import time
 
@@ -74,8 +77,10 @@ def tls_server(tmp_path_factory):
   s = ServerProc.start(tmp, *TINY, "--max_slots", "2", "--max_queue", "4", "--api_keys",
                        str(tmp / "keys.json"), "--tls_cert", cert, "--tls_key", key,
                        "--usage_log", str(tmp / "usage.jsonl"), "--grace_s", "60",
-                       "--fault_injection", "--early_reject=false", credentials=creds)
+                       "--fault_injection", "--early_reject=false", "--http_port", "0",
+                       credentials=creds)
   s.usage_path = tmp / "usage.jsonl"
+  s.cert = cert
   s.sent = Sent()
   try:
     yield s
@@ -85,6 +90,22 @@ def tls_server(tmp_path_factory):
 
 def _auth(key: str = "sk-alice"):
   return [("authorization", f"Bearer {key}")]
+
+
+def _https(server, body, key="sk-alice", cid="", tls=True):
+  """(status, headers, JSON) of one POST /v1/completions to the HTTP port."""
+  if tls:
+    ctx = ssl.create_default_context(cafile=server.cert)
+    conn = http.client.HTTPSConnection("127.0.0.1", server.http_port, timeout=30, context=ctx)
+  else:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+  try:
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={
+        "Authorization": f"Bearer {key}", "X-Request-Id": server.sent.add(cid) if cid else ""})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), json.loads(r.read())
+  finally:
+    conn.close()
 
 
 def _generate(server, req, key="sk-alice", timeout=60.0):
@@ -101,6 +122,16 @@ def test_tls_round_trip_and_plaintext_refused(tls_server):
       list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(text="hi"), metadata=_auth(),
                                                timeout=5))
   assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_https_shares_the_certificate_and_the_keys(tls_server):
+  status, _, out = _https(tls_server, {"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                          cid="https-1")
+  assert status == 200 and out["usage"]["completion_tokens"] >= 1, out
+  status, _, out = _https(tls_server, {"model": "tiny", "prompt": "hi"}, key="sk-wrong")
+  assert status == 401 and out["error"]["type"] == "authentication_error"
+  with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+    _https(tls_server, {"model": "tiny", "prompt": "hi"}, tls=False)  # plaintext: no answer
 
 
 def test_missing_or_wrong_key_is_unauthenticated(tls_server):
@@ -162,6 +193,10 @@ def test_full_queue_is_resource_exhausted_at_once_and_admitted_requests_finish(t
         text="hi", max_tokens=2, client_request_id=tls_server.sent.add("full")))
   assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
   assert "queue is full" in e.value.details() and time.monotonic() - t0 < 2
+  status, headers, out = _https(tls_server, {"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                cid="full-http")  # the same bound over HTTP: 429, retry soon
+  assert status == 429 and out["error"]["code"] == "queue_full"
+  assert "queue is full" in out["error"]["message"] and headers["Retry-After"] == "1"
   for t in threads:
     t.join(60)
   assert results == {i: 30 for i in range(6)}
@@ -210,14 +245,16 @@ def test_sigterm_drains_then_exits_with_the_usage_log_complete(tls_server):
   records = [json.loads(l) for l in tls_server.usage_path.read_text().splitlines()]
   assert collections.Counter(r["client_request_id"] for r in records) == tls_server.sent.ids
   status = {r["client_request_id"]: r["status"] for r in records}
-  want = {"after-sigterm": "unavailable", "full": "rejected", "q-2": "rejected", "tls-1": "ok"}
+  want = {"after-sigterm": "unavailable", "full": "rejected", "q-2": "rejected", "tls-1": "ok",
+          "full-http": "rejected", "https-1": "ok"}
   for cid in set(want) & set(tls_server.sent.ids):  # (all of them when the module runs whole)
     assert status[cid] == want[cid], cid
   assert all(r["api_key"] in ("alice", "limited") for r in records)
 
 
 def test_watchdog_fails_the_streams_of_a_hung_step(tmp_path):
-  s = ServerProc.start(tmp_path, *TINY, "--watchdog_s", "1", "--fault_injection")
+  s = ServerProc.start(tmp_path, *TINY, "--watchdog_s", "1", "--fault_injection",
+                       "--http_port", "0")
   try:
     t0 = time.monotonic()
     with s.channel() as ch:
@@ -233,5 +270,11 @@ def test_watchdog_fails_the_streams_of_a_hung_step(tmp_path):
       assert not js_grpc.OrchestratorStub(ch).HealthCheck(js.HealthCheckRequest(),
                                                           timeout=5).is_live
     assert s.health("") == NOT_SERVING and s.health("phaseserve.v1.Generation") == NOT_SERVING
+    for path in ("/health", "/ready"):  # HTTP's liveness and readiness fail with the engine
+      conn = http.client.HTTPConnection("127.0.0.1", s.http_port, timeout=10)
+      conn.request("GET", path)
+      r = conn.getresponse()
+      assert (r.status, json.loads(r.read())) == (503, {"status": "failed"})
+      conn.close()
   finally:
     assert s.stop() == 0, s.log()

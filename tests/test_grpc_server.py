@@ -216,8 +216,9 @@ def _bad_requests():
       (P(n=9, **ok), "n"),
       (P(slo_class="gold", **ok), "slo_class"),
       (P(logprobs=50, **ok), "logprobs"),
-      (P(messages=pb.Messages(messages=[pb.ChatMessage(role="user", content="hi")]),
-         max_tokens=4), "messages"),  # the tiny preset has no chat template
+      (P(messages=pb.Messages(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+         max_tokens=4), "messages"),
+      (P(messages=pb.Messages(messages=[]), max_tokens=4), "messages"),
   ]
 
 
