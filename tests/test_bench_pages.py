@@ -1,5 +1,6 @@
-"""launch.bench_pages smoke test: the CLI runs on the tiny preset at minimal sizes and prints one
-JSON object with positive timings; a bad flag exits 2 with a one-line error."""
+"""launch.bench_pages smoke test: the CLI runs on the tiny preset at minimal sizes (with the int8
+pool) and prints one JSON object with positive timings; a bad flag exits 2 with a one-line
+error."""
 
 import json
 import os
@@ -17,7 +18,7 @@ def _run(*args, timeout=60):
 
 def test_tiny_bench_json():
   r = _run("--model", "tiny", "--dtype", "float32", "--batch", "2", "--context", "32",
-           "--page_sizes", "16", "--steps", "1", "--repeats", "1", "--json")
+           "--page_sizes", "16", "--steps", "1", "--repeats", "1", "--kv_int8", "--json")
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert (out["model"], out["batch"], out["context"]) == ("tiny", 2, 32)
@@ -25,6 +26,8 @@ def test_tiny_bench_json():
   assert [p["page_size"] for p in out["paged"]] == [16]
   p = out["paged"][0]
   assert p["ms_per_step"] > 0 and p["x_contiguous"] > 0 and p["x_contiguous_best"] > 0
+  assert p["int8_ms_per_step"] > 0 and p["int8_x_paged"] > 0
+  assert p["int8_kv_bytes"] / p["kv_bytes"] == (16 + 4) / (16 * 4)  # tiny: H = 16, f32 pages
 
 
 def test_page_size_must_divide_context():
