@@ -4,9 +4,10 @@ Contract:
   * ``Point``: one configuration (source ``predicted`` or ``measured``, phase, weights, chips,
     batch, layout label) with ``latency_s`` (decode: per generated token, i.e. one step;
     prefill: the whole prompt pass), ``mfu`` and ``cost`` (chip-seconds per token).
-  * ``predicted(model, hardware, chips, batches, context, phases, weights)``: every feasible
-    candidate of ``partitioning.planner.plan`` (every layout x attention x mesh on exactly that
-    many chips) for each (chips, batch, phase, weights), as points.
+  * ``predicted(model, hardware, chips, batches, context, phases, weights, calibration=None)``:
+    every feasible candidate of ``partitioning.planner.plan`` (every layout x attention x mesh on
+    exactly that many chips) for each (chips, batch, phase, weights), as points (source
+    ``calibrated`` when a ``partitioning.calibration.Calibration`` is given).
   * ``measured(sweep_json)``: the rows of a ``launch.sweep_partitioning`` result (its own
     programs only, not the ``same_as`` duplicates), as points on its mesh.
   * ``pareto(points, against)``: the points no other point of the same source and phase
@@ -30,6 +31,7 @@ from typing import Iterable, Sequence
 
 from models.config import ModelConfig
 from partitioning import planner
+from partitioning.calibration import Calibration
 from partitioning.hardware import Hardware
 
 COLUMNS = ("source", "phase", "weights", "chips", "batch", "context", "layout", "latency_s",
@@ -56,19 +58,22 @@ class Point:
 
 def predicted(model: ModelConfig, hardware: Hardware, chips: Sequence[int],
               batches: Sequence[int], context: int, phases: Sequence[str] = ("decode", "prefill"),
-              weights: Sequence[str] = ("bf16", "int8")) -> list[Point]:
+              weights: Sequence[str] = ("bf16", "int8"),
+              calibration: Calibration | None = None) -> list[Point]:
   out = []
   for n in chips:
     for phase in phases:
       for w in weights:
         for b in batches:
           try:
-            p = planner.plan(model, hardware, n, phase, b, context, w)  # type: ignore[arg-type]
+            p = planner.plan(model, hardware, n, phase, b, context, w,  # type: ignore[arg-type]
+                             calibration=calibration)
           except planner.NoFeasiblePlan:
             continue
           for c in p.candidates:
             mesh = ".".join(map(str, c.mesh))
-            out.append(Point("predicted", phase, w, n, b, context,
+            out.append(Point("calibrated" if calibration else "predicted", phase, w, n, b,
+                             context,
                              f"{c.layout}+{c.attention} {mesh}", c.latency_s, c.mfu,
                              c.cost_chip_s_per_token))
   return out
@@ -142,7 +147,8 @@ def _plot(points: Sequence[Point], path: str, title: str) -> None:
   import matplotlib.pyplot as plt
   phases = [ph for ph in ("decode", "prefill") if any(p.phase == ph for p in points)]
   fig, axes = plt.subplots(len(phases), 2, figsize=(12, 4.8 * len(phases)), squeeze=False)
-  style = {"predicted": ("tab:blue", "o"), "measured": ("tab:red", "s")}
+  style = {"predicted": ("tab:blue", "o"), "calibrated": ("tab:green", "^"),
+           "measured": ("tab:red", "s")}
   for row, phase in zip(axes, phases):
     for ax, against in zip(row, ("mfu", "cost")):
       for source, (color, marker) in style.items():

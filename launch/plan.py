@@ -41,6 +41,8 @@ _OBJECTIVE = flags.DEFINE_string(
 _LATENCY_BOUND_MS = flags.DEFINE_float(
     "latency_bound_ms", None, "Drop candidates slower than this (milliseconds per step).")
 _TOP = flags.DEFINE_integer("top", 10, "Candidates to print.")
+_CALIBRATION = flags.DEFINE_string("calibration", None,
+                                   "A launch.calibrate JSON: plan with the calibrated model.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
@@ -72,12 +74,19 @@ def main(argv: list[str]) -> None:
     if _TOP.value < 1:
       raise ValueError(f"--top must be >= 1, got {_TOP.value}")
     # Flag strings are validated by plan() (ValueError), hence the Literal ignores.
+    calibration = None
+    if _CALIBRATION.value:
+      from partitioning.calibration import load
+      calibration = load(_CALIBRATION.value)
+      if calibration.hardware and calibration.hardware != hardware.name:
+        raise ValueError(f"--calibration was fitted for {calibration.hardware}, not "
+                         f"{hardware.name}")
     result = plan(model, hardware, _CHIPS.value,
                   _PHASE.value,  # type: ignore[arg-type]
                   _BATCH.value, _CONTEXT.value,
                   weights=_WEIGHTS.value,  # type: ignore[arg-type]
                   objective=_OBJECTIVE.value,  # type: ignore[arg-type]
-                  latency_bound_s=bound)
+                  latency_bound_s=bound, calibration=calibration)
   except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
   if _JSON.value:

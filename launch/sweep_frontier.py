@@ -9,7 +9,8 @@ Predicted: every feasible layout x attention x mesh of the cost model on each ``
 of ``--hardware`` (a named target), for each ``--batches`` x ``--weights`` x ``--phases`` at
 ``--context`` (``launch.frontier.predicted``). Measured (``--measured DIR``, a
 ``launch.sweep_partitioning`` output): its timed programs on the live devices, on the same
-figure. Writes ``--out``/frontier.csv (every point, Pareto flags), frontier.json (each frontier's
+figure. ``--calibration FILE`` (``launch.calibrate``): the calibrated frontier beside the
+uncalibrated one. Writes ``--out``/frontier.csv (every point, Pareto flags), frontier.json (each frontier's
 two ends: lowest latency, highest MFU) and frontier.png; prints the ends as JSON. Bad flags exit
 2.
 """
@@ -32,6 +33,8 @@ _CONTEXT = flags.DEFINE_integer("context", 2048, "context (decode) / prompt (pre
 _PHASES = flags.DEFINE_list("phases", ["decode", "prefill"], "phases")
 _WEIGHTS = flags.DEFINE_list("weights", ["bf16", "int8"], "weight dtypes")
 _MEASURED = flags.DEFINE_string("measured", None, "a launch.sweep_partitioning --out directory")
+_CALIBRATION = flags.DEFINE_string("calibration", None, "a launch.calibrate JSON: adds the "
+                                   "calibrated frontier beside the uncalibrated one")
 _OUT = flags.DEFINE_string("out", None, "output directory (required)")
 
 
@@ -50,13 +53,20 @@ def main(argv: list[str]) -> None:
     raise CliError("--chips and --batches must be positive")
   from launch import frontier, machine
   from models.config import get_preset
+  from partitioning import calibration
   from partitioning.hardware import get_hardware
   try:
     cfg = get_preset(_MODEL.value)
     hw = get_hardware(_HARDWARE.value)
     points = frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
                                 _WEIGHTS.value)
-  except ValueError as e:
+    if _CALIBRATION.value:
+      c = calibration.load(_CALIBRATION.value)
+      if c.hardware and c.hardware != hw.name:
+        raise ValueError(f"--calibration was fitted for {c.hardware}, not {hw.name}")
+      points += frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
+                                   _WEIGHTS.value, calibration=c)
+  except (OSError, ValueError) as e:
     raise CliError(str(e))
   if _MEASURED.value:
     try:

@@ -16,6 +16,7 @@ from ``--out``/cache, ``--refresh`` re-times them). Prints the summary as JSON. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -95,7 +96,8 @@ def main(argv: list[str]) -> None:
   x, y, z = mesh_shape(mesh)
   dev = jax.devices()[0]
   meta = {"model": cfg.name, "mesh": [x, y, z], "devices": f"{dev.platform}:{dev.device_kind}",
-          "hardware": hw.name, "machine": machine.describe(),
+          "hardware": hw.name, "hardware_spec": dataclasses.asdict(hw),
+          "machine": machine.describe(),
           "title": f"{cfg.name} on {x}x{y}x{z} {dev.platform} ({hw.name} cost model)"}
   paths = ps.write(sweep, _OUT.value, meta)
   print(json.dumps({**sweep.summary(), "files": paths}))

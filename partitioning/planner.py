@@ -12,6 +12,9 @@ first (meshes with identical predicted cost for the same layouts, e.g. y <-> z s
 the most cubic one; ws_1d's cost depends only on the chip count, so its meshes collapse the same
 way) and the dropped combinations.
 
+With ``calibration`` (``partitioning.calibration``) every candidate's cost is the calibrated one
+(fractions of peak achieved, fixed overheads), so choices and figures follow measured runs.
+
 Objectives: ``latency`` minimises step latency on exactly ``chips`` chips. ``cost`` minimises
 chip-seconds per token and may use a sub-slice: any divisor of ``chips`` (the remaining chips
 can serve another replica), so ``Plan.best.mesh`` may multiply to fewer than ``chips``.
@@ -30,6 +33,7 @@ from partitioning import cost_model
 from partitioning.cost_model import (
     ATTENTION_LAYOUTS, FFN_LAYOUTS, AttentionLayout, FfnLayout, Mesh, Phase, StepCost,
     WeightsDtype)
+from partitioning.calibration import Calibration
 from partitioning.hardware import Hardware
 
 Objective = Literal["latency", "cost"]
@@ -149,7 +153,7 @@ def _sort_key(objective: Objective,
 
 def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch: int,
          context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
-         latency_bound_s: float | None = None) -> Plan:
+         latency_bound_s: float | None = None, calibration: Calibration | None = None) -> Plan:
   """Best layout for the workload; see the module docstring."""
   if chips < 1:
     raise ValueError(f"chips must be >= 1, got {chips}")
@@ -176,6 +180,8 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
           if reason is None:
             cost = cost_model.step_cost(
                 model, hardware, layout, attention, mesh, phase, batch, context, weights)
+            if calibration is not None:
+              cost = calibration.apply(cost, model.num_layers)
             if not cost.fits:
               reason = (f"does not fit in HBM: {cost.hbm_bytes_per_chip / 2**30:.1f} GiB per "
                         f"chip > {hardware.hbm_bytes / 2**30:.1f} GiB")

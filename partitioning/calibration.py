@@ -1,0 +1,125 @@
+"""A calibration of the analytic cost model: achieved fractions of peak, fitted to measured runs.
+
+The cost model (``partitioning.cost_model``) is an optimistic bound: peak FLOP/s, peak HBM and
+link bandwidth, no fixed costs. A ``Calibration`` rescales its terms:
+
+  latency = max(compute_s / flops_fraction, (weight_mem_s + kv_mem_s) / hbm_fraction)
+            + (comm_s - collective_floor_s) / link_fraction
+            + collective_floor_s * hop_scale
+            + num_layers * layer_overhead_s
+
+(``hop_scale``: the per-collective hop latency relative to the hardware preset's). MFU and cost
+per token follow from the calibrated latency; the other fields are the uncalibrated ones.
+
+Contract:
+  * ``Calibration(...).apply(cost, num_layers) -> StepCost``; ``IDENTITY`` changes nothing.
+  * ``Sample(cost, num_layers, measured_s, label)``: one measured step with its uncalibrated cost.
+  * ``fit(samples, hardware, free=FREE, source=) -> Calibration``: least squares on
+    log(calibrated / measured) over the ``free`` parameters (the others stay at identity), each
+    within ``BOUNDS``; raises ``ValueError`` with fewer samples than free parameters.
+  * ``errors(calibration, samples) -> list[float]``: calibrated / measured per sample.
+  * ``save(calibration, path)`` / ``load(path)``: JSON. The planner (``planner.plan(...,
+    calibration=)``), ``launch.sweep_frontier --calibration`` and ``launch.plan --calibration``
+    use a loaded calibration when one is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Sequence
+
+import numpy as np
+
+from partitioning.cost_model import StepCost
+
+PARAMS = ("flops_fraction", "hbm_fraction", "link_fraction", "hop_scale", "layer_overhead_s")
+FREE = PARAMS
+# (low, high) of each parameter in the fit.
+BOUNDS = {"flops_fraction": (0.01, 1.0), "hbm_fraction": (0.01, 1.0),
+          "link_fraction": (0.01, 1.0), "hop_scale": (0.0, 1000.0),
+          "layer_overhead_s": (0.0, 0.05)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  hardware: str = ""  # the hardware preset it was fitted for
+  flops_fraction: float = 1.0  # achieved / peak matmul FLOP/s
+  hbm_fraction: float = 1.0  # achieved / peak HBM bandwidth
+  link_fraction: float = 1.0  # achieved / peak collective bandwidth
+  hop_scale: float = 1.0  # per-collective hop latency / the preset's
+  layer_overhead_s: float = 0.0  # fixed seconds per layer and step (norms, kernels, launches)
+  source: str = ""  # what it was fitted on
+
+  def apply(self, c: StepCost, num_layers: int) -> StepCost:
+    compute = c.compute_s / self.flops_fraction
+    mem = (c.weight_mem_s + c.kv_mem_s) / self.hbm_fraction
+    comm_bw = max(0.0, c.comm_s - c.collective_floor_s) / self.link_fraction
+    floor = c.collective_floor_s * self.hop_scale
+    latency = max(compute, mem) + comm_bw + floor + num_layers * self.layer_overhead_s
+    return dataclasses.replace(
+        c, latency_s=latency, mfu=c.mfu * c.latency_s / latency,
+        cost_chip_s_per_token=latency * c.n_chips / c.tokens)
+
+
+IDENTITY = Calibration()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  cost: StepCost  # uncalibrated
+  num_layers: int
+  measured_s: float
+  label: str = ""
+
+
+def _with(values: Sequence[float], free: Sequence[str], hardware: str, source: str
+          ) -> Calibration:
+  return Calibration(hardware=hardware, source=source, **dict(zip(free, values)))
+
+
+def fit(samples: Sequence[Sample], hardware: str, free: Sequence[str] = FREE,
+        source: str = "") -> Calibration:
+  from scipy.optimize import least_squares
+  free = tuple(free)
+  if len(samples) < len(free):
+    raise ValueError(f"{len(samples)} samples cannot fit {len(free)} parameters")
+  lo = np.asarray([BOUNDS[p][0] for p in free])
+  hi = np.asarray([BOUNDS[p][1] for p in free])
+  x0 = np.asarray([min(max(getattr(IDENTITY, p), BOUNDS[p][0]), BOUNDS[p][1]) for p in free])
+  x0 = np.where(x0 >= hi, lo + 0.5 * (hi - lo), x0)  # start inside the box
+
+  def residuals(x):
+    cal = _with(x, free, hardware, source)
+    return [math.log(cal.apply(s.cost, s.num_layers).latency_s / s.measured_s)
+            for s in samples]
+
+  best = None
+  for start in (x0, lo + 0.1 * (hi - lo), lo + 0.5 * (hi - lo)):  # a few starts: max() kinks
+    r = least_squares(residuals, np.clip(start, lo, hi), bounds=(lo, hi), x_scale="jac")
+    if best is None or r.cost < best.cost:
+      best = r
+  return _with(best.x.tolist(), free, hardware, source)
+
+
+def errors(cal: Calibration, samples: Sequence[Sample]) -> list[float]:
+  return [cal.apply(s.cost, s.num_layers).latency_s / s.measured_s for s in samples]
+
+
+def save(cal: Calibration, path: str) -> None:
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(cal), f, indent=1)
+
+
+def load(path: str) -> Calibration:
+  with open(path) as f:
+    d = json.load(f)
+  unknown = set(d) - {f.name for f in dataclasses.fields(Calibration)}
+  if unknown:
+    raise ValueError(f"{path}: unknown calibration fields {sorted(unknown)}")
+  return Calibration(**d)
+
+
+__all__ = ["Calibration", "IDENTITY", "Sample", "fit", "errors", "save", "load", "PARAMS",
+           "BOUNDS"]

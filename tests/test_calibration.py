@@ -1,0 +1,106 @@
+"""partitioning.calibration: identity changes nothing; a fit recovers known fractions from
+synthetic measurements (made by a known calibration) and generalises to held-out workloads;
+save / load round-trips; the planner and launch.calibrate use it. Tolerances: the recovered
+latencies within 1% of the synthetic ones (the fit is exact up to the optimiser's tolerance)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models.config import get_preset
+from partitioning import calibration as cal
+from partitioning import cost_model, planner
+from partitioning.hardware import get_hardware
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HW = get_hardware("tpu-v4")
+M = get_preset("palm-62b")
+TRUE = cal.Calibration("tpu-v4", flops_fraction=0.6, hbm_fraction=0.4, link_fraction=0.5,
+                       hop_scale=3.0, layer_overhead_s=2e-5)
+
+
+def _samples(workloads):
+  out = []
+  for layout, attn, mesh, phase, batch, ctx, w in workloads:
+    c = cost_model.step_cost(M, HW, layout, attn, mesh, phase, batch, ctx, w)
+    out.append(cal.Sample(c, M.num_layers, TRUE.apply(c, M.num_layers).latency_s))
+  return out
+
+
+WORK = [(f, a, mesh, ph, b, 2048, w)
+        for f, a, mesh in (("ws_2d", "batch_yz", (2, 2, 4)), ("ws_1d", "heads", (2, 2, 4)),
+                           ("wg_xyz", "batch_xyz", (2, 2, 4)), ("ws_2d", "heads", (2, 2, 2)))
+        for ph, b in (("decode", 1), ("decode", 64), ("prefill", 1), ("prefill", 32))
+        for w in ("bf16", "int8") if cost_model.check_layout(f, a, mesh, b) is None]
+
+
+def test_identity_changes_nothing():
+  c = cost_model.step_cost(M, HW, "ws_2d", "batch_yz", (2, 2, 4), "decode", 64, 2048, "int8")
+  assert cal.IDENTITY.apply(c, M.num_layers) == c
+
+
+def test_fit_recovers_a_known_calibration_and_generalises():
+  train, test = WORK[::2], WORK[1::2]
+  fitted = cal.fit(_samples(train), "tpu-v4")
+  for r in cal.errors(fitted, _samples(test)):  # workloads the fit never saw
+    assert r == pytest.approx(1.0, rel=0.01)
+  assert fitted.flops_fraction == pytest.approx(0.6, rel=0.05)
+  assert fitted.hbm_fraction == pytest.approx(0.4, rel=0.05)
+  # Uncalibrated, the same workloads are off by far more than 1%: the check can fail.
+  assert max(abs(r - 1) for r in cal.errors(cal.IDENTITY, _samples(test))) > 0.3
+
+
+def test_too_few_samples_and_save_load(tmp_path):
+  with pytest.raises(ValueError, match="cannot fit"):
+    cal.fit(_samples(WORK[:2]), "tpu-v4")
+  path = str(tmp_path / "c.json")
+  cal.save(TRUE, path)
+  assert cal.load(path) == TRUE
+  (tmp_path / "bad.json").write_text(json.dumps({"flops_fraction": 1, "typo": 2}))
+  with pytest.raises(ValueError, match="unknown calibration fields"):
+    cal.load(str(tmp_path / "bad.json"))
+
+
+def test_the_planner_uses_a_calibration():
+  raw = planner.plan(M, HW, 16, "decode", 64, 2048, "int8").best
+  calibrated = planner.plan(M, HW, 16, "decode", 64, 2048, "int8", calibration=TRUE).best
+  assert calibrated.latency_s > 1.5 * raw.latency_s
+  assert calibrated.mfu < raw.mfu
+
+
+def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
+  hw = dataclasses.asdict(HW)
+  rows, cells = [], []
+  for f, a, mesh, ph, b, ctx, w in WORK:
+    if mesh != (2, 2, 4):
+      continue
+    c = cost_model.step_cost(M, HW, f, a, mesh, ph, b, ctx, w)
+    rows.append({"phase": ph, "batch": b, "seq": ctx, "weights": w, "ffn": f, "attn": a,
+                 "measured_s": TRUE.apply(c, M.num_layers).latency_s, "same_as": ""})
+    if (ph, b, ctx, w) not in [(x["phase"], x["batch"], x["seq"], x["weights"]) for x in cells]:
+      cells.append({"phase": ph, "batch": b, "seq": ctx, "weights": w})
+  (tmp_path / "sw").mkdir()
+  (tmp_path / "sw" / "sweep.json").write_text(json.dumps(
+      {"model": "palm-62b", "mesh": [2, 2, 4], "hardware_spec": hw, "rows": rows,
+       "cells": cells}))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  out = str(tmp_path / "cal.json")
+  r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--sweep", str(tmp_path / "sw"),
+                      "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  rep = json.loads(r.stdout.strip().splitlines()[-1])
+  assert rep["held_out_samples"] > 0
+  assert rep["calibrated"]["held_out"]["median_abs_log"] < 0.01
+  assert rep["uncalibrated"]["held_out"]["median_abs_log"] > 0.3
+  assert cal.load(out).hardware == "tpu-v4"
+  r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--published", "tpu-v4"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  rep = json.loads(r.stdout.strip().splitlines()[-1])
+  for s in rep["samples"]:  # two figures, two parameters: reproduced
+    assert s["calibrated_s"] == pytest.approx(s["measured_s"], rel=0.01)
