@@ -116,8 +116,8 @@ def run(cfg: ModelConfig, mesh: Mesh, grid: Grid, hardware: Hardware, out_dir: s
     for m in r.measurements:
       mem_s = None
       try:
-        c = cost_model.step_cost(cfg, hardware, m.ffn, m.attn, shape, phase,  # type: ignore[arg-type]
-                                 batch, seq, w)  # type: ignore[arg-type]
+        c = cost_model.step_cost(cfg, hardware, m.ffn, m.attn,  # type: ignore[arg-type]
+                                 shape, phase, batch, seq, w)  # type: ignore[arg-type]
         mem_s = c.weight_mem_s + c.kv_mem_s
       except ValueError:
         pass

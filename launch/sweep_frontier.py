@@ -10,9 +10,9 @@ of ``--hardware`` (a named target), for each ``--batches`` x ``--weights`` x ``-
 ``--context`` (``launch.frontier.predicted``). Measured (``--measured DIR``, a
 ``launch.sweep_partitioning`` output): its timed programs on the live devices, on the same
 figure. ``--calibration FILE`` (``launch.calibrate``): the calibrated frontier beside the
-uncalibrated one. Writes ``--out``/frontier.csv (every point, Pareto flags), frontier.json (each frontier's
-two ends: lowest latency, highest MFU) and frontier.png; prints the ends as JSON. Bad flags exit
-2.
+uncalibrated one. Writes ``--out``/frontier.csv (every point, Pareto flags), frontier.json
+(each frontier's two ends: lowest latency, highest MFU) and frontier.png; prints the ends as
+JSON. Bad flags exit 2.
 """
 
 from __future__ import annotations
