@@ -5,7 +5,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
-``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``) for
+``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``,
+``--scan_layers``) for
 ``launch.serve_offline`` and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
@@ -66,6 +67,8 @@ HOST_TIER = flags.DEFINE_integer("host_tier_bytes", 0, "host-memory tier for KV 
 KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16", "int8"],
                              "KV page dtype (auto: the activation dtype; int8: per-token, per-head "
                              "scales)")
+SCAN = flags.DEFINE_bool("scan_layers", False, "mode single: one lax.scan over stacked layers "
+                         "(compile time independent of depth; see BUILD_NOTES)")
 SINKS = flags.DEFINE_bool("attention_sinks", False, "a raw-key KV pool: requests may ask for "
                           "attention sinks + a window (StreamingLLM; mode single only)")
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
@@ -115,7 +118,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
         attention_sinks=SINKS.value)
     steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
-                                       PREFILL_DEVICES.value, HARDWARE.value),
+                                       PREFILL_DEVICES.value, HARDWARE.value, SCAN.value),
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
                        max_context=config.max_context, quantized=QUANTIZE.value == "int8")
     loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,

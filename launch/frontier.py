@@ -160,7 +160,7 @@ def _plot(points: Sequence[Point], path: str, title: str) -> None:
         front = pareto(pts, against)
         ax.plot([p.latency_s for p in front], ys(front), marker=marker, color=color, lw=1.2,
                 ms=4, label=f"{source} Pareto")
-        for p in front[:: max(1, len(front) // 8)]:
+        for p in front[:: max(1, -(-len(front) // 5))]:  # at most five labels per frontier
           ax.annotate(p.label, (p.latency_s, ys([p])[0]), fontsize=6, alpha=0.8,
                       xytext=(3, 3), textcoords="offset points")
       unit = "s per token (one step)" if phase == "decode" else "s per prompt pass"
@@ -175,7 +175,7 @@ def _plot(points: Sequence[Point], path: str, title: str) -> None:
       ax.grid(alpha=0.3, which="both")
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=90)
   plt.close(fig)
 
 

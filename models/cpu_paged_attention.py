@@ -13,7 +13,8 @@ Contract:
     float32 scales ``[L, P, K, Z, 1]``, one per token and kv head): for row b and query head n
     (kv head ``n // G``), softmax attention of ``q_BNH[b, n]`` (f32, already scaled by
     ``H ** -0.5`` and rounded as the caller wants) over keys ``s < min(pos_B[b] + 1,
-    max_keys)`` of layer ``layer`` of the pool ``[L, P, K, Z, H]``,
+    max_keys)`` of layer ``layer`` (an int, or a traced int32 scalar such as a ``lax.scan``'s
+    layer index: an operand of the call) of the pool ``[L, P, K, Z, H]``,
     key ``s`` read at page ``table_BM[b, s // Z]``, offset ``s % Z``. A table entry outside
     ``[0, P)`` reads as zeros (the null page of ``models.paged_kv``). A row with no visible key
     gives zeros. Only the visible keys are touched: nothing is gathered or materialised.
@@ -502,8 +503,10 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
                                     ffi::AnyBuffer k, ffi::AnyBuffer v,
                                     ffi::Buffer<ffi::F32> kscale, ffi::Buffer<ffi::F32> vscale,
                                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
-                                    ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                                    int64_t max_keys, int32_t bf16_dot) {
+                                    ffi::Buffer<ffi::S32> layer_buf,
+                                    ffi::ResultBuffer<ffi::F32> out, int64_t max_keys,
+                                    int32_t bf16_dot) {
+  const int64_t layer = layer_buf.element_count() == 1 ? int64_t(*layer_buf.typed_data()) : -1;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto td = table.dimensions();
@@ -558,8 +561,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseservePagedDecodeAttention, PagedDecodeAttenti
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("layer")
                                   .Attr<int64_t>("max_keys")
                                   .Attr<int32_t>("bf16_dot"));
 """
@@ -593,7 +596,7 @@ def supported(n_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
 
 
 def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
-                     pos_B: jax.Array, layer: int, max_keys: int) -> jax.Array:
+                     pos_B: jax.Array, layer: int | jax.Array, max_keys: int) -> jax.Array:
   """See the module contract (call only when ``available()`` and ``supported(...)``)."""
   if not available():
     raise RuntimeError("the native paged attention is not available in this process")
@@ -612,7 +615,8 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
                           vmap_method="sequential")
   return call(q_BNH.astype(jnp.float32), k_pages, v_pages, k_scale.astype(jnp.float32),
               v_scale.astype(jnp.float32), table_BM.astype(jnp.int32),
-              pos_B.astype(jnp.int32), layer=np.int64(layer), max_keys=np.int64(max_keys),
+              pos_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
+              max_keys=np.int64(max_keys),
               bf16_dot=np.int32(1 if bf16_dot() else 0))
 
 

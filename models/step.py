@@ -29,7 +29,7 @@ from models import transformer
 from models.config import ModelConfig
 from models.kv_cache import KVStore
 from models.paged_kv import PagedKV, init_paged
-from models.weights import Params
+from models.weights import Params, stack_layers
 
 
 class Step(Protocol):
@@ -51,8 +51,10 @@ class Step(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class UnshardedStep:
-  """The model on one device."""
+  """The model on one device; ``scan_layers``: params stacked (``models.weights.stack_layers``),
+  every program one ``lax.scan`` over the layers (compile time independent of depth)."""
   cfg: ModelConfig
+  scan_layers: bool = False
 
   def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len):
     return transformer.prefill(params, tokens_BT, kv, start_B, lens_B, cfg=self.cfg,
@@ -63,6 +65,8 @@ class UnshardedStep:
                                    active_B=active_B)
 
   def place_params(self, params: Params) -> Params:
+    if self.scan_layers:
+      params = jax.jit(stack_layers)(params)
     return jax.device_put(params, jax.local_devices()[0])
 
   def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False
@@ -72,4 +76,5 @@ class UnshardedStep:
 
   def describe(self) -> dict[str, object]:
     dev = jax.local_devices()[0]
-    return {"kind": "unsharded", "device": f"{dev.platform}:{dev.id}", "model": self.cfg.name}
+    return {"kind": "unsharded", "device": f"{dev.platform}:{dev.id}", "model": self.cfg.name,
+            "layers": "scan" if self.scan_layers else "unrolled"}

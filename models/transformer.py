@@ -11,6 +11,10 @@ Contract:
     length.
   * ``decode_step(params, tokens_B, cache, cfg=..., attend_len=...)`` appends one token to every
     active row, each at its own position ``cache.lengths[b]`` (ragged batch).
+  * ``params`` in either layout of ``models.weights``: a list of layers (a Python loop: every
+    layer its own code, the fastest steps) or stacked (``stack_layers``: one ``lax.scan`` over
+    the layers, so a program's compile time does not grow with depth; the layer index reaching
+    the KV store is then traced).
   * ``attend_len`` (static) is how many cache positions attention reads: a padded bucket covering
     every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
     ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
@@ -32,7 +36,7 @@ from models import kv_cache, quant
 from models.config import ModelConfig
 from models.kv_cache import KVStore
 from models.layers import Rotation, mlp, rms_norm, rotate, rotation
-from models.weights import Params
+from models.weights import Params, is_stacked
 
 Store = TypeVar("Store", bound=KVStore)  # KVCache or paged_kv.PagedKV
 
@@ -87,9 +91,18 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
   rot = rotation(c.pos_BT, cfg.head_dim, cfg.rope_theta)
   rot_q = rotation(cache.rope_positions(c.pos_BT), cfg.head_dim, cfg.rope_theta) \
       if cache.raw_keys else rot
-  for l, layer in enumerate(params["layers"]):
-    x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, rot_q, cfg,
-                          attend_len)
+  if is_stacked(params):  # one traced layer in a loop: compile time independent of depth
+    def body(carry, xs):
+      x, store = carry
+      layer, l = xs
+      return _block(x, layer, l, store, c.pos_BT, c.wpos_BT, rot, rot_q, cfg, attend_len), None
+
+    (x_BTD, cache), _ = jax.lax.scan(
+        body, (x_BTD, cache), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+  else:
+    for l, layer in enumerate(params["layers"]):
+      x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, rot_q, cfg,
+                            attend_len)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
   logits = _unembed(params, x_BTD, cfg)

@@ -10,6 +10,9 @@ are their own buffers and a Python loop over layers never slices a stacked array
   embed [V, D]; unembed [D, V] (untied only); final_norm [D];
   layers[i]: attn_norm [D], mlp_norm [D] (serial block only), q [D, N, H], k [D, K, H],
              v [D, K, H], o [N, H, D], gate [D, F], up [D, F], down [F, D].
+``stack_layers(params)`` is the other layout, for a ``lax.scan`` over layers (compile time
+independent of depth, ``models.transformer``): ``layers`` one dict whose every leaf has a leading
+``[L]`` axis (a ``QuantArray``'s values and scales alike); ``is_stacked`` tells them apart.
 """
 
 from __future__ import annotations
@@ -141,3 +144,16 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
     return info.logical_axes
 
   return jax.tree.map(one, param_infos(cfg), is_leaf=_is_info)
+
+
+
+def stack_layers(params: Params) -> Params:
+  """The same params with ``layers`` stacked: one dict of ``[L, ...]`` leaves."""
+  if is_stacked(params):
+    return params
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+  return {**params, "layers": stacked}
+
+
+def is_stacked(params: Params) -> bool:
+  return isinstance(params["layers"], dict)

@@ -4,7 +4,8 @@ Contract: ``Deployment`` names the mode and (optionally) each phase's layout as 
 ``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized)`` returns
 ``Steps(step, decode, kv_shards, describe)`` for ``serving.engine.Engine(step, ...,
 decode=decode)``:
-  * ``single``: ``models.step.UnshardedStep`` on the first device.
+  * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: its params
+    stacked, one ``lax.scan`` over the layers per program).
   * ``interleaved``: one mesh over ``devices`` (default all); prefill and decode each in its own
     layout (``partitioning.paged_step.phase_steps``: one resident params copy when the layouts
     share a stored weight layout, else decode kept in the prefill layout's family). When the two
@@ -39,10 +40,13 @@ class Deployment:
   decode_layout: str | None = None
   prefill_devices: int | None = None  # disaggregated: devices for prefill (default half)
   hardware: str = "local"
+  scan_layers: bool = False  # single: one lax.scan over stacked layers (models.transformer)
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+    if self.scan_layers and self.mode != "single":
+      raise ValueError("scan_layers runs in mode single only (the sharded step loops)")
     for name in ("prefill_layout", "decode_layout"):
       v = getattr(self, name)
       if v is not None and len(v.split(":")) != 2:
@@ -75,7 +79,7 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
                max_context: int, quantized: bool,
                devices: Sequence[jax.Device] | None = None) -> Steps:
   if deployment.mode == "single":
-    step = UnshardedStep(cfg)
+    step = UnshardedStep(cfg, deployment.scan_layers)
     return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
   from partitioning import paged_step as PS
   from partitioning.mesh import make_mesh, make_submeshes
