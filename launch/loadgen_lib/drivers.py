@@ -143,8 +143,7 @@ class JetstreamDriver:
     except self.grpc.aio.AioRpcError as e:
       return Outcome(e.code().name, e.details() or "", sent, first, time.monotonic(),
                      tuple(ids), "", len(ids))
-    return Outcome("ok", "", sent, first, time.monotonic(), tuple(ids), "", len(ids),
-                   len(prompt_ids))
+    return Outcome("ok", "", sent, first, time.monotonic(), tuple(ids), "", len(ids))
 
   async def close(self) -> None:
     await self.channel.close()
