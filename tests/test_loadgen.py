@@ -142,6 +142,16 @@ def test_trace_jsonl_and_csv(tmp_path):
     workload.load_trace(str(tmp_path / "bad.jsonl"))
 
 
+def test_a_trace_is_replayed_as_recorded_and_rescaled_for_capacity(tmp_path):
+  trace = tuple(workload.TraceRow(1.0 + 2.0 * i, 10, 4) for i in range(5))  # 0.5/s from 1 s
+  cfg = app.LoadgenConfig(drivers.DriverConfig("openai", "x"), str(tmp_path),
+                          workload=workload.WorkloadConfig("trace", 1.0, 500))
+  as_is = app._workload(cfg, 1.0, trace)
+  assert [s.arrival_s for s in as_is.sessions] == [0.0, 2.0, 4.0, 6.0, 8.0]
+  fast = app._workload(dataclasses.replace(cfg, find_capacity=True), 4.0, trace)
+  np.testing.assert_allclose([s.arrival_s for s in fast.sessions], [0, 0.25, 0.5, 0.75, 1.0])
+
+
 def _rec(status="ok", ttft=0.1, tpot=0.01, out=10, slo=PRESETS["interactive"]):
   ok = status == "ok"
   return runner.RequestRecord(0, 0, 0.0, 0.0, status, "", 8, 8, 0, out, out if ok else 0,

@@ -1,21 +1,23 @@
 """What the load generator sends: sessions of turns, from a length profile or a trace file.
 
 Contract: ``build_sessions(cfg, arrival_s, rng)`` gives one ``SessionSpec`` per arrival; every
-request is a session (most of one turn). A turn's prompt is the previous turn's prompt + its
+request is a session (most have one turn). A turn's prompt is the previous turn's prompt + its
 answer + the turn's ``new_ids`` (the runner builds it, the answer is known only then); a later
 turn is sent ``pause_s`` after the previous one ended (a tool call), so sessions arrive open-loop
 and their turns follow each other. ``load_trace(path)`` reads a JSONL or CSV trace.
 
-Profiles (token counts; a length is ``median * exp(sigma * N(0, 1))`` rounded and clipped to
-``[lo, hi]``; ``length_scale`` multiplies medians, bounds and the shared prefix):
+Profiles (token counts as median, s = sigma, [lo, hi]: a length is ``median * exp(sigma *
+N(0, 1))`` rounded and clipped to ``[lo, hi]``; ``length_scale`` multiplies medians, bounds and
+the shared prefix):
 
-| profile | prompt | output | other | default SLO |
-| --- | --- | --- | --- | --- |
-| interactive | 256, s 0.7, [16, 2048] | 128, s 0.6, [8, 512] | | interactive |
-| long_context | 4096, s 0.5, [1024, 16384] | 256, s 0.5, [32, 1024] | | long |
-| batch | 512, s 0.8, [32, 4096] | 512, s 0.6, [64, 2048] | | server |
-| shared_prefix | 1024 common ids + 64, s 0.5, [8, 256] | 64, s 0.5, [8, 256] | one prefix | interactive |
-| multi_turn | 256, s 0.6, [32, 1024]; then 48, s 0.6, [8, 256] per turn | 96, s 0.6, [8, 256] | 2-4 turns, tool pause exponential, mean 1 s | interactive |
+* ``interactive``: prompt 256, s 0.7, [16, 2048]; output 128, s 0.6, [8, 512]; SLO interactive.
+* ``long_context``: prompt 4096, s 0.5, [1024, 16384]; output 256, s 0.5, [32, 1024]; SLO long.
+* ``batch``: prompt 512, s 0.8, [32, 4096]; output 512, s 0.6, [64, 2048]; SLO server.
+* ``shared_prefix``: one prefix of 1024 ids common to every request + a suffix of 64, s 0.5,
+  [8, 256]; output 64, s 0.5, [8, 256]; SLO interactive.
+* ``multi_turn``: 2-4 turns (uniform); turn 1's prompt 256, s 0.6, [32, 1024], each later turn
+  adds 48, s 0.6, [8, 256] new ids; output 96, s 0.6, [8, 256] per turn; a tool pause before
+  each later turn, exponential with mean 1 s; SLO interactive.
 
 Prompt ids are uniform over ``[lo_id, vocab_size)`` (``lo_id`` = min(100, vocab / 4), clear of
 special ids), distinct per request; text APIs get them as words (``ids_to_text``: one word per
