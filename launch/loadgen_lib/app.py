@@ -8,9 +8,10 @@ three files into ``out_dir/rates/rate_<r>/`` as soon as that rate ends, then ``c
 rate) reuses every finished rate and measures only the rest. An open-loop run at one rate is
 not resumable (its arrivals are one schedule). For phaseserve and jetstream targets, a
 ``vocab_size`` of 0 and a ``max_context`` of -1 are read from phaseserve's ``ServerInfo`` on the
-same port. ``warmup_requests`` short requests go one after another before the first measured
-run and are not recorded; when every one fails, ``run`` raises ``RuntimeError`` (the target is
-down or refuses everything). Raises ``ValueError`` for a bad configuration.
+same port (without one, ``vocab_size`` must be given and nothing is clipped).
+``warmup_requests`` short requests go one after another before the first measured run and are
+not recorded; when every one fails, ``run`` raises ``RuntimeError`` (the target is down or
+refuses everything). Raises ``ValueError`` for a bad configuration.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ def _resolve(cfg: LoadgenConfig) -> LoadgenConfig:
   w = cfg.workload
   if cfg.driver.api != "openai" and (w.vocab_size == 0 or w.max_context < 0):
     info = drivers.server_info(cfg.driver)
-    if info is None:
-      raise RuntimeError(f"{cfg.driver.target}: no phaseserve ServerInfo; give --vocab_size and "
-                         "--max_context")
-    w = dataclasses.replace(w, vocab_size=w.vocab_size or info[0],
-                            max_context=info[1] if w.max_context < 0 else w.max_context)
+    if info is None and w.vocab_size == 0:
+      raise RuntimeError(f"{cfg.driver.target}: no phaseserve ServerInfo (not phaseserve, or "
+                         "down); give --vocab_size")
+    if info is not None:
+      w = dataclasses.replace(w, vocab_size=w.vocab_size or info[0],
+                              max_context=info[1] if w.max_context < 0 else w.max_context)
   if w.vocab_size <= 0:
     w = dataclasses.replace(w, vocab_size=32000)  # openai: ids only choose words
   if w.max_context < 0:
