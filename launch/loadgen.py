@@ -19,7 +19,7 @@ SLO targets per second, rejections and errors by status) and ``latency.png``; wi
 ones) and ``capacity.csv``, ``capacity.json``, ``capacity.png``. SLO: ``--slo`` preset
 (MLPerf Inference v5.0: interactive 450 ms / 40 ms, server 2 s / 200 ms, long 6 s / 175 ms) or
 ``TTFT_S:TPOT_S``, times ``--slo_scale``. Prints the summary as one JSON line; exit 2 on bad
-flags or an unreachable target.
+flags or an unreachable target, 130 on Ctrl-C (finished rates kept).
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ def main(argv: list[str]) -> None:
     out = app.run(cfg)
   except (ValueError, RuntimeError, OSError) as e:
     raise CliError(str(e)) from None
+  except KeyboardInterrupt:
+    print("interrupted: every finished rate is kept in --out; rerun the command to resume",
+          file=sys.stderr)
+    sys.exit(130)
   keep = ("best_rate_per_s", "measured_rates", "reused_rates", "sent", "ok", "rejected",
           "errors", "throughput_rps", "goodput_rps", "meets_slo_p99", "ttft_s", "tpot_s")
   print(json.dumps({k: out[k] for k in keep if k in out} | {"out": _OUT.value}))
