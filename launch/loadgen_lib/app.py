@@ -148,15 +148,18 @@ def run(cfg: LoadgenConfig) -> dict:
   if trace and cfg.workload.profile != "trace":
     cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, profile="trace"))
   fp = fingerprint(cfg)
-  base = {"fingerprint": fp, "config": dataclasses.asdict(cfg), "machine": machine_info()}
+  base = {"fingerprint": fp, "config": dataclasses.asdict(cfg)}
   os.makedirs(cfg.out_dir, exist_ok=True)
   session = _Session(cfg)
   try:
     def one(rate: float, out_dir: str) -> dict:
       wl = _workload(cfg, rate, trace)
       started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+      before = machine_info()
       result = session.measure(wl, slo)
-      summary = {**base, "rate_per_s": rate, "started": started,
+      after = machine_info()
+      machine_load = {**before, "load_avg_1m_after": after.get("load_avg_1m")}
+      summary = {**base, "machine": machine_load, "rate_per_s": rate, "started": started,
                  "planned_requests": wl.requests, "clipped": wl.clipped,
                  "warmup_statuses": session.warmup, **report.summarize(result, slo)}
       report.write_run(out_dir, result, summary, slo)
