@@ -167,6 +167,9 @@ def test_summary_percentiles_goodput_rejections_errors():
   assert s["ttft_s"]["p99"] == pytest.approx(0.99)
   assert s["good"] == 45 and s["goodput_rps"] == pytest.approx(4.5)  # ttft <= 450 ms
   assert s["throughput_rps"] == pytest.approx(10.0) and not s["meets_slo_p99"]
+  spread = [dataclasses.replace(r, session=i, scheduled_s=0.5 * i) for i, r in enumerate(recs)]
+  assert report.summarize(runner.RunResult(tuple(spread), 60.0, 0.0, 0), slo)[
+      "offered_sessions_per_s"] == pytest.approx(2.0)
   recs = [_rec(ttft=0.1) for _ in range(97)] + [_rec("RESOURCE_EXHAUSTED"), _rec("http_429"),
                                                  _rec("INTERNAL")]
   s = report.summarize(runner.RunResult(tuple(recs), 2.0, 0.0, 0), slo)

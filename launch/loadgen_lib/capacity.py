@@ -22,10 +22,11 @@ from typing import Callable
 
 from launch.loadgen_lib.report import write_csv, write_json
 
-ROW_COLUMNS = ("rate_per_s", "source", "sent", "ok", "rejected", "errors", "ttft_p50_s",
-               "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s",
-               "e2e_p50_s", "e2e_p99_s", "p99_ttft_all_s", "p99_tpot_all_s", "throughput_rps",
-               "goodput_rps", "output_tokens_per_s", "max_send_lag_s", "meets_slo_p99")
+ROW_COLUMNS = ("rate_per_s", "offered_sessions_per_s", "source", "sent", "ok", "rejected",
+               "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s",
+               "tpot_p99_s", "e2e_p50_s", "e2e_p99_s", "p99_ttft_all_s", "p99_tpot_all_s",
+               "throughput_rps", "goodput_rps", "output_tokens_per_s", "max_send_lag_s",
+               "meets_slo_p99")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +117,10 @@ def find_capacity(search: Search, store: RateStore,
 
 def _row(rate: float, s: dict, source: str) -> dict:
   row = {"rate_per_s": rate, "source": source}
-  for k in ("sent", "ok", "rejected", "errors", "p99_ttft_all_s", "p99_tpot_all_s",
-            "throughput_rps", "goodput_rps", "output_tokens_per_s", "max_send_lag_s",
-            "meets_slo_p99"):
-    row[k] = s[k]
+  for k in ("offered_sessions_per_s", "sent", "ok", "rejected", "errors", "p99_ttft_all_s",
+            "p99_tpot_all_s", "throughput_rps", "goodput_rps", "output_tokens_per_s",
+            "max_send_lag_s", "meets_slo_p99"):
+    row[k] = s.get(k)  # older summaries lack offered_sessions_per_s
   for m in ("ttft", "tpot", "e2e"):
     for q in ("p50", "p90", "p99"):
       if f"{m}_{q}_s" in ROW_COLUMNS:
@@ -143,7 +144,10 @@ def _plot(path: str, rows: list[dict], slo: dict) -> None:
     ax.legend()
   axes[2].plot(rates, [r["throughput_rps"] for r in rows], marker="o", label="throughput")
   axes[2].plot(rates, [r["goodput_rps"] for r in rows], marker="s", label="goodput")
-  axes[2].plot(rates, rates, ls=":", color="gray", label="offered")
+  offered = [(r["rate_per_s"], r["offered_sessions_per_s"]) for r in rows
+             if r["offered_sessions_per_s"] is not None]
+  axes[2].plot([x for x, _ in offered], [y for _, y in offered], ls=":", marker=".",
+               color="gray", label="offered (sampled)")
   axes[2].set(xlabel="request rate (1/s)", ylabel="requests/s", title="throughput, goodput")
   axes[2].legend()
   fig.tight_layout()

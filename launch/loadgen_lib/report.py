@@ -7,7 +7,9 @@ API gives them) over the ok requests; throughput (ok requests/s, output tokens/s
 time), goodput (ok requests meeting both SLO targets, per second of wall time), and the SLO
 verdict at p99 over *all* sent requests, a failed one counting as infinitely late
 (``meets_slo_p99``). Percentiles are nearest-rank (the smallest value with at least q of the
-values at or below it). ``write_run(out_dir, result, summary)`` writes the three files, each
+values at or below it). ``offered_sessions_per_s`` is the schedule's own arrival rate (sessions
+- 1 over the first to last arrival: a short run's sample differs from the nominal rate).
+``write_run(out_dir, result, summary)`` writes the three files, each
 atomically (a temp file renamed), so a crash leaves no half-written file.
 """
 
@@ -53,13 +55,16 @@ def summarize(result: RunResult, slo: Slo) -> dict:
   good = sum(r.meets_slo for r in recs)
   wall = result.wall_s
   out_tokens = sum(r.output_tokens for r in ok)
+  starts = sorted(r.scheduled_s for r in recs if r.turn == 0)
+  offered = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and \
+      starts[-1] > starts[0] else None
   return {
       "sent": len(recs), "ok": len(ok), "turns_not_sent": result.turns_not_sent,
       "rejected": sum(n for s, n in failed.items() if s in REJECTED),
       "errors": sum(n for s, n in failed.items() if s not in REJECTED),
       "rejected_by_status": {s: n for s, n in sorted(failed.items()) if s in REJECTED},
       "errors_by_status": {s: n for s, n in sorted(failed.items()) if s not in REJECTED},
-      "wall_s": wall, "max_send_lag_s": result.max_send_lag_s,
+      "wall_s": wall, "max_send_lag_s": result.max_send_lag_s, "offered_sessions_per_s": offered,
       "throughput_rps": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
       "output_tokens": out_tokens, "good": good, "goodput_rps": good / wall,
       "slo": dataclasses.asdict(slo),
