@@ -323,6 +323,12 @@ void item_i8(const Job& j, int64_t it, float* s, float* acc, float* kf) {
   finish<G>(o, acc, lrun, H);
 }
 
+// n int8 values (n % 32 == 0) to bf16, exactly.
+inline void widen_bf16(const int8_t* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32)
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(ld(src + i + 16), ld(src + i)));
+}
+
 inline uint16_t to_bf16(float x) {  // round to nearest even (x finite)
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -334,34 +340,48 @@ inline uint16_t to_bf16(float x) {  // round to nearest even (x finite)
 // (exact: q arrives rounded to bf16), 16 keys per transpose-reduce; the value product by
 // vdpbf16ps over key pairs with the probabilities rounded to bf16 (as the gather path rounds
 // them before its value product). The accumulators hold each 32-column block of H in the lane
-// order of _mm512_unpack{lo,hi}_epi16 (undone at the end).
-template <int G>
+// order of _mm512_unpack{lo,hi}_epi16 (undone at the end). int8 pages (T = int8_t) take the
+// same loops: each page's K and V are widened to bf16 scratch (exact: |x| <= 127), the logits
+// multiplied by the K scales and the probabilities by the V scales before their rounding.
+template <typename T, int G>
 void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
-               const uint16_t* zeros, uint16_t* qb, uint32_t* pp) {
+               const uint16_t* zeros, uint16_t* qb, uint32_t* pp, uint16_t* kw, uint16_t* vw) {
+  constexpr bool kI8 = std::is_same_v<T, int8_t>;
   const Item r = locate(j, it, G);
   if (r.nkeys <= 0) return;
   const int64_t kh = r.kh, H = j.H, Z = j.Z, nkeys = r.nkeys;
   const float* q = r.q;
   float* o = r.o;
-  for (int64_t i = 0; i < G * H; ++i) {
-    uint32_t u;
-    std::memcpy(&u, q + i, 4);
-    qb[i] = uint16_t(u >> 16);
-  }
+  // bf16 pools: q arrives rounded to bf16 (exact here); int8 pools: f32 q, rounded to nearest.
+  for (int64_t i = 0; i < G * H; ++i) qb[i] = to_bf16(q[i]);
   float mrun[G], lrun[G];
   for (int64_t g = 0; g < G; ++g) { mrun[g] = -INFINITY; lrun[g] = 0.f; }
   std::memset(acc, 0, sizeof(float) * G * H);
   const int64_t page_elems = r.page_elems, pages = r.pages;
-  const uint16_t* kbase = static_cast<const uint16_t*>(j.k) + r.base;
-  const uint16_t* vbase = static_cast<const uint16_t*>(j.v) + r.base;
+  const T* kbase = static_cast<const T*>(j.k) + r.base;
+  const T* vbase = static_cast<const T*>(j.v) + r.base;
   const int32_t* tab = r.tab;
   const int64_t Z2 = Z / 2;
   for (int64_t m = 0; m < pages; ++m) {
     const int64_t nz = std::min<int64_t>(Z, nkeys - m * Z);
     const int64_t p = tab[m];
     const bool real = p >= 0 && p < j.P;
-    const uint16_t* kp = real ? kbase + p * page_elems : zeros;
-    const uint16_t* vp = real ? vbase + p * page_elems : zeros;
+    const uint16_t* kp = zeros;
+    const uint16_t* vp = zeros;
+    const float* ksp = nullptr;
+    const float* vsp = nullptr;
+    if constexpr (kI8) {
+      if (real) {
+        widen_bf16(kbase + p * page_elems, kw, Z * H);
+        widen_bf16(vbase + p * page_elems, vw, Z * H);
+        kp = kw, vp = vw;
+        ksp = j.ks + r.sbase + p * j.K * Z;
+        vsp = j.vs + r.sbase + p * j.K * Z;
+      }
+    } else if (real) {
+      kp = kbase + p * page_elems;
+      vp = vbase + p * page_elems;
+    }
     // prefetch the next page: this row's, or the first of the next item (kh of the next item)
     int64_t pn = -1, kn = kh;
     if (m + 1 < pages) {
@@ -373,11 +393,11 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
     const bool pf = pn >= 0 && pn < j.P;
     for (int64_t z0 = 0; z0 < nz; z0 += 16) {
       if (pf) {
-        const uint16_t* kb0 = kbase + (kn - kh) * Z * H;
-        const uint16_t* vb0 = vbase + (kn - kh) * Z * H;
+        const T* kb0 = kbase + (kn - kh) * Z * H;
+        const T* vb0 = vbase + (kn - kh) * Z * H;
         const char* nk = reinterpret_cast<const char*>(kb0 + pn * page_elems + z0 * H);
         const char* nv = reinterpret_cast<const char*>(vb0 + pn * page_elems + z0 * H);
-        for (int64_t c = 0; c < 16 * H * 2; c += 64) {
+        for (int64_t c = 0; c < 16 * H * int64_t(sizeof(T)); c += 64) {
           _mm_prefetch(nk + c, _MM_HINT_T0);
           _mm_prefetch(nv + c, _MM_HINT_T0);
         }
@@ -391,12 +411,18 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
             a[i] = _mm512_dpbf16_ps(a[i], qv,
                                     (__m512bh)_mm512_loadu_si512(kp + (z0 + i) * H + h));
         }
-        _mm512_storeu_ps(s + g * Z + z0, reduce16(a));
+        __m512 lg = reduce16(a);
+        if (kI8 && ksp) lg = _mm512_mul_ps(lg, _mm512_loadu_ps(ksp + z0));
+        _mm512_storeu_ps(s + g * Z + z0, lg);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * Z;
       const float corr = softmax_page(sg, nz, Z, mrun[g], lrun[g]);  // zeros past nz
+      if (kI8 && vsp)  // the sum above is of the probabilities; the values get the V scales
+        for (int64_t z = 0; z < Z; z += 16)
+          _mm512_storeu_ps(sg + z, _mm512_mul_ps(_mm512_loadu_ps(sg + z),
+                                                 _mm512_loadu_ps(vsp + z)));
       for (int64_t z2 = 0; z2 < Z2; ++z2)
         pp[g * Z2 + z2] = uint32_t(to_bf16(sg[2 * z2])) | (uint32_t(to_bf16(sg[2 * z2 + 1])) << 16);
       if (corr != 1.f) scale_row(acc + g * H, corr, H);
@@ -445,6 +471,18 @@ void run_items(const std::shared_ptr<Job>& jp) {
   std::vector<float> s(G * j.Z), acc(G * j.H);
   const int64_t items = j.B * j.K;
   if constexpr (std::is_same_v<T, int8_t>) {
+    if (j.dp) {
+      std::vector<uint16_t> qb(G * j.H), kw(j.Z * j.H), vw(j.Z * j.H), zb(j.Z * j.H, 0);
+      std::vector<uint32_t> pp(G * j.Z / 2);
+      int64_t it = jp->next.fetch_add(1);
+      while (it < items) {
+        const int64_t nxt = jp->next.fetch_add(1);
+        item_bf16<int8_t, G>(j, it, nxt, s.data(), acc.data(), zb.data(), qb.data(), pp.data(),
+                             kw.data(), vw.data());
+        it = nxt;
+      }
+      return;
+    }
     const int64_t z16 = (j.Z + 15) / 16 * 16;
     std::vector<float> s8(G * z16), kf(z16 * j.H);
     for (int64_t it = jp->next.fetch_add(1); it < items; it = jp->next.fetch_add(1))
@@ -459,7 +497,8 @@ void run_items(const std::shared_ptr<Job>& jp) {
       int64_t it = jp->next.fetch_add(1);
       while (it < items) {
         const int64_t nxt = jp->next.fetch_add(1);  // known early: its first page is prefetched
-        item_bf16<G>(j, it, nxt, s.data(), acc.data(), zeros.data(), qb.data(), pp.data());
+        item_bf16<uint16_t, G>(j, it, nxt, s.data(), acc.data(), zeros.data(), qb.data(),
+                               pp.data(), nullptr, nullptr);
         it = nxt;
       }
       return;
@@ -520,7 +559,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   if (j.B == 0) return ffi::Error::Success();
   const auto et = k.element_type();
   const bool bf16 = et == ffi::BF16;
-  j.dp = bf16 && bf16_dot && j.Z % 16 == 0 && j.H % 32 == 0;
+  j.dp = (bf16 || et == ffi::S8) && bf16_dot && j.Z % 16 == 0 && j.H % 32 == 0;
   if (!bf16 && et != ffi::F32 && et != ffi::S8)
     return ffi::Error::InvalidArgument(
         "phaseserve_paged_decode_attention: pages f32, bf16 or s8");

@@ -7,7 +7,9 @@ FMAs), null table entries, rows of every length from 1 key to the full table, ``
 Tolerances, relative to the reference's magnitude ``max(1, max|ref|)``: f32 pages 1e-5 (the
 same products, summed in another order); bf16 pages 2e-2 (both paths round q and the
 probabilities to bf16 and the output to bf16: one bf16 rounding step is 2^-8 = 3.9e-3 relative);
-int8 pages 1e-5 (both paths dequantize the same int8 values and scales and compute in f32).
+int8 pages 1e-5 on the f32 path (both dequantize the same int8 values and scales and compute in
+f32), and the bf16 tolerance on the AVX-512 BF16 path (int8 values are exact in bf16; q and the
+probabilities are rounded to bf16 as for bf16 pages).
 """
 
 import os
@@ -70,7 +72,7 @@ def _case(rng, b, n, kh, h, z, m, dtype, layers=2):
 @pytest.mark.parametrize("b,n,kh,h,z,m", [(5, 9, 3, 64, 16, 4), (6, 12, 1, 64, 64, 2),
                                           (4, 4, 1, 16, 8, 5), (3, 2, 2, 32, 16, 3)])
 @pytest.mark.parametrize("dtype,bf16_dot", [("float32", "1"), ("bfloat16", "1"),
-                                            ("bfloat16", "0"), ("int8", "1")])
+                                            ("bfloat16", "0"), ("int8", "1"), ("int8", "0")])
 def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monkeypatch):
   monkeypatch.setenv("PHASESERVE_PAGED_BF16_DOT", bf16_dot)
   rng = np.random.default_rng(b * 100 + n)
@@ -81,7 +83,9 @@ def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monke
       ref = attention.attend(q, *kv.read(layer, max_keys), jnp.minimum(pos, max_keys - 1)[:, None])
       got = jax.jit(kv.attend, static_argnums=(0, 3))(layer, q, pos[:, None], max_keys)
       assert got.shape == ref.shape and got.dtype == ref.dtype
-      assert_close(got, ref, TOL[dtype])
+      bf16_math = dtype == "int8" and bf16_dot == "1" and cpa.bf16_dot() and z % 16 == 0 \
+          and h % 32 == 0  # int8 pages on the AVX-512 BF16 path round q and p to bf16
+      assert_close(got, ref, TOL["bfloat16" if bf16_math else dtype])
 
 
 @needs_kernel
@@ -137,4 +141,4 @@ def test_model_decode_through_the_kernel_equals_the_gather_path(dtype, monkeypat
   monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")  # the gather path (a fresh trace)
   ref, native_off = decode()
   assert native and not native_off
-  assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2, "int8": 1e-4}[dtype])
+  assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2, "int8": 5e-2}[dtype])
