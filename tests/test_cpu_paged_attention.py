@@ -1,8 +1,8 @@
 """models.cpu_paged_attention: the native decode attention over the page pool equals the gather
 path (``PagedKV.read`` + ``models.attention.attend``) for f32, bf16 and int8 pages (values
 and per-token, per-head scales), both bf16 code paths (AVX-512 BF16 dot products, and f32
-FMAs), null table entries, rows of every length from 1 key to the full table, ``max_keys`` below the table's capacity, multiquery and grouped heads;
-``PagedKV.attend`` picks it for decode and the model's decode logits agree with the gather path.
+FMAs), null table entries, rows of every length from 1 key to the full table, ``max_keys``
+below the table's capacity, multiquery and grouped heads; ``PagedKV.attend`` picks it for decode and the model's decode logits agree with the gather path.
 
 Tolerances, relative to the reference's magnitude ``max(1, max|ref|)``: f32 pages 1e-5 (the
 same products, summed in another order); bf16 pages 2e-2 (both paths round q and the
