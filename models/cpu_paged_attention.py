@@ -28,11 +28,11 @@ Contract:
 How: one work item per (row, kv head), handed out to XLA's intra-op threads from an atomic
 counter (rows of unequal length balance themselves). Per page: the G query heads' logits
 (one row of K per key, dot over H in 16-lane FMAs), the running max / sum update, then the value
-product with the G x H accumulators held across the page's keys. int8 pages: each page's K is
-widened to f32 (scale folded in) once, then 16 keys' logits per transpose-reduce; V is widened
-in registers. Measured on the Zen 5 dev VM (SmolLM2 shapes, batch 8, context 2048, 30 layers):
-12.8 ms against 6.5 ms for bf16 pages (the AVX-512 BF16 dot products) and 16.6 ms for f32
-pages: on this CPU the int8 loop is compute-bound (BUILD_NOTES.md "int8 KV cache").
+product with the G x H accumulators held across the page's keys. int8 pages: with AVX-512 BF16
+(and Z % 16 == 0, H % 32 == 0) each page's K and V are widened to bf16 scratch (exact) and run
+the bf16 loops, the logits times the K scales and the probabilities times the V scales; without
+it, K is widened to f32 (scale folded in) once per page and V in registers. Measured on the
+Zen 5 dev VM (SmolLM2 shapes, batch 8, context 2048): BUILD_NOTES.md "int8 KV cache".
 """
 
 from __future__ import annotations
