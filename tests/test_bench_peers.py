@@ -1,0 +1,87 @@
+"""launch.bench_peers at tiny size with every peer absent (their paths point at an empty dir), and
+the model writers it relies on (models.hf_export, models.gguf_export) round-tripping exactly."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from launch.peers import core
+from models.gguf_export import write_gguf
+from models.gguf_import import load_gguf
+from models.hf_export import save_hf_checkpoint
+from models.hf_import import load_hf_checkpoint
+from models.loader import load_model
+
+
+def _max_diff(a, b) -> float:
+  return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_writers_round_trip(tmp_path):
+  cfg, params, _ = load_model("tiny")
+  save_hf_checkpoint(cfg, params, tmp_path / "hf", "float32")
+  cfg_hf, params_hf = load_hf_checkpoint(tmp_path / "hf")
+  assert cfg_hf.replace(name=cfg.name) == cfg
+  assert _max_diff(params, params_hf) == 0.0
+  write_gguf(cfg, params, tmp_path / "m.gguf", "F32")
+  cfg_g, params_g = load_gguf(tmp_path / "m.gguf")
+  assert cfg_g.replace(name=cfg.name) == cfg
+  assert _max_diff(params, params_g) == 0.0  # Q/K permuted and un-permuted exactly
+  write_gguf(cfg, params, tmp_path / "q.gguf", "Q8_0")
+  _, params_q = load_gguf(tmp_path / "q.gguf")
+  scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(params))
+  assert 0.0 < _max_diff(params, params_q) < scale / 100  # int8 blocks of 32: ~1/254 of a max
+
+
+def test_bench_peers_smoke_every_peer_absent(tmp_path):
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  out = tmp_path / "out"
+  r = subprocess.run(
+      [sys.executable, "-m", "launch.bench_peers", "--model", "tiny", "--prompt", "16",
+       "--new_tokens", "4", "--batches", "1,2", "--repeats", "1", "--offline=false",
+       "--trace_requests", "2", "--trace_prompt", "8", "--trace_tokens", "4",
+       "--ref_python", str(empty / "python"), "--llamacpp_bin", str(empty),
+       "--vllm_python", str(empty / "python"), "--peak_size", "64", "--bandwidth_mb", "1",
+       "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=core.REPO)
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(out / "peers.csv", newline="") as f:
+    reader = csv.DictReader(f)
+    assert reader.fieldnames == core.csv_columns((1, 2))
+    rows = list(reader)
+  doc = json.loads((out / "peers.json").read_text())
+  assert doc["machine"]["cpu"] and doc["date"] and doc["commands"]
+  assert len(doc["rows"]) == len(rows)
+  by = {(r["engine"], r["weights"]): r for r in rows}
+  for key in [("phaseserve", "bf16"), ("phaseserve", "int8 (weight_only)")]:
+    assert by[key]["status"] == "ok"
+    for b in (1, 2):
+      assert float(by[key][f"prefill_tok_s_b{b}"]) > 0
+      assert float(by[key][f"decode_ms_b{b}"]) > 0
+  absent = {("transformers", "bf16"): ".venv-ref", ("llama.cpp", "BF16"): "peers-llamacpp",
+            ("llama.cpp", "Q8_0"): "peers-llamacpp", ("vLLM (CPU)", "bf16"): "peers-vllm"}
+  for key, target in absent.items():  # reported, never dropped, figures empty
+    assert by[key]["status"] == "not installed", by[key]
+    assert target in by[key]["note"]
+    assert by[key]["prefill_tok_s_b1"] == "" and by[key]["ps_speedup_decode_b1"] == ""
+  for engine in ("vLLM (CPU) OpenAI server", "phaseserve OpenAI server",
+                 "phaseserve serve_offline"):
+    assert by[(engine, "bf16")]["status"] == "not run" and by[(engine, "bf16")]["note"]
+  # The files every engine reads were written once: a HF checkpoint and both GGUF files.
+  assert (out / "model" / "hf" / "config.json").is_file()
+  assert (out / "model" / "hf" / "tokenizer.json").is_file()
+  assert (out / "model" / "model-bf16.gguf").is_file()
+  assert (out / "model" / "model-q8_0.gguf").is_file()
+
+
+@pytest.mark.parametrize("bad", [["--model", "palm-8b"], ["--batches", "0"], ["--batches", "x"]])
+def test_bench_peers_bad_flags(bad, tmp_path):
+  r = subprocess.run([sys.executable, "-m", "launch.bench_peers", "--out", str(tmp_path), *bad],
+                     capture_output=True, text=True, timeout=120, cwd=core.REPO)
+  assert r.returncode == 2 and r.stderr.startswith("error:"), r.stderr
