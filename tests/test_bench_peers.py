@@ -85,3 +85,22 @@ def test_bench_peers_bad_flags(bad, tmp_path):
   r = subprocess.run([sys.executable, "-m", "launch.bench_peers", "--out", str(tmp_path), *bad],
                      capture_output=True, text=True, timeout=120, cwd=core.REPO)
   assert r.returncode == 2 and r.stderr.startswith("error:"), r.stderr
+
+
+def test_ratios_against_the_same_weight_class():
+  ok = core.OK
+  rows = [core.PeerRow("phaseserve", "bf16", ok, prefill_tok_s={1: 200.0}, decode_ms={1: 10.0}),
+          core.PeerRow("phaseserve", "int8 (weight_only)", ok, prefill_tok_s={1: 400.0},
+                       decode_ms={1: 5.0}),
+          core.PeerRow("phaseserve serve_offline", "bf16", ok, offline_tok_s=300.0),
+          core.PeerRow("llama.cpp", "BF16", ok, prefill_tok_s={1: 100.0}, decode_ms={1: 20.0}),
+          core.PeerRow("llama.cpp", "Q8_0", ok, prefill_tok_s={1: 800.0}, decode_ms={1: 2.5}),
+          core.PeerRow("vLLM (CPU)", "bf16", ok, offline_tok_s=600.0),
+          core.PeerRow("transformers", "bf16", core.FAILED, "exit 1: boom")]
+  core._ratios(rows, (1,))
+  assert rows[3].ratios == {"prefill_b1": 2.0, "decode_b1": 2.0}
+  assert rows[3].compared_to == "phaseserve bf16"
+  assert rows[4].ratios == {"prefill_b1": 0.5, "decode_b1": 0.5}  # Q8_0 against int8
+  assert rows[4].compared_to == "phaseserve int8 (weight_only)"
+  assert rows[5].ratios == {"offline": 0.5}
+  assert rows[6].ratios == {} and rows[0].ratios == {}
