@@ -3,6 +3,7 @@ the model writers it relies on (models.hf_export, models.gguf_export) round-trip
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -104,3 +105,44 @@ def test_ratios_against_the_same_weight_class():
   assert rows[4].compared_to == "phaseserve int8 (weight_only)"
   assert rows[5].ratios == {"offline": 0.5}
   assert rows[6].ratios == {} and rows[0].ratios == {}
+
+
+_FAKE_LOADGEN = '''
+import argparse, json, os, urllib.request
+ap = argparse.ArgumentParser()
+ap.add_argument("--api"); ap.add_argument("--target"); ap.add_argument("--out")
+ap.add_argument("--find_capacity", action="store_true")
+a = ap.parse_args()
+assert a.api == "openai"
+req = urllib.request.Request(a.target + "/v1/completions", method="POST",
+    data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode(),
+    headers={"Content-Type": "application/json"})
+with urllib.request.urlopen(req, timeout=120) as r:
+  body = json.loads(r.read())
+os.makedirs(a.out, exist_ok=True)
+with open(os.path.join(a.out, "capacity.json"), "w") as f:
+  json.dump({"summary": {"capacity_rps": 1.25, "served": body["usage"]}}, f)
+'''
+
+
+@pytest.mark.slow
+def test_capacity_step_with_a_stand_in_loadgen(tmp_path, monkeypatch):
+  """The OpenAI-server capacity wiring (start, readiness, loadgen, capacity_rps, stop) against
+  phaseserve's real server on `tiny`, with a stand-in for launch.loadgen; vLLM absent."""
+  (tmp_path / "fake_loadgen.py").write_text(_FAKE_LOADGEN)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(core.REPO)]))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  cfg = core.PeersConfig(
+      model="tiny", out=str(tmp_path / "out"), prompt=16, new_tokens=4, batches=(1,), repeats=1,
+      offline=False, trace_requests=2, trace_prompt=8, trace_tokens=4,
+      loadgen_module="fake_loadgen", ref_python=str(empty / "python"),
+      llamacpp_bin=str(empty), vllm_python=str(empty / "python"), peak_size=64, bandwidth_mb=1,
+      timeout_s=600)
+  result = core.run(cfg)
+  by = {r.engine: r for r in result.rows}
+  assert by["phaseserve OpenAI server"].status == core.OK, by["phaseserve OpenAI server"].note
+  assert by["phaseserve OpenAI server"].capacity_rps == 1.25
+  assert by["vLLM (CPU) OpenAI server"].status == core.NOT_INSTALLED
+  assert any("launch.server" in c for c in result.commands)

@@ -18,14 +18,17 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
         files, median of ``cfg.repeats`` runs;
       - vLLM's CPU build (``cfg.vllm_python``: ``launch/peers/vllm_offline.py``) offline
         throughput on the trace, with ``cfg.offline``;
-      - capacity at SLO through ``launch.loadgen --api openai``: run only when that module exists
-        (else the rows say ``not run`` and why).
+      - capacity at SLO through ``launch.loadgen --api openai`` (plus ``cfg.loadgen_args``)
+        against vLLM's OpenAI server and phaseserve's (``launch.server --http_port``), each
+        started, awaited (``/health``, ``/ready``) and stopped here; ``capacity_rps`` is read from
+        loadgen's JSON output. Run only when ``launch.loadgen`` exists (else the rows say
+        ``not run`` and why).
   * Every engine gives rows (``PeerRow``), none is dropped: ``status`` is ``ok``, ``not installed``
     (``note`` names the make target), ``not run`` (``note`` says why) or ``failed`` (``note``: the
     error, the tail of its output). Figures of a row that is not ``ok`` are None.
   * Ratios: ``ps_speedup_*`` = phaseserve's speed / the row's speed in this run (> 1: phaseserve
     is faster) against the phaseserve row of the same weight class (bf16 for float weights,
-    int8 for Q8_0): prefill tok/s, decode ms/step inverted, offline tok/s.
+    int8 for Q8_0): prefill tok/s, decode ms/step inverted, offline tok/s, capacity.
   * ``write`` puts ``peers.csv`` (``CSV_COLUMNS``) and ``peers.json`` (model, date, machine,
     config, files, commands, rows, raw outputs) in ``out_dir``.
 """
@@ -65,6 +68,8 @@ class PeersConfig:
   trace_prompt: int = 128
   trace_tokens: int = 128
   loadgen: bool = True
+  loadgen_args: str = "--find_capacity"  # more launch.loadgen flags (profile, SLO, rates)
+  loadgen_module: str = "launch.loadgen"
   ref_python: str = str(REPO / ".venv-ref" / "bin" / "python")
   llamacpp_bin: str = str(REPO / ".peers" / "llamacpp" / "build" / "bin")
   vllm_python: str = str(REPO / ".venv-vllm" / "bin" / "python")
@@ -109,7 +114,7 @@ def csv_columns(batches: Sequence[int]) -> list[str]:
   cols += ["offline_tok_s", "capacity_rps"]
   for b in batches:
     cols += [f"ps_speedup_prefill_b{b}", f"ps_speedup_decode_b{b}"]
-  return cols + ["ps_speedup_offline", "compared_to", "note"]
+  return cols + ["ps_speedup_offline", "ps_speedup_capacity", "compared_to", "note"]
 
 
 CSV_COLUMNS = csv_columns((1, 8))
@@ -360,17 +365,128 @@ def _vllm(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[str, 
   return row
 
 
-def _loadgen(cfg: PeersConfig) -> list[PeerRow]:
-  names = [("vLLM (CPU) OpenAI server", "bf16"), ("phaseserve OpenAI server", "bf16")]
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _find_number(obj: object, key: str) -> float | None:
+  """The first numeric value of ``key`` anywhere in a JSON document."""
+  if isinstance(obj, dict):
+    v = obj.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+      return float(v)
+    children: list[object] = list(obj.values())
+  elif isinstance(obj, list):
+    children = list(obj)
+  else:
+    return None
+  for c in children:
+    found = _find_number(c, key)
+    if found is not None:
+      return found
+  return None
+
+
+def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[str],
+                    ready_path: str, port: int, out: Path, env: dict[str, str] | None = None
+                    ) -> float:
+  """Starts ``server_cmd``, waits for ``ready_path`` to answer 200, runs ``launch.loadgen --api
+  openai`` against it and returns the ``capacity_rps`` of its output; the server is stopped."""
+  import signal
+  import urllib.error
+  import urllib.request
+  out.mkdir(parents=True, exist_ok=True)
+  run.commands.append(_sh(server_cmd, env) + " &")
+  run.log(f"$ {_sh(server_cmd, env)} &")
+  full_env = dict(os.environ)
+  full_env.update(env or {})
+  with open(out / "server.log", "w", encoding="utf-8") as logf:
+    proc = subprocess.Popen(server_cmd, env=full_env, cwd=str(REPO), stdout=logf,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+      deadline = time.monotonic() + cfg.timeout_s
+      while True:
+        if proc.poll() is not None:
+          raise _Failed(f"{name} server exited {proc.returncode} before ready: "
+                        f"{_tail((out / 'server.log').read_text())}")
+        try:
+          with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready_path}", timeout=5) as r:
+            if r.status == 200:
+              break
+        except (urllib.error.URLError, OSError):
+          pass
+        if time.monotonic() > deadline:
+          raise _Failed(f"{name} server not ready after {cfg.timeout_s:.0f} s")
+        time.sleep(2.0)
+      run([cfg.project_python, "-m", cfg.loadgen_module, "--api", "openai", "--target",
+           f"http://127.0.0.1:{port}", *shlex.split(cfg.loadgen_args), "--out",
+           str(out / "loadgen")])
+    finally:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+  for path in sorted((out / "loadgen").rglob("*.json")):
+    try:
+      value = _find_number(json.loads(path.read_text()), "capacity_rps")
+    except (OSError, json.JSONDecodeError):
+      continue
+    if value is not None:
+      return value
+  raise _Failed(f"no capacity_rps in launch.loadgen's output under {out / 'loadgen'}")
+
+
+def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str,
+              raw: dict[str, object]) -> list[PeerRow]:
+  """Capacity at SLO of vLLM's and phaseserve's OpenAI servers through launch.loadgen."""
+  vllm_row = PeerRow("vLLM (CPU) OpenAI server", "bf16", OK)
+  ps_row = PeerRow("phaseserve OpenAI server", "bf16", OK)
+  rows = [vllm_row, ps_row]
+  why = ""
   if not cfg.loadgen:
     why = "capacity at SLO off (--loadgen=false)"
-  elif importlib.util.find_spec("launch.loadgen") is None:
+  elif importlib.util.find_spec(cfg.loadgen_module) is None:
     why = ("launch.loadgen is not on this branch yet (issue #11 item 4): capacity at SLO with "
            "`launch.loadgen --api openai` not measured")
+  if why:
+    for r in rows:
+      r.status, r.note = NOT_RUN, why
+    return rows
+  ctx = str(max(256, 1 << (cfg.trace_prompt + cfg.trace_tokens - 1).bit_length()))
+  root = Path(cfg.out) / "raw"
+  if not _executable(cfg.vllm_python):
+    vllm_row.status = NOT_INSTALLED
+    vllm_row.note = f"no interpreter at {cfg.vllm_python}: run `make peers-vllm`"
   else:
-    why = ("launch.loadgen exists but its OpenAI-server capacity step is not wired into "
-           "bench_peers yet")
-  return [PeerRow(e, w, NOT_RUN, why) for e, w in names]
+    port = _free_port()
+    cmd = [cfg.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           files["hf_checkpoint"], "--served-model-name", served, "--dtype", "bfloat16",
+           "--max-model-len", ctx, "--host", "127.0.0.1", "--port", str(port)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}"}
+    try:
+      vllm_row.capacity_rps = _serve_and_load(cfg, run, "vLLM", cmd, "/health", port,
+                                              root / "capacity_vllm", env)
+    except _Failed as e:
+      vllm_row.status, vllm_row.note = FAILED, str(e)
+  port = _free_port()
+  cmd = [cfg.project_python, "-m", "launch.server", "--model", files["hf_checkpoint"],
+         "--dtype", "bfloat16", "--port", "0", "--http_port", str(port), "--served_model_name",
+         served, "--max_context", ctx]
+  try:
+    ps_row.capacity_rps = _serve_and_load(cfg, run, "phaseserve", cmd, "/ready", port,
+                                          root / "capacity_phaseserve")
+  except _Failed as e:
+    ps_row.status, ps_row.note = FAILED, str(e)
+  raw["capacity"] = {r.engine: r.capacity_rps for r in rows}
+  if ps_row.capacity_rps and vllm_row.capacity_rps:
+    vllm_row.ratios["capacity"] = ps_row.capacity_rps / vllm_row.capacity_rps
+    vllm_row.compared_to = "phaseserve OpenAI server"
+  return rows
 
 
 def _ratios(rows: list[PeerRow], batches: Sequence[int]) -> None:
@@ -411,7 +527,7 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersR
   else:
     rows.append(PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
                         "run only beside vLLM's offline trace (vLLM row not ok)"))
-  rows += _loadgen(cfg)
+  rows += _capacity(cfg, runner, files, str(info["name"]), raw)
   _ratios(rows, cfg.batches)
   return PeersResult(
       config=cfg, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -424,6 +540,7 @@ def _csv_row(r: PeerRow, batches: Sequence[int]) -> dict[str, object]:
                           "version": r.version, "offline_tok_s": r.offline_tok_s,
                           "capacity_rps": r.capacity_rps,
                           "ps_speedup_offline": r.ratios.get("offline"),
+                          "ps_speedup_capacity": r.ratios.get("capacity"),
                           "compared_to": r.compared_to, "note": r.note}
   for b in batches:
     d[f"prefill_tok_s_b{b}"] = r.prefill_tok_s.get(b)
@@ -455,7 +572,7 @@ def write(result: PeersResult, out_dir: str | os.PathLike[str]) -> tuple[Path, P
 def table(result: PeersResult) -> str:
   bs = result.config.batches
   head = (["engine", "weights", "status"] + [f"prefill b{b}" for b in bs]
-          + [f"ms/step b{b}" for b in bs] + ["offline tok/s"]
+          + [f"ms/step b{b}" for b in bs] + ["offline tok/s", "capacity req/s"]
           + [f"ps x pf b{b}" for b in bs] + [f"ps x dec b{b}" for b in bs])
   lines = [f"{result.raw.get('model', {})} on {result.machine.get('cpu')} at {result.date}",
            " | ".join(head)]
@@ -465,7 +582,8 @@ def table(result: PeersResult) -> str:
 
   for r in result.rows:
     cells = ([r.engine, r.weights, r.status] + [f(r.prefill_tok_s.get(b), 0) for b in bs]
-             + [f(r.decode_ms.get(b), 2) for b in bs] + [f(r.offline_tok_s, 0)]
+             + [f(r.decode_ms.get(b), 2) for b in bs]
+             + [f(r.offline_tok_s, 0), f(r.capacity_rps, 2)]
              + [f(r.ratios.get(f"prefill_b{b}"), 2) for b in bs]
              + [f(r.ratios.get(f"decode_b{b}"), 2) for b in bs])
     lines.append(" | ".join(cells) + (f"  ({r.note})" if r.note and r.status != OK else ""))
