@@ -43,6 +43,9 @@ _TRACE_T = flags.DEFINE_integer("trace_tokens", _D.trace_tokens, "tokens generat
 _LOADGEN = flags.DEFINE_bool("loadgen", _D.loadgen, "capacity at SLO (needs launch.loadgen)")
 _LOADGEN_ARGS = flags.DEFINE_string("loadgen_args", _D.loadgen_args,
                                     "more launch.loadgen flags for the capacity step")
+_CAP_CTX = flags.DEFINE_integer("capacity_context", _D.capacity_context,
+                                "context limit of both servers in the capacity step",
+                                lower_bound=16)
 _REF_PY = flags.DEFINE_string("ref_python", _D.ref_python, "transformers' Python 3.11")
 _LLAMA = flags.DEFINE_string("llamacpp_bin", _D.llamacpp_bin, "llama.cpp's bin directory")
 _VLLM_PY = flags.DEFINE_string("vllm_python", _D.vllm_python, "vLLM's Python 3.11")
@@ -73,7 +76,7 @@ def _config() -> core.PeersConfig:
       batches=batches, repeats=_REPEATS.value, param_seed=_SEED.value,
       gguf_float=_GGUF_FLOAT.value, offline=_OFFLINE.value, trace_requests=_TRACE_N.value,
       trace_prompt=_TRACE_P.value, trace_tokens=_TRACE_T.value, loadgen=_LOADGEN.value,
-      loadgen_args=_LOADGEN_ARGS.value,
+      loadgen_args=_LOADGEN_ARGS.value, capacity_context=_CAP_CTX.value,
       ref_python=_REF_PY.value, llamacpp_bin=_LLAMA.value, vllm_python=_VLLM_PY.value,
       project_python=sys.executable, threads=_THREADS.value, peak_size=_PEAK.value,
       bandwidth_mb=_BW.value, timeout_s=_TIMEOUT.value)

@@ -110,18 +110,19 @@ def test_ratios_against_the_same_weight_class():
 _FAKE_LOADGEN = '''
 import argparse, json, os, urllib.request
 ap = argparse.ArgumentParser()
-ap.add_argument("--api"); ap.add_argument("--target"); ap.add_argument("--out")
+for f in ("--api", "--target", "--out", "--model", "--vocab_size", "--max_context"):
+  ap.add_argument(f)
 ap.add_argument("--find_capacity", action="store_true")
 a = ap.parse_args()
 assert a.api == "openai"
 req = urllib.request.Request(a.target + "/v1/completions", method="POST",
-    data=json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode(),
+    data=json.dumps({"model": a.model, "prompt": "hi", "max_tokens": 2}).encode(),
     headers={"Content-Type": "application/json"})
 with urllib.request.urlopen(req, timeout=120) as r:
   body = json.loads(r.read())
 os.makedirs(a.out, exist_ok=True)
 with open(os.path.join(a.out, "capacity.json"), "w") as f:
-  json.dump({"summary": {"capacity_rps": 1.25, "served": body["usage"]}}, f)
+  json.dump({"best_rate_per_s": 1.25, "rows": [], "usage": body["usage"]}, f)
 '''
 
 
@@ -137,7 +138,8 @@ def test_capacity_step_with_a_stand_in_loadgen(tmp_path, monkeypatch):
   cfg = core.PeersConfig(
       model="tiny", out=str(tmp_path / "out"), prompt=16, new_tokens=4, batches=(1,), repeats=1,
       offline=False, trace_requests=2, trace_prompt=8, trace_tokens=4,
-      loadgen_module="fake_loadgen", ref_python=str(empty / "python"),
+      loadgen_module="fake_loadgen", loadgen_args="--find_capacity", capacity_context=256,
+      ref_python=str(empty / "python"),
       llamacpp_bin=str(empty), vllm_python=str(empty / "python"), peak_size=64, bandwidth_mb=1,
       timeout_s=600)
   result = core.run(cfg)

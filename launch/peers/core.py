@@ -13,15 +13,17 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
         ``cfg.prompt``, ``cfg.new_tokens`` steps); with ``cfg.offline``, ``launch.serve_offline``
         (bf16) on the trace;
       - Hugging Face transformers (``cfg.ref_python``: ``tests/reference/bench_hf.py``, static
-        KV cache where it works), bf16;
+        KV cache where it works, prefill computing the last logits only as phaseserve's does),
+        bf16;
       - llama.cpp (``llama-batched-bench`` in ``cfg.llamacpp_bin``) on the float and Q8_0 GGUF
         files, median of ``cfg.repeats`` runs;
       - vLLM's CPU build (``cfg.vllm_python``: ``launch/peers/vllm_offline.py``) offline
         throughput on the trace, with ``cfg.offline``;
       - capacity at SLO through ``launch.loadgen --api openai`` (plus ``cfg.loadgen_args``)
-        against vLLM's OpenAI server and phaseserve's (``launch.server --http_port``), each
-        started, awaited (``/health``, ``/ready``) and stopped here; ``capacity_rps`` is read from
-        loadgen's JSON output. Run only when ``launch.loadgen`` exists (else the rows say
+        against vLLM's OpenAI server and phaseserve's (``launch.server --http_port``, early
+        rejection off: vLLM has none), both at ``cfg.capacity_context`` tokens of context, each
+        started, awaited (``/health``, ``/ready``) and stopped here; ``capacity_rps`` is
+        ``best_rate_per_s`` of loadgen's ``capacity.json`` (requests/s meeting the SLO at p99). Run only when ``launch.loadgen`` exists (else the rows say
         ``not run`` and why).
   * Every engine gives rows (``PeerRow``), none is dropped: ``status`` is ``ok``, ``not installed``
     (``note`` names the make target), ``not run`` (``note`` says why) or ``failed`` (``note``: the
@@ -68,8 +70,11 @@ class PeersConfig:
   trace_prompt: int = 128
   trace_tokens: int = 128
   loadgen: bool = True
-  loadgen_args: str = "--find_capacity"  # more launch.loadgen flags (profile, SLO, rates)
+  # More launch.loadgen flags: its capacity search at the MLPerf "server" SLO (2 s / 200 ms).
+  loadgen_args: str = ("--find_capacity --profile interactive --slo server --rate 0.5 "
+                       "--max_rate 2 --search_steps 2 --num_requests 24 --seed 0")
   loadgen_module: str = "launch.loadgen"
+  capacity_context: int = 1024  # both servers' context limit; loadgen clips to it
   ref_python: str = str(REPO / ".venv-ref" / "bin" / "python")
   llamacpp_bin: str = str(REPO / ".peers" / "llamacpp" / "build" / "bin")
   vllm_python: str = str(REPO / ".venv-vllm" / "bin" / "python")
@@ -176,7 +181,7 @@ def _executable(path: str) -> bool:
 
 # --- the model, written once -------------------------------------------------------------------
 
-def write_model(cfg: PeersConfig, out: Path) -> tuple[dict[str, str], dict[str, object]]:
+def write_model(cfg: PeersConfig, out: Path) -> tuple[dict[str, str], dict[str, int | str]]:
   """Writes the HF dir, the GGUF files and the trace; returns (files, model info)."""
   import jax.numpy as jnp
   import numpy as np
@@ -210,7 +215,7 @@ def write_model(cfg: PeersConfig, out: Path) -> tuple[dict[str, str], dict[str, 
       f.write(json.dumps({"prompt_ids": ids, "max_tokens": cfg.trace_tokens, "temperature": 0.0,
                           "ignore_eos": True}) + "\n")
   files["trace"] = str(trace)
-  info = {"name": mcfg.name, "source": cfg.model, "param_count": mcfg.param_count(),
+  info: dict[str, int | str] = {"name": mcfg.name, "source": cfg.model, "param_count": mcfg.param_count(),
           "layers": mcfg.num_layers, "hidden": mcfg.embed_dim, "heads": mcfg.num_heads,
           "kv_heads": mcfg.num_kv_heads, "ffn": mcfg.mlp_dim, "vocab": mcfg.vocab_size}
   return files, info
@@ -279,7 +284,7 @@ def _hf(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[str, ob
   cmd = [cfg.ref_python, str(REPO / "tests" / "reference" / "bench_hf.py"), "--checkpoint",
          files["hf_checkpoint"], "--dtype", "bfloat16", "--prompt", str(cfg.prompt),
          "--new_tokens", str(cfg.new_tokens), "--batches", ",".join(map(str, cfg.batches)),
-         "--repeats", str(cfg.repeats), "--cache", "static", "--json"]
+         "--repeats", str(cfg.repeats), "--cache", "static", "--last_logits", "--json"]
   try:
     res = _last_json(run(cmd))
   except _Failed as e:
@@ -391,10 +396,11 @@ def _find_number(obj: object, key: str) -> float | None:
 
 
 def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[str],
-                    ready_path: str, port: int, out: Path, env: dict[str, str] | None = None
-                    ) -> float:
+                    ready_path: str, port: int, out: Path, served: str, vocab: int,
+                    max_context: int, env: dict[str, str] | None = None) -> float:
   """Starts ``server_cmd``, waits for ``ready_path`` to answer 200, runs ``launch.loadgen --api
-  openai`` against it and returns the ``capacity_rps`` of its output; the server is stopped."""
+  openai`` against it and returns the capacity of its output (``capacity.json``'s
+  ``best_rate_per_s``: the highest rate meeting the SLO at p99); the server is stopped."""
   import signal
   import urllib.error
   import urllib.request
@@ -422,7 +428,8 @@ def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[
           raise _Failed(f"{name} server not ready after {cfg.timeout_s:.0f} s")
         time.sleep(2.0)
       run([cfg.project_python, "-m", cfg.loadgen_module, "--api", "openai", "--target",
-           f"http://127.0.0.1:{port}", *shlex.split(cfg.loadgen_args), "--out",
+           f"http://127.0.0.1:{port}", "--model", served, "--vocab_size", str(vocab),
+           "--max_context", str(max_context), *shlex.split(cfg.loadgen_args), "--out",
            str(out / "loadgen")])
     finally:
       proc.send_signal(signal.SIGTERM)
@@ -431,17 +438,17 @@ def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[
       except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-  for path in sorted((out / "loadgen").rglob("*.json")):
-    try:
-      value = _find_number(json.loads(path.read_text()), "capacity_rps")
-    except (OSError, json.JSONDecodeError):
-      continue
-    if value is not None:
-      return value
-  raise _Failed(f"no capacity_rps in launch.loadgen's output under {out / 'loadgen'}")
+  path = out / "loadgen" / "capacity.json"
+  try:
+    value = _find_number(json.loads(path.read_text()), "best_rate_per_s")
+  except (OSError, json.JSONDecodeError) as e:
+    raise _Failed(f"launch.loadgen wrote no readable {path}: {e}") from None
+  if value is None:
+    raise _Failed(f"no best_rate_per_s in {path} (no rate met the SLO?)")
+  return value
 
 
-def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str,
+def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str, vocab: int,
               raw: dict[str, object]) -> list[PeerRow]:
   """Capacity at SLO of vLLM's and phaseserve's OpenAI servers through launch.loadgen."""
   vllm_row = PeerRow("vLLM (CPU) OpenAI server", "bf16", OK)
@@ -457,7 +464,8 @@ def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str
     for r in rows:
       r.status, r.note = NOT_RUN, why
     return rows
-  ctx = str(max(256, 1 << (cfg.trace_prompt + cfg.trace_tokens - 1).bit_length()))
+  max_context = cfg.capacity_context
+  ctx = str(max_context)
   root = Path(cfg.out) / "raw"
   if not _executable(cfg.vllm_python):
     vllm_row.status = NOT_INSTALLED
@@ -470,16 +478,18 @@ def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}"}
     try:
       vllm_row.capacity_rps = _serve_and_load(cfg, run, "vLLM", cmd, "/health", port,
-                                              root / "capacity_vllm", env)
+                                              root / "capacity_vllm", served, vocab,
+                                              max_context, env)
     except _Failed as e:
       vllm_row.status, vllm_row.note = FAILED, str(e)
   port = _free_port()
   cmd = [cfg.project_python, "-m", "launch.server", "--model", files["hf_checkpoint"],
          "--dtype", "bfloat16", "--port", "0", "--http_port", str(port), "--served_model_name",
-         served, "--max_context", ctx]
+         served, "--max_context", ctx, "--early_reject=false"]
   try:
     ps_row.capacity_rps = _serve_and_load(cfg, run, "phaseserve", cmd, "/ready", port,
-                                          root / "capacity_phaseserve")
+                                          root / "capacity_phaseserve", served, vocab,
+                                          max_context)
   except _Failed as e:
     ps_row.status, ps_row.note = FAILED, str(e)
   raw["capacity"] = {r.engine: r.capacity_rps for r in rows}
@@ -527,7 +537,7 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersR
   else:
     rows.append(PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
                         "run only beside vLLM's offline trace (vLLM row not ok)"))
-  rows += _capacity(cfg, runner, files, str(info["name"]), raw)
+  rows += _capacity(cfg, runner, files, str(info["name"]), int(info["vocab"]), raw)
   _ratios(rows, cfg.batches)
   return PeersResult(
       config=cfg, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

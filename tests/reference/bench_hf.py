@@ -10,7 +10,9 @@ Prints one JSON object: prefill tokens/s per batch and decode ms/token per batch
 Hugging Face checkpoint directory ``--checkpoint`` (loaded in ``--dtype``; the shape flags are
 then ignored). ``--cache static`` (``launch.bench_peers`` passes it) runs ``generate`` with transformers' static KV cache
 (``cache_implementation="static"``); where that raises, the dynamic cache is used and ``cache``
-in the output says so with the error. Decode ms/token = (generate N - generate 1) / (N - 1).
+in the output says so with the error. ``--last_logits``: the timed prefill forward computes only
+the last position's logits (``logits_to_keep=1``, as ``generate`` and phaseserve's prefill do;
+else all of them). Decode ms/token = (generate N - generate 1) / (N - 1).
 """
 
 import argparse
@@ -38,6 +40,8 @@ def main() -> None:
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint directory")
   ap.add_argument("--cache", default="dynamic", choices=["dynamic", "static"])
+  ap.add_argument("--last_logits", action="store_true",
+                  help="prefill computes the last position's logits only (as generate does)")
   a = ap.parse_args()
   torch.manual_seed(0)
   dtype = getattr(torch, a.dtype)
@@ -61,16 +65,18 @@ def main() -> None:
       cache = f"dynamic (static failed: {type(e).__name__}: {str(e)[:200]})"
   out = {"engine": f"transformers {transformers.__version__} / torch {torch.__version__}",
          "dtype": a.dtype, "threads": torch.get_num_threads(), "cache": cache,
-         "checkpoint": a.checkpoint, "prefill": [], "decode": []}
+         "checkpoint": a.checkpoint, "last_logits": a.last_logits, "prefill": [],
+         "decode": []}
   with torch.inference_mode():
     for b in [int(x) for x in a.batches.split(",")]:
       ids = torch.randint(0, a.vocab, (b, a.prompt))
       mask = torch.ones_like(ids)
-      model(ids)  # warm-up
+      pf_kw = {"logits_to_keep": 1} if a.last_logits else {}
+      model(ids, **pf_kw)  # warm-up
       times = []
       for _ in range(a.repeats):
         t = time.perf_counter()
-        model(ids, use_cache=True)
+        model(ids, use_cache=True, **pf_kw)
         times.append(time.perf_counter() - t)
       pf = statistics.median(times)
       out["prefill"].append({"batch": b, "tokens": a.prompt, "tok_per_s": b * a.prompt / pf})
