@@ -77,13 +77,7 @@ def main(argv: list[str]) -> None:
       raise ValueError(f"preset {cfg.name!r} is for the cost model only; too large to instantiate")
     shape = ([int(s) for s in _MESH_SHAPE.value.split(",")] if _MESH_SHAPE.value else None)
     mesh = make_mesh(shape=shape)
-    candidates = None
-    if _CANDIDATES.value:
-      candidates = [tuple(c.split(":")) for c in _CANDIDATES.value.split(",") if c]
-      for c in candidates:
-        if len(c) != 2:
-          raise ValueError(f"--candidates entries must be ffn:attn, got {':'.join(c)!r}")
-        layouts.get_ffn_layout(c[0]), layouts.get_attn_layout(c[1])
+    candidates = layouts.parse_pairs(_CANDIDATES.value) if _CANDIDATES.value else None
     hardware = None
     if _HARDWARE.value != "none":
       from partitioning.hardware import get_hardware

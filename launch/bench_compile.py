@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli, machine
 from launch.cli import CliError
@@ -49,7 +49,8 @@ def _warmup_s(cfg, scan: bool) -> tuple[float, int]:
   from models.tokenizer import ByteTokenizer
   from models.weights import init_params
   from serving import stack
-  params = jax.jit(init_params, static_argnums=(0, 2))(cfg, jax.random.key(0), jnp.float32)
+  # Eager: a jitted init of 80 layers takes minutes to compile by itself.
+  params = init_params(cfg, jax.random.key(0), jnp.float32)
   loop = stack.build(UnshardedStep(cfg, scan), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=_SLOTS.value, page_size=16, kv_pages=_SLOTS.value * _CONTEXT_MAX.value // 16,
       max_chunk=_CHUNK.value, max_prefill_chunks=1, max_context=_CONTEXT_MAX.value,
@@ -99,16 +100,9 @@ def _decode_ms(name: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.start(argv)
   from models.config import PRESET_NAMES, get_preset
-  try:
-    depths = [int(x) for x in _LAYERS.value]
-  except ValueError:
-    raise CliError(f"--layers must be integers, got {','.join(_LAYERS.value)!r}")
-  if not depths or min(depths) < 1:
-    raise CliError("--layers must be positive")
+  depths = cli.positive_ints("layers", _LAYERS.value)
   for name in (_MODEL.value, _SPEED.value):
     if name and (name not in PRESET_NAMES or name.startswith("palm")):
       raise CliError(f"not an instantiable preset: {name!r}")

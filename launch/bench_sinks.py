@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli, machine
 from launch.cli import CliError
@@ -84,9 +84,7 @@ def run() -> dict:
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.start(argv)
   r = run()
   if _JSON.value:
     print(json.dumps(r))

@@ -2,6 +2,8 @@
 
 Contract: a CLI raises ``CliError`` for bad input and calls ``run(main)`` under ``__main__``;
 bad flags (unknown flag, value out of range) and ``CliError`` both exit 2 with ``error: ...``.
+``start(argv, required=())`` is a script's first line in ``main``: warnings-only logging, no
+positional arguments, the named flags set. ``positive_ints(name, values)`` parses a list flag.
 """
 
 from __future__ import annotations
@@ -26,6 +28,26 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(str(e))
+
+
+def start(argv: list[str], required: tuple[str, ...] = ()) -> None:
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  if len(argv) > 1:
+    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  for name in required:
+    if not flags.FLAGS[name].value:
+      raise CliError(f"--{name} is required")
+
+
+def positive_ints(name: str, values: list[str]) -> tuple[int, ...]:
+  try:
+    out = tuple(int(v) for v in values)
+  except ValueError:
+    raise CliError(f"--{name} must be integers, got {','.join(values)!r}") from None
+  if not out or min(out) < 1:
+    raise CliError(f"--{name} must be positive integers, got {','.join(values)!r}")
+  return out
 
 
 def run(main: Callable[[list[str]], None]) -> None:

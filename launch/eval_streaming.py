@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli, machine
 from launch.cli import CliError
@@ -43,12 +43,7 @@ def run() -> dict:
   from models.quality import read_passages
   from models.streaming import Policy, dense_nll, stream_nll
 
-  try:
-    windows = [int(w) for w in _WINDOWS.value]
-  except ValueError:
-    raise CliError(f"--windows must be integers, got {','.join(_WINDOWS.value)!r}")
-  if not windows or min(windows) < 1:
-    raise CliError("--windows must be positive")
+  windows = cli.positive_ints("windows", _WINDOWS.value)
   try:
     text = "\n\n".join(read_passages(_TEXT.value))
     cfg, params, tok = load_model(_MODEL.value, jnp.float32, quantize=_QUANTIZE.value or "none")
@@ -79,9 +74,7 @@ def run() -> dict:
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.start(argv)
   r = run()
   if _JSON.value:
     print(json.dumps(r))

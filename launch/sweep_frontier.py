@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli
 from launch.cli import CliError
@@ -39,18 +39,9 @@ _OUT = flags.DEFINE_string("out", None, "output directory (required)")
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if not _OUT.value:
-    raise CliError("--out is required")
-  try:
-    chips = [int(c) for c in _CHIPS.value]
-    batches = [int(b) for b in _BATCHES.value]
-  except ValueError:
-    raise CliError("--chips and --batches must be integers")
-  if not chips or not batches or min(chips + batches) < 1:
-    raise CliError("--chips and --batches must be positive")
+  cli.start(argv, required=("out",))
+  chips = list(cli.positive_ints("chips", _CHIPS.value))
+  batches = list(cli.positive_ints("batches", _BATCHES.value))
   from launch import frontier, machine
   from models.config import get_preset
   from partitioning import calibration

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import os
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli
 from launch.cli import CliError
@@ -41,22 +41,8 @@ _OUT = flags.DEFINE_string("out", None, "output directory (required)")
 _REFRESH = flags.DEFINE_bool("refresh", False, "re-time finished cells")
 
 
-def _ints(name: str, values: list[str]) -> tuple[int, ...]:
-  try:
-    out = tuple(int(v) for v in values)
-  except ValueError:
-    raise CliError(f"--{name} must be integers, got {','.join(values)!r}")
-  if not out or min(out) < 1:
-    raise CliError(f"--{name} must be positive")
-  return out
-
-
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
-  if not _OUT.value:
-    raise CliError("--out is required")
+  cli.start(argv, required=("out",))
   if _FAKE.value:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_FAKE.value}")
@@ -65,7 +51,8 @@ def main(argv: list[str]) -> None:
   bad += [w for w in _WEIGHTS.value if w not in ("bf16", "int8")]
   if bad:
     raise CliError(f"unknown phase or weight dtype: {bad}")
-  batches, seqs = _ints("batches", _BATCHES.value), _ints("seqs", _SEQS.value)
+  batches = cli.positive_ints("batches", _BATCHES.value)
+  seqs = cli.positive_ints("seqs", _SEQS.value)
   import jax
   from tqdm import tqdm
   from launch import machine, partition_sweep as ps
@@ -79,13 +66,7 @@ def main(argv: list[str]) -> None:
       raise ValueError(f"preset {cfg.name!r} is for the cost model only")
     shape = [int(s) for s in _MESH.value.split(",")] if _MESH.value else None
     mesh = make_mesh(shape=shape)
-    candidates = None
-    if _CANDIDATES.value:
-      candidates = [tuple(c.split(":")) for c in _CANDIDATES.value.split(",") if c]
-      for c in candidates:
-        if len(c) != 2:
-          raise ValueError(f"--candidates entries must be ffn:attn, got {':'.join(c)!r}")
-        layouts.get_ffn_layout(c[0]), layouts.get_attn_layout(c[1])
+    candidates = layouts.parse_pairs(_CANDIDATES.value) if _CANDIDATES.value else None
     hw = get_hardware(_HARDWARE.value)
   except ValueError as e:
     raise CliError(str(e))

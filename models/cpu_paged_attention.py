@@ -128,6 +128,38 @@ inline float softmax_page(float* sg, int64_t nz, int64_t span, float& mrun, floa
   return corr;
 }
 
+// acc[g] += sum_z p[g, z] v[z] (p[g, z] at s[g * ls + z]), 16 columns of H at a time, the G
+// accumulators in registers.
+template <typename T, int G>
+inline void add_values(float* acc, const float* s, int64_t ls, const T* vp, int64_t nz,
+                       int64_t H) {
+  for (int64_t h = 0; h < H; h += 16) {
+    __m512 a[G];
+    for (int64_t g = 0; g < G; ++g) a[g] = ld(acc + g * H + h);
+    for (int64_t z = 0; z < nz; ++z) {
+      const __m512 vv = ld(vp + z * H + h);
+      for (int64_t g = 0; g < G; ++g)
+        a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * ls + z]), vv, a[g]);
+    }
+    for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * H + h, a[g]);
+  }
+}
+
+inline void scale_row(float* x, float c, int64_t H) {
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int64_t h = 0; h < H; h += 16) _mm512_storeu_ps(x + h, _mm512_mul_ps(ld(x + h), cv));
+}
+
+// o[g] = acc[g] / l[g].
+template <int G>
+inline void finish(float* o, const float* acc, const float* lrun, int64_t H) {
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / lrun[g]);
+    for (int64_t h = 0; h < H; h += 16)
+      _mm512_storeu_ps(o + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), inv));
+  }
+}
+
 struct Job {
   const float* q;
   const void* k;
@@ -208,29 +240,11 @@ void item(const Job& j, int64_t it, float* s, float* acc, const T* zeros) {
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * Z;
       const float corr = softmax_page(sg, nz, nz, mrun[g], lrun[g]);
-      if (corr != 1.f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int64_t h = 0; h < H; h += 16)
-          _mm512_storeu_ps(acc + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), cv));
-      }
+      if (corr != 1.f) scale_row(acc + g * H, corr, H);
     }
-    // acc[g] += sum_z p[g, z] v[z], 16 columns of H at a time, G accumulators in registers
-    for (int64_t h = 0; h < H; h += 16) {
-      __m512 a[G];
-      for (int64_t g = 0; g < G; ++g) a[g] = ld(acc + g * H + h);
-      for (int64_t z = 0; z < nz; ++z) {
-        const __m512 vv = ld(vp + z * H + h);
-        for (int64_t g = 0; g < G; ++g)
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * Z + z]), vv, a[g]);
-      }
-      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * H + h, a[g]);
-    }
+    add_values<T, G>(acc, s, Z, vp, nz, H);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / lrun[g]);
-    for (int64_t h = 0; h < H; h += 16)
-      _mm512_storeu_ps(o + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), inv));
-  }
+  finish<G>(o, acc, lrun, H);
 }
 
 // r[i] = sum of the 16 lanes of v[i].
@@ -298,33 +312,15 @@ void item_i8(const Job& j, int64_t it, float* s, float* acc, float* kf) {
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * Z16;
       const float corr = softmax_page(sg, nz, nz, mrun[g], lrun[g]);
-      if (corr != 1.f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int64_t h = 0; h < H; h += 16)
-          _mm512_storeu_ps(acc + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), cv));
-      }
+      if (corr != 1.f) scale_row(acc + g * H, corr, H);
     }
     if (p < 0 || p >= j.P) continue;  // zero values add nothing
-    const int8_t* vp = vbase + p * r.page_elems;
     const float* vsp = j.vs + r.sbase + p * j.K * Z;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t z = 0; z < nz; ++z) s[g * Z16 + z] *= vsp[z];
-    for (int64_t h = 0; h < H; h += 16) {
-      __m512 a[G];
-      for (int64_t g = 0; g < G; ++g) a[g] = ld(acc + g * H + h);
-      for (int64_t z = 0; z < nz; ++z) {
-        const __m512 vv = ld(vp + z * H + h);
-        for (int64_t g = 0; g < G; ++g)
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g * Z16 + z]), vv, a[g]);
-      }
-      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * H + h, a[g]);
-    }
+    add_values<int8_t, G>(acc, s, Z16, vbase + p * r.page_elems, nz, H);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / lrun[g]);
-    for (int64_t h = 0; h < H; h += 16)
-      _mm512_storeu_ps(o + g * H + h, _mm512_mul_ps(ld(acc + g * H + h), inv));
-  }
+  finish<G>(o, acc, lrun, H);
 }
 
 inline uint16_t to_bf16(float x) {  // round to nearest even (x finite)
@@ -403,11 +399,7 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
       const float corr = softmax_page(sg, nz, Z, mrun[g], lrun[g]);  // zeros past nz
       for (int64_t z2 = 0; z2 < Z2; ++z2)
         pp[g * Z2 + z2] = uint32_t(to_bf16(sg[2 * z2])) | (uint32_t(to_bf16(sg[2 * z2 + 1])) << 16);
-      if (corr != 1.f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int64_t h = 0; h < H; h += 16)
-          _mm512_storeu_ps(acc + g * H + h, _mm512_mul_ps(_mm512_loadu_ps(acc + g * H + h), cv));
-      }
+      if (corr != 1.f) scale_row(acc + g * H, corr, H);
     }
     const int64_t npair = (nz + 1) / 2;  // an odd tail pairs with a zero probability
     const bool odd = nz & 1;

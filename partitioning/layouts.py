@@ -135,6 +135,17 @@ def get_attn_layout(layout: str | AttnLayout) -> AttnLayout:
         f"unknown attention layout {layout!r}; known: {', '.join(ATTN_LAYOUTS)}") from None
 
 
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+  """``"ffn:attn,ffn:attn"`` -> the (ffn, attn) pairs, each name checked (``ValueError``)."""
+  pairs = []
+  for item in (c for c in text.split(",") if c):
+    parts = item.split(":")
+    if len(parts) != 2:
+      raise ValueError(f"layout pairs are ffn:attn, got {item!r}")
+    pairs.append((get_ffn_layout(parts[0]).name, get_attn_layout(parts[1]).name))
+  return pairs
+
+
 # ---------------------------------------------------------------------------------------------
 # Resolution: rules + shape + mesh -> per-dimension mesh axes, with fallbacks recorded.
 
@@ -413,6 +424,6 @@ def cache_sharding(cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout, attn: str
 
 __all__ = [
     "Axes", "Rules", "FfnLayout", "AttnLayout", "FFN_LAYOUTS", "ATTN_LAYOUTS", "get_ffn_layout",
-    "get_attn_layout", "Resolved", "resolve", "resolve_dim", "logical_to_spec",
+    "get_attn_layout", "parse_pairs", "Resolved", "resolve", "resolve_dim", "logical_to_spec",
     "logical_to_sharding", "param_specs", "param_shardings", "param_fallbacks", "match_params",
     "StepPlan", "make_plan", "cache_spec", "cache_sharding", "axes_size", "spec_entry"]

@@ -11,7 +11,8 @@ as it runs; ``observe(prefill_tokens, decode_rows, seconds)`` after each busy st
 Prediction`` estimates a new request's TTFT and TPOT from the measured step time and the
 prefill backlog: the backlog (prompt tokens admitted but not yet prefilled) plus this
 request's prompts drain at ``max_step_tokens - decoding rows`` tokens per step, plus one step for
-the sampled id's copy; TPOT is the current step time. ``Prediction.miss(slo, scale)`` names the
+the sampled id's copy, after the steps it waits for a decode slot (decode-only steps of the
+running rows); TPOT is the current step time. ``Prediction.miss(slo, scale)`` names the
 target it would miss (targets multiplied by ``scale``, for slower machines), or None. Before any
 step has been measured the step time is taken as ``fallback_step_s``.
 """
@@ -115,7 +116,10 @@ def predict(load: Load) -> Prediction:
   per_step = max(1, load.max_step_tokens - load.decoding)
   if load.model is not None and load.model.ready:
     left = load.backlog_tokens + load.new_tokens
-    t = load.slot_wait_steps * load.model.cost(min(per_step, left), load.decoding)
+    # Waiting for a slot: the running rows' decode steps (a step of the backlog's prefill is
+    # counted below, not here: costing every wait step as a full prefill chunk over-predicted
+    # long prompts' TTFT 4-10x at low load, BUILD_NOTES "Load generator").
+    t = load.slot_wait_steps * load.model.cost(0, load.decoding)
     while left > 0:
       chunk = min(per_step, left)
       t += load.model.cost(chunk, load.decoding)

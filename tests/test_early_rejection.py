@@ -65,3 +65,17 @@ def test_sim_cli_smoke():
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert [(x["load"], x["early_reject"]) for x in out["runs"]] == [(2.0, False), (2.0, True)]
   assert out["runs"][1]["rejected"] > 0 and out["capacity_rps"] > 0
+
+
+def test_waiting_for_a_slot_costs_decode_steps_not_prefill_chunks():
+  """A request queued behind full slots waits ``slot_wait_steps`` decode-only steps, then its
+  prompt's chunks: 40 steps of 10 ms (+ two 256-token chunks + the copy step), not 40 steps each
+  costed as a 512-token chunk (the over-prediction loadgen found, 4-10x on long prompts)."""
+  from serving.admission import Load, predict
+  model = StepCostModel(forget=1.0)
+  for tokens, rows in ((0, 4), (256, 4), (512, 4), (0, 1), (128, 2), (0, 3), (384, 1), (64, 4)):
+    model.observe(tokens, rows, 0.004 + 0.001 * tokens + 0.0015 * rows)  # exact: a, b, c
+  load = Load(step_s=0.01, backlog_tokens=0, decoding=4, max_step_tokens=260, new_tokens=512,
+              model=model, slot_wait_steps=40)
+  want = 40 * 0.010 + 2 * (0.004 + 0.256 + 0.006) + (0.004 + 0.0075)
+  assert predict(load).ttft_s == pytest.approx(want, rel=1e-3)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import http.client
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -653,3 +656,19 @@ def test_sigterm_drains_http_streams_like_grpc_ones(server, stub):
   assert e.value.code() == grpc.StatusCode.UNAVAILABLE
   server.proc.wait(30)
   assert server.proc.returncode == 0, server.log()
+
+
+def test_loadgen_drives_this_server_over_the_openai_api(server, tmp_path):
+  """launch.loadgen --api openai against phaseserve's own HTTP front end (its tests use a fake
+  server): every request of a short open-loop run streams tokens and is counted ok."""
+  out = tmp_path / "lg"
+  r = subprocess.run(
+      [sys.executable, "-m", "launch.loadgen", "--target", f"http://127.0.0.1:{server.http_port}",
+       "--api", "openai", "--model", MODEL, "--api_key", KEY, "--num_requests", "4", "--rate",
+       "4", "--length_scale", "0.05", "--vocab_size", "200", "--max_context", "64",
+       "--warmup_requests", "0", "--progress=false", "--out", str(out)],
+      cwd=refenv.REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=180)
+  assert r.returncode == 0, r.stderr[-2000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["sent"] == 4 and summary["ok"] == 4, summary

@@ -1,7 +1,7 @@
 """The int8 KV cache (``models.paged_kv`` pools created with dtype int8): per-token, per-head
 quantization error, the bytes a page takes, the model over an int8 pool against the float pool,
-the serving engine's page copies (host tier round trips, prefix sharing) carrying the scales,
-and the pool sharded and transferred under the partitioning layouts.
+and the pool sharded and transferred under the partitioning layouts (the host tier and prefix
+sharing over int8 pages: tests/test_prefix_cache.py).
 
 Tolerances, relative to the values' magnitude: a dequantized value is within half a quantization
 step of the original (``amax / 254`` of its token and head, plus f32 rounding); the tiny random
@@ -13,8 +13,6 @@ rounding boundary: one step, 0.8% of its row's max, in a few elements).
 
 from __future__ import annotations
 
-import random
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,14 +22,10 @@ from models import paged_kv as PK, transformer as T
 from models.config import get_preset
 from models.quant import QuantArray
 from models.step import UnshardedStep
-from models.tokenizer import ByteTokenizer
 from models.weights import init_params
 from partitioning import paged_step as PS
 from partitioning.mesh import make_mesh, make_submeshes
-from serving import stack
 from serving.kv_pages import page_budget
-from serving.request import Request
-from serving.stop import StopCriteria
 
 CFG = get_preset("tiny").replace(num_heads=8, vocab_size=256, max_seq_len=64)
 
@@ -99,43 +93,6 @@ def test_the_model_over_an_int8_pool_is_close_to_the_float_pool():
   for g, r, what in zip(got, ref, ("prefill", "decode")):
     _close(g, r, 5e-2, f"int8 pool {what} logits")
     assert float(jnp.max(jnp.abs(g - r))) > 0.0  # the int8 pool really is a different cache
-
-
-def test_host_tier_and_prefix_sharing_carry_the_scales():
-  """As tests/test_prefix_cache.py's host-tier test, over an int8 pool: a shared prefix pushed
-  to the host tier and loaded back (values and scales) gives the greedy ids of a run with no
-  cache at all; quantization is deterministic, so any lost or misplaced scale shows."""
-  cfg = get_preset("tiny")
-  params = init_params(cfg, jax.random.key(0), jnp.float32)
-  rng = random.Random(2)
-  base = list(range(40, 77))
-  waves = [[base + [1, 4]],
-           [[rng.randrange(256) for _ in range(40)] for _ in range(4)],
-           [base + [i, i + 3] for i in range(2, 5)]]
-  runs = {}
-  kv_dtype = "int8"
-  for name, pages, host in (("plain", 64, 0), ("tiered", 10, 1 << 20)):
-    loop = stack.build(UnshardedStep(cfg), params, ByteTokenizer(), stack.ServingConfig(
-        max_slots=2, page_size=16, kv_pages=pages, max_chunk=32, max_prefill_chunks=1,
-        max_context=64, prefix_cache=host > 0, host_tier_bytes=host, kv_dtype=kv_dtype))
-    assert isinstance(loop.engine.kv.k_pages, QuantArray)
-    got: dict[str, list[int]] = {}
-    k = 0
-    for wave in waves:
-      for p in wave:
-        loop.submit(Request(f"r{k}", tuple(p), stop=StopCriteria(6, ignore_eos=True)),
-                    lambda o: got.setdefault(o.request_id, []).extend(o.token_ids))
-        k += 1
-      loop.run_until_idle()
-    runs[name] = got
-    if host:
-      c = loop.scheduler.prefix_cache
-      assert c.spilled > 0 and c.loaded >= 2 and c.host_hits >= 1
-      # A host copy holds a page's values and scales: exactly the page's bytes.
-      store = loop.engine.host_store
-      store.materialize()
-      assert len(store) and store.nbytes == len(store) * PK.page_bytes(cfg, 16, kv_dtype)
-  assert runs["tiered"] == runs["plain"]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from models.tokenizer import ByteTokenizer
 from models.weights import init_params
 from serving import stack
 from serving.fake_engine import FakeEngine, reference
+from models.paged_kv import page_bytes
 from serving.kv_pages import PageBudget, PagePool
 from serving.lifecycle import RequestTrace
 from serving.prefix_cache import PrefixCache
@@ -352,10 +353,12 @@ def test_host_tier_is_bounded_and_forgets_its_oldest():
   assert c.host_evicted > 0 and c.host_pages_used <= 4 and len(store) == c.host_pages_used
 
 
-def test_the_real_engine_with_host_tier_round_trips():
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_the_real_engine_with_host_tier_round_trips(kv_dtype):
   """Tiny model, a device pool of 10 pages of 16: other traffic pushes a shared prefix to the
   host tier and it comes back for the requests that reuse it; the greedy ids equal a run with
-  no cache at all (and a big pool)."""
+  no cache at all (and a big pool). Also over an int8 pool (values and scales move together;
+  quantization is deterministic, so a lost or misplaced scale would change the ids)."""
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)
   tok = ByteTokenizer()
@@ -368,7 +371,7 @@ def test_the_real_engine_with_host_tier_round_trips():
   for name, pages, host in (("plain", 64, 0), ("tiered", 10, 1 << 20)):
     loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
         max_slots=2, page_size=16, kv_pages=pages, max_chunk=32, max_prefill_chunks=1,
-        max_context=64, prefix_cache=host > 0, host_tier_bytes=host))
+        max_context=64, prefix_cache=host > 0, host_tier_bytes=host, kv_dtype=kv_dtype))
     got: dict[str, list[int]] = {}
     k = 0
     for wave in waves:
@@ -384,6 +387,9 @@ def test_the_real_engine_with_host_tier_round_trips():
           c.spilled, c.loaded, c.evicted, c.host_capacity, loop.scheduler.pool.pages_cached)
       loop.scheduler.pool.check()
       c.check()
+      store = loop.engine.host_store  # a host entry is exactly a page's bytes (int8: + scales)
+      store.materialize()
+      assert len(store) and store.nbytes == len(store) * page_bytes(cfg, 16, kv_dtype)
   assert runs["tiered"] == runs["plain"]
 
 
