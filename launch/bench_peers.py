@@ -30,6 +30,8 @@ _PROMPT = flags.DEFINE_integer("prompt", _D.prompt, "prompt tokens per row", low
 _NEW = flags.DEFINE_integer("new_tokens", _D.new_tokens, "decode steps timed", lower_bound=2)
 _BATCHES = flags.DEFINE_list("batches", [str(b) for b in _D.batches], "batch sizes")
 _REPEATS = flags.DEFINE_integer("repeats", _D.repeats, "timed runs per figure", lower_bound=1)
+_LREPEATS = flags.DEFINE_integer("llamacpp_repeats", _D.llamacpp_repeats,
+                                 "llama-batched-bench runs per GGUF file", lower_bound=1)
 _SEED = flags.DEFINE_integer("param_seed", _D.param_seed, "weights seed of random presets")
 _GGUF_FLOAT = flags.DEFINE_enum("gguf_float", _D.gguf_float, ["BF16", "F16"],
                                 "float GGUF type for llama.cpp against phaseserve bf16")
@@ -73,7 +75,7 @@ def _config() -> core.PeersConfig:
     raise CliError("--batches must list positive integers")
   return core.PeersConfig(
       model=_MODEL.value, out=_OUT.value, prompt=_PROMPT.value, new_tokens=_NEW.value,
-      batches=batches, repeats=_REPEATS.value, param_seed=_SEED.value,
+      batches=batches, repeats=_REPEATS.value, llamacpp_repeats=_LREPEATS.value, param_seed=_SEED.value,
       gguf_float=_GGUF_FLOAT.value, offline=_OFFLINE.value, trace_requests=_TRACE_N.value,
       trace_prompt=_TRACE_P.value, trace_tokens=_TRACE_T.value, loadgen=_LOADGEN.value,
       loadgen_args=_LOADGEN_ARGS.value, capacity_context=_CAP_CTX.value,

@@ -47,6 +47,7 @@ def test_bench_peers_smoke_every_peer_absent(tmp_path):
   r = subprocess.run(
       [sys.executable, "-m", "launch.bench_peers", "--model", "tiny", "--prompt", "16",
        "--new_tokens", "4", "--batches", "1,2", "--repeats", "1", "--offline=false",
+       "--loadgen=false", "--llamacpp_repeats", "1",
        "--trace_requests", "2", "--trace_prompt", "8", "--trace_tokens", "4",
        "--ref_python", str(empty / "python"), "--llamacpp_bin", str(empty),
        "--vllm_python", str(empty / "python"), "--peak_size", "64", "--bandwidth_mb", "1",

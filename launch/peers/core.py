@@ -16,7 +16,8 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
         KV cache where it works, prefill computing the last logits only as phaseserve's does),
         bf16;
       - llama.cpp (``llama-batched-bench`` in ``cfg.llamacpp_bin``) on the float and Q8_0 GGUF
-        files, median of ``cfg.repeats`` runs;
+        files, median of ``cfg.llamacpp_repeats`` runs (the best run in ``note``: its threads
+        spin-wait, so one busy core of a shared machine slows a run by up to 10x);
       - vLLM's CPU build (``cfg.vllm_python``: ``launch/peers/vllm_offline.py``) offline
         throughput on the trace, with ``cfg.offline``;
       - capacity at SLO through ``launch.loadgen --api openai`` (plus ``cfg.loadgen_args``)
@@ -63,6 +64,7 @@ class PeersConfig:
   new_tokens: int = 32
   batches: tuple[int, ...] = (1, 8)
   repeats: int = 3
+  llamacpp_repeats: int = 5  # one llama-batched-bench run per repeat (about 1 s each)
   param_seed: int = 0
   gguf_float: str = "BF16"  # BF16 | F16
   offline: bool = True
@@ -142,12 +144,16 @@ class _Runner:
   """Runs the peers' commands, recording each (with its env additions) for the JSON."""
 
   def __init__(self, cfg: PeersConfig, log: Callable[[str], None]):
-    self.cfg, self.log, self.commands = cfg, log, []
+    self.cfg, self.log = cfg, log
+    self.commands: list[str] = []
+    self.loads: list[float] = []  # 1-minute load average when each command started
 
   def __call__(self, cmd: Sequence[str], env: dict[str, str] | None = None,
                cwd: str | None = None) -> str:
     self.commands.append(_sh(cmd, env))
-    self.log(f"$ {_sh(cmd, env)}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+    self.log(f"$ {_sh(cmd, env)}  (load {load:.2f})")
+    self.loads.append(round(load, 2))
     full_env = dict(os.environ)
     full_env.update(env or {})
     t0 = time.perf_counter()
@@ -315,7 +321,7 @@ def _llamacpp(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[s
            "-t", str(cfg.threads), "--output-format", "jsonl"]
     try:
       runs: dict[int, list[dict]] = {}
-      for _ in range(cfg.repeats):
+      for _ in range(cfg.llamacpp_repeats):
         out = run(cmd)
         for line in out.splitlines():
           line = line.strip()
@@ -330,10 +336,14 @@ def _llamacpp(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[s
       rows.append(row)
       continue
     raw[f"llama.cpp {w}"] = runs
-    for b, recs in runs.items():
+    best = []
+    for b, recs in sorted(runs.items()):
       row.prefill_tok_s[b] = b * cfg.prompt / statistics.median(r["t_pp"] for r in recs)
       row.decode_ms[b] = statistics.median(r["t_tg"] for r in recs) / cfg.new_tokens * 1e3
-    row.note = f"{cfg.threads} threads, median of {cfg.repeats} runs"
+      best.append(f"b{b} {b * cfg.prompt / min(r['t_pp'] for r in recs):.0f} tok/s, "
+                  f"{min(r['t_tg'] for r in recs) / cfg.new_tokens * 1e3:.2f} ms/step")
+    row.note = (f"{cfg.threads} threads, median of {cfg.llamacpp_repeats} runs; best run: "
+                + "; ".join(best))
     rows.append(row)
   return rows
 
@@ -354,7 +364,7 @@ def _vllm(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[str, 
   env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}"}
   cmd = [cfg.vllm_python, str(REPO / "launch" / "peers" / "vllm_offline.py"), "--checkpoint",
          files["hf_checkpoint"], "--trace", files["trace"], "--out", str(out),
-         "--max_model_len", str(max(256, 1 << (ctx - 1).bit_length())),
+         "--max_model_len", str(max(512, 1 << (ctx - 1).bit_length())),
          "--max_num_seqs", str(min(cfg.trace_requests, 64))]
   try:
     run(cmd, env=env)
@@ -406,6 +416,7 @@ def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[
   import urllib.request
   out.mkdir(parents=True, exist_ok=True)
   run.commands.append(_sh(server_cmd, env) + " &")
+  run.loads.append(round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0)
   run.log(f"$ {_sh(server_cmd, env)} &")
   full_env = dict(os.environ)
   full_env.update(env or {})
@@ -541,7 +552,8 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersR
   _ratios(rows, cfg.batches)
   return PeersResult(
       config=cfg, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      machine=machine.describe(), files=files, commands=runner.commands, rows=rows, raw=raw,
+      machine=machine.describe(), files=files, commands=runner.commands,
+      rows=rows, raw=raw | {"load_avg_1m_per_command": runner.loads},
       wall_s=time.perf_counter() - t0)
 
 
