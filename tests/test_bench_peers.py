@@ -58,7 +58,7 @@ def test_bench_peers_smoke_every_peer_absent(tmp_path):
     assert reader.fieldnames == core.csv_columns((1, 2))
     rows = list(reader)
   doc = json.loads((out / "peers.json").read_text())
-  assert doc["machine"]["cpu"] and doc["date"] and doc["commands"]
+  assert doc["machine"]["cpu"] and doc["date"] and doc["commands"] and doc["complete"]
   assert len(doc["rows"]) == len(rows)
   by = {(r["engine"], r["weights"]): r for r in rows}
   for key in [("phaseserve", "bf16"), ("phaseserve", "int8 (weight_only)")]:

@@ -33,7 +33,8 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
     is faster) against the phaseserve row of the same weight class (bf16 for float weights,
     int8 for Q8_0): prefill tok/s, decode ms/step inverted, offline tok/s, capacity.
   * ``write`` puts ``peers.csv`` (``CSV_COLUMNS``) and ``peers.json`` (model, date, machine,
-    config, files, commands, rows, raw outputs) in ``out_dir``.
+    config, files, commands, rows, raw outputs, ``complete``) in ``out_dir``; ``run`` also writes
+    them after each engine (``complete: false``), so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class PeersResult:
   rows: list[PeerRow]
   raw: dict[str, object]
   wall_s: float = 0.0
+  complete: bool = True  # False in the files written after each engine, before the last
 
 
 def csv_columns(batches: Sequence[int]) -> list[str]:
@@ -539,22 +541,32 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersR
   files, info = write_model(cfg, out)
   runner = _Runner(cfg, log)
   raw: dict[str, object] = {"model": info}
-  rows = _phaseserve(cfg, runner, files, raw)
-  rows.append(_hf(cfg, runner, files, raw))
-  rows += _llamacpp(cfg, runner, files, raw)
-  rows.append(_vllm(cfg, runner, files, raw))
+  rows: list[PeerRow] = []
+
+  def result(complete: bool) -> PeersResult:
+    _ratios(rows, cfg.batches)
+    return PeersResult(
+        config=cfg,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        machine=machine.describe(), files=files, commands=runner.commands, rows=list(rows),
+        raw=raw | {"load_avg_1m_per_command": runner.loads},
+        wall_s=time.perf_counter() - t0, complete=complete)
+
+  def step(new_rows: list[PeerRow]) -> None:  # the files so far survive an interrupted run
+    rows.extend(new_rows)
+    write(result(complete=False), out)
+
+  step(_phaseserve(cfg, runner, files, raw))
+  step([_hf(cfg, runner, files, raw)])
+  step(_llamacpp(cfg, runner, files, raw))
+  step([_vllm(cfg, runner, files, raw)])
   if any(r.engine == "vLLM (CPU)" and r.status == OK for r in rows):
-    rows.append(_phaseserve_offline(cfg, runner, files, raw))
+    step([_phaseserve_offline(cfg, runner, files, raw)])
   else:
-    rows.append(PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
-                        "run only beside vLLM's offline trace (vLLM row not ok)"))
-  rows += _capacity(cfg, runner, files, str(info["name"]), int(info["vocab"]), raw)
-  _ratios(rows, cfg.batches)
-  return PeersResult(
-      config=cfg, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      machine=machine.describe(), files=files, commands=runner.commands,
-      rows=rows, raw=raw | {"load_avg_1m_per_command": runner.loads},
-      wall_s=time.perf_counter() - t0)
+    step([PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
+                  "run only beside vLLM's offline trace (vLLM row not ok)")])
+  rows.extend(_capacity(cfg, runner, files, str(info["name"]), int(info["vocab"]), raw))
+  return result(complete=True)
 
 
 def _csv_row(r: PeerRow, batches: Sequence[int]) -> dict[str, object]:
@@ -583,7 +595,7 @@ def write(result: PeersResult, out_dir: str | os.PathLike[str]) -> tuple[Path, P
     w.writeheader()
     for r in result.rows:
       w.writerow(_csv_row(r, result.config.batches))
-  doc = {"date": result.date, "machine": result.machine,
+  doc = {"date": result.date, "complete": result.complete, "machine": result.machine,
          "config": dataclasses.asdict(result.config), "files": result.files,
          "commands": result.commands, "wall_s": result.wall_s,
          "rows": [dataclasses.asdict(r) for r in result.rows], "raw": result.raw}
