@@ -75,7 +75,8 @@ def _config() -> core.PeersConfig:
     raise CliError("--batches must list positive integers")
   return core.PeersConfig(
       model=_MODEL.value, out=_OUT.value, prompt=_PROMPT.value, new_tokens=_NEW.value,
-      batches=batches, repeats=_REPEATS.value, llamacpp_repeats=_LREPEATS.value, param_seed=_SEED.value,
+      batches=batches, repeats=_REPEATS.value, llamacpp_repeats=_LREPEATS.value,
+      param_seed=_SEED.value,
       gguf_float=_GGUF_FLOAT.value, offline=_OFFLINE.value, trace_requests=_TRACE_N.value,
       trace_prompt=_TRACE_P.value, trace_tokens=_TRACE_T.value, loadgen=_LOADGEN.value,
       loadgen_args=_LOADGEN_ARGS.value, capacity_context=_CAP_CTX.value,

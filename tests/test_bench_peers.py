@@ -123,7 +123,8 @@ with urllib.request.urlopen(req, timeout=120) as r:
   body = json.loads(r.read())
 os.makedirs(a.out, exist_ok=True)
 with open(os.path.join(a.out, "capacity.json"), "w") as f:
-  json.dump({"best_rate_per_s": 1.25, "rows": [], "usage": body["usage"]}, f)
+  json.dump({"best_rate_per_s": 1.25, "usage": body["usage"],
+             "rows": [{"rate_per_s": 1.25, "meets_slo_p99": True}]}, f)
 '''
 
 
@@ -147,5 +148,6 @@ def test_capacity_step_with_a_stand_in_loadgen(tmp_path, monkeypatch):
   by = {r.engine: r for r in result.rows}
   assert by["phaseserve OpenAI server"].status == core.OK, by["phaseserve OpenAI server"].note
   assert by["phaseserve OpenAI server"].capacity_rps == 1.25
+  assert "1.25/s met" in by["phaseserve OpenAI server"].note
   assert by["vLLM (CPU) OpenAI server"].status == core.NOT_INSTALLED
   assert any("launch.server" in c for c in result.commands)

@@ -17,14 +17,15 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
         bf16;
       - llama.cpp (``llama-batched-bench`` in ``cfg.llamacpp_bin``) on the float and Q8_0 GGUF
         files, median of ``cfg.llamacpp_repeats`` runs (the best run in ``note``: its threads
-        spin-wait, so one busy core of a shared machine slows a run by up to 10x);
+        spin-wait, so one busy core of a shared machine slows a run by up to 30x);
       - vLLM's CPU build (``cfg.vllm_python``: ``launch/peers/vllm_offline.py``) offline
         throughput on the trace, with ``cfg.offline``;
       - capacity at SLO through ``launch.loadgen --api openai`` (plus ``cfg.loadgen_args``)
         against vLLM's OpenAI server and phaseserve's (``launch.server --http_port``, early
         rejection off: vLLM has none), both at ``cfg.capacity_context`` tokens of context, each
         started, awaited (``/health``, ``/ready``) and stopped here; ``capacity_rps`` is
-        ``best_rate_per_s`` of loadgen's ``capacity.json`` (requests/s meeting the SLO at p99). Run only when ``launch.loadgen`` exists (else the rows say
+        ``best_rate_per_s`` of loadgen's ``capacity.json`` (requests/s meeting the SLO at
+        p99). Run only when ``launch.loadgen`` exists (else the rows say
         ``not run`` and why).
   * Every engine gives rows (``PeerRow``), none is dropped: ``status`` is ``ok``, ``not installed``
     (``note`` names the make target), ``not run`` (``note`` says why) or ``failed`` (``note``: the
@@ -223,9 +224,10 @@ def write_model(cfg: PeersConfig, out: Path) -> tuple[dict[str, str], dict[str, 
       f.write(json.dumps({"prompt_ids": ids, "max_tokens": cfg.trace_tokens, "temperature": 0.0,
                           "ignore_eos": True}) + "\n")
   files["trace"] = str(trace)
-  info: dict[str, int | str] = {"name": mcfg.name, "source": cfg.model, "param_count": mcfg.param_count(),
-          "layers": mcfg.num_layers, "hidden": mcfg.embed_dim, "heads": mcfg.num_heads,
-          "kv_heads": mcfg.num_kv_heads, "ffn": mcfg.mlp_dim, "vocab": mcfg.vocab_size}
+  info: dict[str, int | str] = {
+      "name": mcfg.name, "source": cfg.model, "param_count": mcfg.param_count(),
+      "layers": mcfg.num_layers, "hidden": mcfg.embed_dim, "heads": mcfg.num_heads,
+      "kv_heads": mcfg.num_kv_heads, "ffn": mcfg.mlp_dim, "vocab": mcfg.vocab_size}
   return files, info
 
 
@@ -409,10 +411,12 @@ def _find_number(obj: object, key: str) -> float | None:
 
 def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[str],
                     ready_path: str, port: int, out: Path, served: str, vocab: int,
-                    max_context: int, env: dict[str, str] | None = None) -> float:
+                    max_context: int, env: dict[str, str] | None = None
+                    ) -> tuple[float, str]:
   """Starts ``server_cmd``, waits for ``ready_path`` to answer 200, runs ``launch.loadgen --api
   openai`` against it and returns the capacity of its output (``capacity.json``'s
-  ``best_rate_per_s``: the highest rate meeting the SLO at p99); the server is stopped."""
+  ``best_rate_per_s``: the highest rate meeting the SLO at p99) and the rates tried; the server
+  is stopped."""
   import signal
   import urllib.error
   import urllib.request
@@ -453,12 +457,15 @@ def _serve_and_load(cfg: PeersConfig, run: _Runner, name: str, server_cmd: list[
         proc.wait()
   path = out / "loadgen" / "capacity.json"
   try:
-    value = _find_number(json.loads(path.read_text()), "best_rate_per_s")
+    doc = json.loads(path.read_text())
   except (OSError, json.JSONDecodeError) as e:
     raise _Failed(f"launch.loadgen wrote no readable {path}: {e}") from None
+  value = _find_number(doc, "best_rate_per_s")
+  tried = ", ".join(f"{r.get('rate_per_s')}/s {'met' if r.get('meets_slo_p99') else 'missed'}"
+                    for r in doc.get("rows", []) if isinstance(r, dict))
   if value is None:
-    raise _Failed(f"no best_rate_per_s in {path} (no rate met the SLO?)")
-  return value
+    raise _Failed(f"no rate met the SLO ({tried}); {path}")
+  return value, f"rates: {tried} (the search stops at its --max_rate)"
 
 
 def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str, vocab: int,
@@ -490,9 +497,9 @@ def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str
            "--max-model-len", ctx, "--host", "127.0.0.1", "--port", str(port)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.threads - 1}"}
     try:
-      vllm_row.capacity_rps = _serve_and_load(cfg, run, "vLLM", cmd, "/health", port,
-                                              root / "capacity_vllm", served, vocab,
-                                              max_context, env)
+      vllm_row.capacity_rps, vllm_row.note = _serve_and_load(
+          cfg, run, "vLLM", cmd, "/health", port, root / "capacity_vllm", served, vocab,
+          max_context, env)
     except _Failed as e:
       vllm_row.status, vllm_row.note = FAILED, str(e)
   port = _free_port()
@@ -500,9 +507,9 @@ def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str
          "--dtype", "bfloat16", "--port", "0", "--http_port", str(port), "--served_model_name",
          served, "--max_context", ctx, "--early_reject=false"]
   try:
-    ps_row.capacity_rps = _serve_and_load(cfg, run, "phaseserve", cmd, "/ready", port,
-                                          root / "capacity_phaseserve", served, vocab,
-                                          max_context)
+    ps_row.capacity_rps, ps_row.note = _serve_and_load(
+        cfg, run, "phaseserve", cmd, "/ready", port, root / "capacity_phaseserve", served, vocab,
+        max_context)
   except _Failed as e:
     ps_row.status, ps_row.note = FAILED, str(e)
   raw["capacity"] = {r.engine: r.capacity_rps for r in rows}
