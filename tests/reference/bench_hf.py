@@ -12,7 +12,8 @@ then ignored). ``--cache static`` (``launch.bench_peers`` passes it) runs ``gene
 transformers' static KV cache (``cache_implementation="static"``); where that raises, the
 dynamic cache is used and ``cache`` in the output says so with the error. ``--last_logits``: the
 timed prefill forward computes only the last position's logits (``logits_to_keep=1``, as
-``generate`` and phaseserve's prefill do; else all of them). Decode ms/token = (generate N - generate 1) / (N - 1).
+``generate`` and phaseserve's prefill do; else all of them). Decode ms/token = (generate N -
+generate 1) / (N - 1).
 """
 
 import argparse
