@@ -188,6 +188,14 @@ def _executable(path: str) -> bool:
   return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
+def _peer_row(engine: str, weights: str, python: str, make_target: str) -> PeerRow:
+  """The peer's row: ``ok`` so far, or ``not installed`` when its interpreter is missing."""
+  if _executable(python):
+    return PeerRow(engine, weights, OK)
+  return PeerRow(engine, weights, NOT_INSTALLED,
+                 note=f"no interpreter at {python}: run `make {make_target}`")
+
+
 # --- the model, written once -------------------------------------------------------------------
 
 def write_model(cfg: PeersConfig, out: Path) -> tuple[dict[str, str], dict[str, int | str]]:
@@ -286,10 +294,8 @@ def _phaseserve_offline(cfg: PeersConfig, run: _Runner, files: dict[str, str],
 
 def _hf(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[str, object]
         ) -> PeerRow:
-  row = PeerRow("transformers", "bf16", OK)
-  if not _executable(cfg.ref_python):
-    row.status = NOT_INSTALLED
-    row.note = f"no interpreter at {cfg.ref_python}: run `make .venv-ref/.stamp`"
+  row = _peer_row("transformers", "bf16", cfg.ref_python, ".venv-ref/.stamp")
+  if row.status == NOT_INSTALLED:
     return row
   cmd = [cfg.ref_python, str(REPO / "tests" / "reference" / "bench_hf.py"), "--checkpoint",
          files["hf_checkpoint"], "--dtype", "bfloat16", "--prompt", str(cfg.prompt),
@@ -354,10 +360,8 @@ def _llamacpp(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[s
 
 def _vllm(cfg: PeersConfig, run: _Runner, files: dict[str, str], raw: dict[str, object]
           ) -> PeerRow:
-  row = PeerRow("vLLM (CPU)", "bf16", OK)
-  if not _executable(cfg.vllm_python):
-    row.status = NOT_INSTALLED
-    row.note = f"no interpreter at {cfg.vllm_python}: run `make peers-vllm`"
+  row = _peer_row("vLLM (CPU)", "bf16", cfg.vllm_python, "peers-vllm")
+  if row.status == NOT_INSTALLED:
     return row
   if not cfg.offline:
     row.status, row.note = NOT_RUN, "offline trace off (--offline=false)"
