@@ -12,6 +12,13 @@ bound one (tests; the HTTP port goes to ``PORT_FILE.http``, the metrics port to
 ``PORT_FILE.metrics``). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
 ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
 flushed, exit 0. Bad flags exit 2 with one line.
+
+Several processes (``--coordinator_address --num_processes --process_id``, one per host; see
+``launch.cluster_flags``): one global mesh over every process's devices. Process 0 serves
+(ports, scheduler, everything above); each other process builds the same engine and runs the
+calls process 0 broadcasts each step (``serving.multihost``). SIGTERM to process 0 drains as
+above, then tells the others to stop; everyone exits 0. A process that dies takes the others
+down with an error within about ``--heartbeat_timeout_s`` (JAX's distributed runtime).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import time
 
 from absl import flags, logging
 
-from launch import cli, engine_flags as ef
+from launch import cli, cluster_flags, engine_flags as ef
 from launch.cli import CliError
 
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests waiting for prefill",
@@ -90,12 +97,26 @@ def _info(cfg, steps, loop, limits, classes, version):
       version=version)
 
 
+def _follow(built: "ef.Built", broadcast) -> None:
+  """A process other than 0: no ports; runs process 0's engine calls until it says stop."""
+  import jax
+  from serving.multihost import follow
+  term = threading.Event()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda signum, frame: term.set())
+  logging.info("process %d of %d following process 0", jax.process_index(), jax.process_count())
+  calls = follow(built.loop.engine, broadcast, term.is_set)
+  logging.info("process %d stopped after %d engine calls", jax.process_index(), calls)
+  jax.distributed.shutdown()
+
+
 def main(argv: list[str]) -> None:
   t_start = time.monotonic()
   logging.set_verbosity(logging.INFO)
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
   ef.set_fake_devices()
+  cluster = cluster_flags.join()
   import importlib.metadata
   import prometheus_client as prom
   from serving import admission, grpc_server, stack
@@ -119,6 +140,13 @@ def main(argv: list[str]) -> None:
   built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
                    max_traces=1024)
   cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
+  if cluster.multi:
+    from partitioning.multihost import Broadcast, is_leader
+    from serving.multihost import LeaderEngine
+    if not is_leader():
+      _follow(built, Broadcast("engine"))
+      return
+    loop.engine = LeaderEngine(loop.engine, Broadcast("engine"))
   logging.info("deployment: %s", {k: v for k, v in steps.description.items()
                                   if k in ("mode", "prefill_choice", "decode_choice",
                                            "kv_pools")})
@@ -203,6 +231,10 @@ def main(argv: list[str]) -> None:
   if http is not None:
     http.stop()
   loop.stop(timeout=5.0)
+  if cluster.multi:
+    loop.engine.stop()  # every other process leaves its follow loop
+    import jax
+    jax.distributed.shutdown()
   frontend.usage.close()
   logging.info("stopped (%d requests cancelled at the end of the grace period)", cancelled)
 

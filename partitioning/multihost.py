@@ -13,6 +13,17 @@ Contract:
   * After ``initialize`` ``jax.devices()`` is the global device list (every process's devices)
     and ``partitioning.mesh.make_mesh()`` spans them; ``jax.local_devices()`` are this process's.
   * ``is_leader()``: true on process 0 (the one that serves gRPC / HTTP).
+  * ``Broadcast(name)``: an ordered stream of byte messages from process 0 to every other process
+    over the runtime's key-value store (the coordinator's, not a collective on the devices):
+    ``publish(data)`` on process 0, ``receive(timeout_s) -> bytes | None`` elsewhere (None: none
+    arrived in time; call again). Message ``i`` is key ``phaseserve/<name>/<i>``; process 0
+    deletes message ``i - KEEP`` when it publishes ``i`` (the device steps keep the processes
+    within a few messages of each other: process 0 waits for step n-1's results, which need
+    every process's part of it).
+  * ``agree(name, compute)``: every process gets process 0's value of ``compute()`` (a JSON
+    value), computed there only: measured choices (the CPU lowering autotune, the ``local``
+    hardware measurement behind the planner) must be equal on every process, or they would
+    trace different programs and the collectives would never meet. One process: ``compute()``.
 
 The runtime is JAX's own (a coordinator service in process 0, heartbeats, a key-value store):
 phaseserve adds nothing to it but the step-plan broadcast in ``serving.multihost``.
@@ -21,8 +32,12 @@ phaseserve adds nothing to it but the step-plan broadcast in ``serving.multihost
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Callable
 
 import jax
+
+KEEP = 64  # messages a Broadcast keeps in the store (>> the few steps processes can drift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,3 +92,53 @@ def initialize(cluster: Cluster) -> None:
 
 def is_leader() -> bool:
   return jax.process_index() == 0
+
+
+def _client():
+  from jax._src import distributed  # the runtime's own client: its key-value store
+  client = distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax.distributed is not initialized (partitioning.multihost.initialize)")
+  return client
+
+
+class Broadcast:
+  """Ordered messages from process 0 to the others (see the module contract)."""
+
+  def __init__(self, name: str):
+    self.name = name
+    self._next = 0
+    self._client = _client()
+
+  def _key(self, i: int) -> str:
+    return f"phaseserve/{self.name}/{i}"
+
+  def publish(self, data: bytes) -> None:
+    self._client.key_value_set_bytes(self._key(self._next), data)
+    if self._next >= KEEP:
+      self._client.key_value_delete(self._key(self._next - KEEP))
+    self._next += 1
+
+  def receive(self, timeout_s: float) -> bytes | None:
+    try:
+      data = self._client.blocking_key_value_get_bytes(self._key(self._next),
+                                                        max(1, int(timeout_s * 1000)))
+    except Exception as e:  # the runtime raises its own error type for DEADLINE_EXCEEDED
+      if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+        return None
+      raise
+    self._next += 1
+    return data
+
+
+def agree(name: str, compute: Callable[[], object], timeout_s: float = 600.0) -> object:
+  """Process 0's ``compute()`` on every process (see the module contract)."""
+  if jax.process_count() == 1:
+    return compute()
+  key = f"phaseserve/agree/{name}"
+  client = _client()
+  if is_leader():
+    value = compute()
+    client.key_value_set_bytes(key, json.dumps(value).encode())
+    return value
+  return json.loads(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))

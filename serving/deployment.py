@@ -15,7 +15,9 @@ decode=decode)``:
     prefill, the rest decode, each with its own params copy and pool; KV pages move at insert.
 A layout left unset is chosen by ``partitioning.planner`` for the live mesh and the phase's
 shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
-``hardware`` preset (``local`` measures this machine once), and the reason is reported.
+``hardware`` preset (``local`` measures this machine once), and the reason is reported. Under
+several processes the choice is process 0's (``partitioning.multihost.agree``), so every process
+builds the same programs.
 """
 
 from __future__ import annotations
@@ -91,10 +93,17 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
     n_pre = deployment.prefill_devices or len(devices) // 2
     pre_mesh, dec_mesh = make_submeshes(devices, n_pre)
     n_dec = len(devices) - n_pre
-  pre, pre_why = _choose(cfg, deployment.prefill_layout, "prefill", n_pre, 1, max_chunk,
-                         quantized, deployment.hardware)
-  dec, dec_why = _choose(cfg, deployment.decode_layout, "decode", n_dec, max_slots,
-                         max_context, quantized, deployment.hardware)
+  from partitioning.multihost import agree
+
+  def choose() -> list[object]:
+    return [_choose(cfg, deployment.prefill_layout, "prefill", n_pre, 1, max_chunk, quantized,
+                    deployment.hardware),
+            _choose(cfg, deployment.decode_layout, "decode", n_dec, max_slots, max_context,
+                    quantized, deployment.hardware)]
+
+  # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
+  (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)
+  pre, dec = tuple(pre), tuple(dec)
   steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
                          decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None)
   one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params

@@ -169,6 +169,19 @@ def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingA
           _logprobs(logits_NV[:, :valid_vocab], tok_N, logprobs_n))
 
 
+def _to_host(a: jax.Array) -> np.ndarray:
+  """The value of a step output on this process. Under several processes (``jax.distributed``)
+  an output spans devices of other processes: a replicated one is read from a local copy; a
+  sharded one is gathered (a collective: every process reads the same outputs in the same
+  order, since each runs the same plans)."""
+  if a.is_fully_addressable:
+    return np.asarray(a)
+  if a.sharding.is_fully_replicated:
+    return np.asarray(a.addressable_shards[0].data)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
 LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [B], top ids [B, n], top [B, n]
 Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
 
@@ -199,8 +212,8 @@ class _Pending:
     tokens: dict[str, int] = {}
     lps: dict[str, TokenLogprobs] = {}
     for part in self.parts:
-      host = np.asarray(part.ids)
-      lp = None if part.lp is None else [np.asarray(a) for a in part.lp]
+      host = _to_host(part.ids)
+      lp = None if part.lp is None else [_to_host(a) for a in part.lp]
       for rid, i, k in part.rows:
         tokens[rid] = int(host[i])
         if lp is not None and k:

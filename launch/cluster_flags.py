@@ -1,0 +1,56 @@
+"""The multi-process flags shared by the serving and sweep CLIs, and joining the cluster.
+
+Contract: importing this module defines ``--coordinator_address``, ``--num_processes``,
+``--process_id`` and ``--heartbeat_timeout_s`` once. ``join() -> Cluster`` (after the fake-device
+flags are applied, before any JAX computation) calls ``partitioning.multihost.initialize`` (a
+no-op for one process) and then makes every process use process 0's CPU lowering policy
+(``models.cpu_lowering``: measured, so it could differ per process, and it decides the traced
+programs, which must be identical everywhere). Bad values raise ``CliError``.
+
+  # two hosts (or two local processes, 4 fake CPU devices each):
+  python -m launch.server --coordinator_address HOST0:8476 --num_processes 2 --process_id 0 ...
+  python -m launch.server --coordinator_address HOST0:8476 --num_processes 2 --process_id 1 ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+
+from launch.cli import CliError
+from partitioning.multihost import Cluster
+
+COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0's jax.distributed coordinator "
+    "(multi-process; default: one process)")
+NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes in the cluster",
+                                     lower_bound=1)
+PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (0 serves)",
+                                  lower_bound=0)
+HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 10, "a process silent this long is "
+                                 "declared dead and every other one exits", lower_bound=1)
+
+
+def cluster() -> Cluster:
+  c = Cluster(COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value,
+              heartbeat_timeout_s=HEARTBEAT.value)
+  try:
+    c.validate()
+  except ValueError as e:
+    raise CliError(str(e))
+  return c
+
+
+def join() -> Cluster:
+  from partitioning import multihost
+  c = cluster()
+  multihost.initialize(c)
+  if c.multi:
+    import jax
+    if jax.default_backend() == "cpu":
+      from models import cpu_lowering
+      fields = multihost.agree("cpu_lowering",
+                               lambda: dataclasses.asdict(cpu_lowering.policy()))
+      cpu_lowering.set_policy(cpu_lowering.CpuPolicy(**fields))
+  return c

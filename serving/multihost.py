@@ -1,0 +1,96 @@
+"""One engine over many processes: process 0 plans, every process runs the same device calls.
+
+JAX's multi-controller model needs every process to launch the same programs, with the same
+arguments, in the same order (each then runs its own devices' part; the collectives meet across
+processes). phaseserve keeps ONE scheduler (process 0's): its plans are never re-derived on the
+other processes, they are broadcast (``partitioning.multihost.Broadcast`` over the runtime's
+key-value store, ``serving.plan_codec``'s JSON form).
+
+Contract:
+  * ``LeaderEngine(engine, broadcast)`` (process 0) is the engine the serving loop drives: each
+    call that launches device programs (``execute(plan)``, ``flush()``, ``reset()``,
+    ``warmup(...)``) is published, then run on the local engine; ``stop()`` publishes the end.
+    Every other attribute reads through to the local engine (``config``, ``programs``, ...).
+  * ``follow(engine, broadcast, should_stop=None) -> int`` (every other process) runs the
+    published calls on its own engine, built exactly like process 0's, until ``stop``; it
+    returns the number of calls run. A call that raises is logged and the next one runs: process 0
+    fails the same way, and its loop's fault handling (``reset``) is published like any call. It waits for the next call in slices of ``POLL_S`` and
+    returns early when ``should_stop()`` is true (a signal). A dead process 0 is detected by the
+    distributed runtime (heartbeats; see ``partitioning.multihost``), which ends this process
+    with an error rather than leaving it blocked.
+  * Results: every process computes each step's results (``Engine`` reads outputs with
+    ``_to_host``, a local copy or a gather); only process 0's go to the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from partitioning.multihost import Broadcast
+from serving import plan_codec
+from serving.engine import Engine
+from serving.scheduler import StepPlan, StepResult
+
+POLL_S = 1.0  # a follower waits for the next call this long before looking at should_stop
+_log = logging.getLogger(__name__)
+
+
+class LeaderEngine:
+  """Process 0's engine: publishes each device call before running it (see the contract)."""
+
+  def __init__(self, engine: Engine, broadcast: Broadcast):
+    self.engine = engine
+    self.broadcast = broadcast
+    self.calls = 0
+
+  def _publish(self, call: str, *args: object) -> None:
+    self.broadcast.publish(plan_codec.encode((call, args)))
+    self.calls += 1
+
+  def execute(self, plan: StepPlan) -> StepResult | None:
+    self._publish("execute", plan)
+    return self.engine.execute(plan)
+
+  def flush(self) -> list[StepResult]:
+    self._publish("flush")
+    return self.engine.flush()
+
+  def reset(self) -> None:
+    self._publish("reset")
+    self.engine.reset()
+
+  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None) -> int:
+    self._publish("warmup", max_prefill_rows, max_chunk)
+    return self.engine.warmup(max_prefill_rows, max_chunk)
+
+  def stop(self) -> None:
+    self._publish("stop")
+
+  def __getattr__(self, name: str) -> object:  # reads (config, programs, step, ...)
+    return getattr(self.engine, name)
+
+
+def follow(engine: Engine, broadcast: Broadcast,
+           should_stop: Callable[[], bool] | None = None) -> int:
+  """Runs process 0's published engine calls here until it publishes ``stop``."""
+  calls = 0
+  while True:
+    data = broadcast.receive(POLL_S)
+    if data is None:
+      if should_stop is not None and should_stop():
+        _log.warning("follower stopping on request before process 0 said stop")
+        return calls
+      continue
+    call, args = plan_codec.decode(data)
+    if call == "stop":
+      return calls
+    run = {"execute": engine.execute, "flush": engine.flush, "reset": engine.reset,
+           "warmup": engine.warmup}.get(call)
+    if run is None:
+      raise ValueError(f"unknown engine call {call!r} from process 0")
+    try:
+      run(*args)
+    except Exception:  # as on process 0, whose loop handles it and publishes ``reset``
+      _log.exception("engine call %s failed (process 0's loop handles the fault)", call)
+    calls += 1

@@ -1,0 +1,181 @@
+"""Multi-controller JAX (``jax.distributed``): 2 local processes x 4 fake CPU devices (CPU
+collectives through gloo) against 1 process x 8 devices (this test process, tests/conftest.py).
+
+Covered: the step-plan wire form round-trips exactly and refuses unknown types; the cluster
+flags are validated; the partitioned paged prefill + decode give the same logits on 2 x 4 as on
+1 x 8 (and as the unsharded model), relative tolerance 1e-5 of the logits' magnitude as
+tests/test_paged_layouts.py; a 2-process ``launch.server`` streams the same greedy tokens as
+the same engine in one process; SIGTERM to process 0 stops both cleanly (exit 0); a killed
+process takes the other down with an error within the heartbeat timeout plus a margin. Every
+process is reaped (tests/multiproc.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from partitioning.multihost import Cluster
+from serving import plan_codec
+from serving.kv_pages import PageCopy
+from serving.prefix_cache import PageLoad, PageSpill
+from serving.request import Sinks
+from serving.sampling import SamplingParams
+from serving.scheduler import DecodeRow, PrefillChunk, SlotSetup, StepPlan
+from tests.multiproc import Workers, run_workers
+from tests.test_layouts import assert_close
+
+HEARTBEAT_S = 5  # the workers' --heartbeat_timeout_s
+DEATH_MARGIN_S = 15  # detection takes up to one heartbeat timeout; margin for a loaded machine
+
+
+def test_plan_codec_round_trips_exactly():
+  table = np.arange(24, dtype=np.int32).reshape(4, 6) - 3
+  plan = StepPlan(
+      step=7, prefill=(PrefillChunk("a", 1, (5, 6, 7), 32, True),),
+      decode=(DecodeRow("b", 0, 40), DecodeRow("c", 2, 3)),
+      setups=(SlotSetup(1, "a", SamplingParams(0.7, 5, 0.9, 123, 2), Sinks(64, 4)),
+              SlotSetup(2, "c", SamplingParams(seed=2**32 - 1))),
+      page_table=table, copies=(PageCopy(3, 9),), spills=(PageSpill(4, 2**60),),
+      forget=(11, 12), loads=(PageLoad(2**60, 5),))
+  got = plan_codec.decode(plan_codec.encode(plan))
+  assert isinstance(got, StepPlan)
+  for f in ("step", "prefill", "decode", "setups", "copies", "spills", "forget", "loads"):
+    assert getattr(got, f) == getattr(plan, f), f
+  assert got.page_table.dtype == np.int32 and np.array_equal(got.page_table, table)
+  assert got.setups[0].sampling.temperature == 0.7  # floats exact through JSON
+  call = plan_codec.decode(plan_codec.encode(("warmup", (2, None))))
+  assert call == ("warmup", (2, None))
+  with pytest.raises(ValueError, match="unknown type"):
+    plan_codec.decode(b'{"dc":"Popen","f":{}}')
+  with pytest.raises(TypeError, match="cannot encode"):
+    plan_codec.encode(object())
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_processes=0), "num_processes"),
+    (dict(num_processes=2, process_id=2, coordinator_address="h:1"), "process_id"),
+    (dict(num_processes=2), "coordinator_address"),
+    (dict(num_processes=2, coordinator_address="nohostport"), "host:port"),
+    (dict(heartbeat_timeout_s=0), "heartbeat_timeout_s"),
+])
+def test_cluster_validation_names_the_field(kw, match):
+  with pytest.raises(ValueError, match=match):
+    Cluster(**kw).validate()
+
+
+def test_two_processes_give_the_logits_of_one(tmp_path):
+  from partitioning.mesh import make_mesh
+  from tests import test_paged_layouts as T
+  from tests.workers import partitioned_logits as W
+  out = tmp_path / "logits.npz"
+  ws = run_workers(tmp_path, ["tests.workers.partitioned_logits", "--out", str(out)],
+                   timeout=240)
+  for w in ws:
+    assert w.returncode == 0, w.output[-3000:]
+  got = np.load(out)
+  mesh = make_mesh(jax.devices()[:8])
+  for ffn, attn, q in W.CASES:
+    name = f"{ffn}-{attn}-{'int8' if q else 'f32'}"
+    one = W.run_case(mesh, ffn, attn, q)
+    ref = T._case(q)[2]
+    for k in ("l1", "l2", "l3"):
+      assert_close(got[f"{name}/{k}"], one[k], f"{name} {k}: 2x4 vs 1x8")
+      assert_close(got[f"{name}/{k}"], ref[k], f"{name} {k}: 2x4 vs unsharded")
+    np.testing.assert_array_equal(got[f"{name}/lengths"], one["lengths"])
+
+
+# -- launch.server over two processes ------------------------------------------------------------
+
+LAYOUT = "ws_2d:batch_z"  # pages sharded over z: each process holds its own kv shards
+SERVER = ("launch.server", "--model", "tiny", "--max_context", "128", "--max_slots", "4",
+          "--kv_pages", "32", "--page_size", "16", "--max_chunk", "32",
+          "--max_prefill_chunks", "1", "--fake_devices", "4", "--mode", "interleaved",
+          "--prefill_layout", LAYOUT, "--decode_layout", LAYOUT, "--nowarmup",
+          "--heartbeat_timeout_s", str(HEARTBEAT_S), "--grace_s", "5", "--noearly_reject")
+PROMPT = (1, 72, 101, 108, 108, 111, 44, 32, 119)
+MAX_TOKENS = 10
+
+
+def _one_process_tokens() -> list[int]:
+  """The same engine in this process over 8 devices (what a 1-process server runs)."""
+  from models.loader import load_model
+  from serving import stack
+  from serving.deployment import Deployment, make_steps
+  from serving.request import Request
+  from serving.stop import StopCriteria
+  cfg, params, tok = load_model("tiny", jnp.float32, 0)
+  config = stack.ServingConfig(max_slots=4, page_size=16, kv_pages=32, max_chunk=32,
+                               max_prefill_chunks=1, max_context=128)
+  steps = make_steps(cfg, Deployment("interleaved", LAYOUT, LAYOUT), max_slots=4, max_chunk=32,
+                     max_context=128, quantized=False, devices=jax.devices()[:8])
+  loop = stack.build(steps.step, params, tok, config, decode=steps.decode,
+                     kv_shards=steps.kv_shards)
+  out: list[int] = []
+  loop.submit(Request("r", PROMPT, SamplingParams(),
+                      StopCriteria(max_tokens=MAX_TOKENS, stop_ids=())),
+              lambda o: out.extend(o.token_ids))
+  loop.run_until_idle()
+  return out
+
+
+def _wait_port(ws: Workers, path, timeout: float = 120.0) -> int:
+  deadline = time.monotonic() + timeout
+  while not os.path.exists(path):
+    if any(w.proc.poll() is not None for w in ws.workers) or time.monotonic() > deadline:
+      raise RuntimeError("server did not bind:\n" + ws.logs())
+    time.sleep(0.1)
+  return int(open(path).read())
+
+
+def _stream(port: int, max_tokens: int = MAX_TOKENS) -> list[int]:
+  from serving.proto.phaseserve.v1 import generation_pb2 as pb
+  from serving.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
+  with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    stub = pb_grpc.GenerationStub(ch)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(PROMPT)), max_tokens=max_tokens,
+                             ignore_eos=True)
+    return [t for r in stub.Generate(req, timeout=120) for t in r.token_ids]
+
+
+def _server_pair(tmp_path) -> Workers:
+  port_file = str(tmp_path / "port")
+  return Workers(tmp_path, SERVER, extra=[("--port", "0", "--port_file", port_file), ()])
+
+
+def test_two_process_server_streams_the_tokens_of_one_and_stops_cleanly(tmp_path):
+  expected = _one_process_tokens()
+  assert len(expected) == MAX_TOKENS
+  with _server_pair(tmp_path) as ws:
+    port = _wait_port(ws, tmp_path / "port")
+    assert _stream(port) == expected
+    assert _stream(port, 3) == expected[:3]  # and it keeps serving
+    ws.kill(0, signal.SIGTERM)
+    done = ws.wait(60)
+    assert [w.returncode for w in done] == [0, 0], ws.logs()
+  assert "stopped after" in done[1].output  # the follower left its loop on process 0's word
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "leader-killed"])
+def test_a_killed_process_takes_the_other_down(tmp_path, victim):
+  with _server_pair(tmp_path) as ws:
+    _wait_port(ws, tmp_path / "port")
+    survivor = 1 - victim
+    ws.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+      rc = ws.workers[survivor].proc.wait(HEARTBEAT_S + DEATH_MARGIN_S)
+    except Exception:
+      pytest.fail(f"process {survivor} still running {HEARTBEAT_S + DEATH_MARGIN_S} s after "
+                  f"process {victim} was killed:\n{ws.logs()}")
+    elapsed = time.monotonic() - t0
+    assert rc != 0, ws.logs()
+    assert "distributed service detected fatal errors" in ws.workers[survivor].output
+  print(f"process {survivor} exited (rc {rc}) {elapsed:.1f} s after process {victim} died")

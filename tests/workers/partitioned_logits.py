@@ -1,0 +1,58 @@
+"""Worker: the partitioned paged prefill + decode of tests/test_paged_layouts.py on the global mesh.
+
+Every process runs the same programs; the logits and the KV lengths are gathered and process 0
+writes them to ``--out`` (an .npz, keys ``<ffn>-<attn>-<f32|int8>/<l1|l2|l3|lengths>``) for
+tests/test_multihost.py to compare with one process over 8 devices.
+"""
+
+import jax
+
+from partitioning.multihost import initialize, is_leader
+from tests.workers.args import cluster, parser
+
+CASES = (("ws_2d", "batch_z", False), ("ws_1d", "heads", True))
+
+
+def run_case(mesh, ffn: str, attn: str, quantized: bool) -> dict:
+  """The case's outputs as host arrays (gathered from every process)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from partitioning import paged_step as PS
+  from tests import test_paged_layouts as T
+  params, x, _ = T._case(quantized)
+  step = PS.PagedShardedStep.make(T.CFG, mesh, ffn, attn)
+  kv = step.init_kv(T.B, T.NP, T.Z, T.M, jnp.float32).replace(page_table=jnp.asarray(T._table()))
+  got = T._run(step, step, step.place_params(params), kv, x)
+
+  def host(a):
+    if a.is_fully_addressable:
+      return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+  return {"l1": host(got["l1"]), "l2": host(got["l2"]), "l3": host(got["l3"]),
+          "lengths": host(got["kv"].lengths)}
+
+
+def main() -> None:
+  p = parser(__doc__)
+  p.add_argument("--out", required=True)
+  args = p.parse_args()
+  initialize(cluster(args))
+  import numpy as np
+
+  from partitioning.mesh import make_mesh
+  mesh = make_mesh()
+  out = {}
+  for ffn, attn, q in CASES:
+    for k, v in run_case(mesh, ffn, attn, q).items():
+      out[f"{ffn}-{attn}-{'int8' if q else 'f32'}/{k}"] = v
+  if is_leader():
+    np.savez(args.out, **out)
+  print(f"process {jax.process_index()}: {len(CASES)} cases on {mesh.devices.size} devices",
+        flush=True)
+
+
+if __name__ == "__main__":
+  main()
