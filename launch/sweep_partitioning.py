@@ -12,6 +12,10 @@ MFU, bandwidth utilisation, and the cost model's prediction on ``--hardware`` (d
 agreement rate of the cost model's pick with the measured best, the median slowdown of its pick)
 and measured_vs_predicted.png; a rerun with the same ``--out`` resumes (finished cells are read
 from ``--out``/cache, ``--refresh`` re-times them). Prints the summary as JSON. Bad flags exit 2.
+
+Several processes (``--coordinator_address --num_processes --process_id``, ``launch.cluster_flags``):
+the mesh spans every process's devices, each process runs every cell, process 0's timings and
+cache decide (``partitioning.autotune``) and process 0 alone writes ``--out``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 
 from absl import flags
 
-from launch import cli
+from launch import cli, cluster_flags
 from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "tiny", "model preset (its shape, random weights)")
@@ -47,6 +51,7 @@ def main(argv: list[str]) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={_FAKE.value}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  cluster = cluster_flags.join()
   bad = [p for p in _PHASES.value if p not in ("prefill", "decode")]
   bad += [w for w in _WEIGHTS.value if w not in ("bf16", "int8")]
   if bad:
@@ -58,7 +63,8 @@ def main(argv: list[str]) -> None:
   from launch import machine, partition_sweep as ps
   from models.config import get_preset
   from partitioning import layouts
-  from partitioning.hardware import get_hardware
+  from partitioning import multihost
+  from partitioning.hardware import Hardware, get_hardware
   from partitioning.mesh import make_mesh, mesh_shape
   try:
     cfg = get_preset(_MODEL.value)
@@ -67,13 +73,20 @@ def main(argv: list[str]) -> None:
     shape = [int(s) for s in _MESH.value.split(",")] if _MESH.value else None
     mesh = make_mesh(shape=shape)
     candidates = layouts.parse_pairs(_CANDIDATES.value) if _CANDIDATES.value else None
-    hw = get_hardware(_HARDWARE.value)
+    # ``local`` is measured: process 0's measurement for every process.
+    hw = Hardware(**multihost.agree("sweep_hardware",
+                                    lambda: dataclasses.asdict(get_hardware(_HARDWARE.value))))
   except ValueError as e:
     raise CliError(str(e))
   grid = ps.Grid(tuple(_PHASES.value), batches, seqs, tuple(_WEIGHTS.value))
+  leader = multihost.is_leader()
   sweep = ps.run(cfg, mesh, grid, hw, _OUT.value, reps=_REPS.value, refresh=_REFRESH.value,
                  candidates=candidates,
-                 progress=lambda it: tqdm(it, total=len(grid), desc="cells", unit="cell"))
+                 progress=lambda it: tqdm(it, total=len(grid), desc="cells", unit="cell",
+                                          disable=not leader))
+  if not leader:  # process 0 writes the results (every process ran every cell's programs)
+    jax.distributed.shutdown()
+    return
   x, y, z = mesh_shape(mesh)
   dev = jax.devices()[0]
   meta = {"model": cfg.name, "mesh": [x, y, z], "devices": f"{dev.platform}:{dev.device_kind}",
@@ -82,6 +95,8 @@ def main(argv: list[str]) -> None:
           "title": f"{cfg.name} on {x}x{y}x{z} {dev.platform} ({hw.name} cost model)"}
   paths = ps.write(sweep, _OUT.value, meta)
   print(json.dumps({**sweep.summary(), "files": paths}))
+  if cluster.multi:
+    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Contract:
   * Predicted: ``partitioning.cost_model.step_cost(...).latency_s`` on ``hardware`` (``None``:
     not predicted), on the live mesh shape and weights ``bf16`` or ``int8``; a combination the
     cost model rejects gets ``predicted_s=None`` and the reason in ``note``.
+  * Several processes (``partitioning.multihost``): every process compiles and runs every
+    candidate (the programs span all of them); process 0's cache lookup and process 0's times
+    decide for all (``multihost.agree``), and only process 0 writes the cache.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax.sharding import Mesh
 from models import json_cache
 from models.config import ModelConfig
 from models.weights import Params, init_params, quantize
-from partitioning import collectives, layouts
+from partitioning import collectives, layouts, multihost
 from partitioning.mesh import mesh_shape
 
 CACHE_FILE = "autotune.json"
@@ -157,10 +160,11 @@ def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
                 for f, a in candidates]
   path = os.path.join(cache_dir or default_cache_dir(), CACHE_FILE)
   key = cache_key(cfg, mesh, phase, batch, seq, quantized, candidates)
-  if not refresh:
-    entry = _load(path).get(key)
-    if entry:
-      return AutotuneResult.from_dict(entry, cache_hit=True)
+  # Several processes: process 0's cache decides and its timings are everyone's (all processes
+  # must compile and run the same programs, and agree on the winner); only process 0 writes.
+  entry = multihost.agree("autotune_cached", lambda: None if refresh else _load(path).get(key))
+  if entry:
+    return AutotuneResult.from_dict(entry, cache_hit=True)
 
   if params is None:
     params = init_params(cfg, jax.random.key(0), dtype)
@@ -186,13 +190,16 @@ def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
     seconds = _time_one(step, placed[skey], cfg, mesh, ffn, attn, phase, batch, seq, reps, dtype)
     programs[pkey] = (f"{ffn}+{attn}", seconds)
     results.append(Measurement(ffn, attn, seconds, predicted, note, None, plan.describe()))
+  times = multihost.agree("autotune_times", lambda: [m.measured_s for m in results])
+  results = [dataclasses.replace(m, measured_s=t) for m, t in zip(results, times)]
   best = min((m for m in results if m.same_as is None), key=lambda m: m.measured_s)
   result = AutotuneResult(key=key, phase=phase, batch=batch, seq=seq, best_ffn=best.ffn,
                           best_attn=best.attn, measurements=tuple(results), cache_hit=False,
                           path=path)
   entry = result.to_dict()
   entry.pop("cache_hit")
-  _store(path, key, entry)
+  if multihost.is_leader():
+    _store(path, key, entry)
   return result
 
 

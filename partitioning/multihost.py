@@ -24,6 +24,8 @@ Contract:
     value), computed there only: measured choices (the CPU lowering autotune, the ``local``
     hardware measurement behind the planner) must be equal on every process, or they would
     trace different programs and the collectives would never meet. One process: ``compute()``.
+    Every process must make the same ``agree`` calls in the same order (the n-th call on a
+    name is matched with process 0's n-th).
 
 The runtime is JAX's own (a coordinator service in process 0, heartbeats, a key-value store):
 phaseserve adds nothing to it but the step-plan broadcast in ``serving.multihost``.
@@ -131,11 +133,18 @@ class Broadcast:
     return data
 
 
+_agreed: dict[str, int] = {}  # agreements made so far per name, in this process
+
+
 def agree(name: str, compute: Callable[[], object], timeout_s: float = 600.0) -> object:
   """Process 0's ``compute()`` on every process (see the module contract)."""
   if jax.process_count() == 1:
     return compute()
-  key = f"phaseserve/agree/{name}"
+  # The n-th agreement on ``name`` in this process: every process makes the same calls in the
+  # same order, so the keys match, and a name may be agreed on again (a sweep's next cell).
+  n = _agreed.get(name, 0)
+  _agreed[name] = n + 1
+  key = f"phaseserve/agree/{name}/{n}"
   client = _client()
   if is_leader():
     value = compute()

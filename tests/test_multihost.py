@@ -179,3 +179,28 @@ def test_a_killed_process_takes_the_other_down(tmp_path, victim):
     assert rc != 0, ws.logs()
     assert "distributed service detected fatal errors" in ws.workers[survivor].output
   print(f"process {survivor} exited (rc {rc}) {elapsed:.1f} s after process {victim} died")
+
+
+def test_two_process_partitioning_sweep(tmp_path):
+  """launch.sweep_partitioning over 2 x 4 devices: every process runs every cell; process 0's
+  timings decide and only it writes; a rerun resumes from its cache without re-timing."""
+  import csv
+  import json
+  out = tmp_path / "sweep"
+  argv = ["launch.sweep_partitioning", "--fake_devices", "4", "--model", "tiny", "--phases",
+          "decode", "--batches", "8", "--seqs", "16", "--weights", "bf16", "--candidates",
+          "ws_2d:heads,wg_xyz:batch_xyz", "--reps", "1", "--hardware", "tpu-v4",
+          "--out", str(out)]
+  for resumed in (0, 1):
+    logs = tmp_path / f"run{resumed}"
+    logs.mkdir()
+    ws = run_workers(logs, argv, timeout=240)
+    assert [w.returncode for w in ws] == [0, 0], "\n".join(w.output[-2000:] for w in ws)
+    summary = json.loads(ws[0].output.strip().splitlines()[-1])
+    assert summary["cells"] == 1 and summary["resumed"] == resumed, summary
+    assert '"cells"' not in ws[1].output  # the follower prints no summary
+  with open(out / "sweep.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert {r["ffn"] for r in rows} == {"ws_2d", "wg_xyz"}
+  assert all(float(r["measured_s"]) > 0 for r in rows if not r["same_as"])
+  assert json.load(open(out / "sweep.json"))["mesh"] == [2, 2, 2]
