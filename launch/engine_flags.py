@@ -97,7 +97,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
   import jax.numpy as jnp
   from models.loader import load_model
   from serving import stack
-  from serving.deployment import Deployment, make_steps
+  from serving.deployment import Deployment, check_multiprocess, make_steps
   dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
   try:
     cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,
@@ -117,8 +117,10 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         host_tier_bytes=HOST_TIER.value,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
         attention_sinks=SINKS.value)
-    steps = make_steps(cfg, Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
-                                       PREFILL_DEVICES.value, HARDWARE.value, SCAN.value),
+    deployment = Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
+                            PREFILL_DEVICES.value, HARDWARE.value, SCAN.value)
+    check_multiprocess(deployment, HOST_TIER.value)
+    steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
                        max_context=config.max_context, quantized=QUANTIZE.value == "int8")
     loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,

@@ -17,7 +17,7 @@ A layout left unset is chosen by ``partitioning.planner`` for the live mesh and 
 shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
 ``hardware`` preset (``local`` measures this machine once), and the reason is reported. Under
 several processes the choice is process 0's (``partitioning.multihost.agree``), so every process
-builds the same programs.
+builds the same programs; ``check_multiprocess`` says which deployments run over processes.
 """
 
 from __future__ import annotations
@@ -75,6 +75,21 @@ def _choose(cfg: ModelConfig, given: str | None, phase: str, chips: int, batch: 
   return (best.layout, best.attention), (
       f"planner ({hardware}): {best.layout}+{best.attention}, predicted "
       f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
+
+
+def check_multiprocess(deployment: Deployment, host_tier_bytes: int = 0) -> None:
+  """Under several processes (``jax.distributed``): ``interleaved`` only, no host tier
+  (``ValueError`` naming why). ``single`` runs on one device; ``disaggregated`` copies KV pages
+  between two disjoint device sets, which multi-controller JAX does between processes only on
+  TPU's TFRT runtime (XLA:CPU: "input and target sharding should have the same set of
+  devices"); the host tier reads pool pages into this process's memory."""
+  if jax.process_count() == 1:
+    return
+  if deployment.mode != "interleaved":
+    raise ValueError(f"mode {deployment.mode!r} does not run over {jax.process_count()} "
+                     "processes: use --mode interleaved (one mesh over every process's devices)")
+  if host_tier_bytes:
+    raise ValueError("the host tier (--host_tier_bytes) does not run over several processes")
 
 
 def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_chunk: int,

@@ -171,15 +171,16 @@ def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingA
 
 def _to_host(a: jax.Array) -> np.ndarray:
   """The value of a step output on this process. Under several processes (``jax.distributed``)
-  an output spans devices of other processes: a replicated one is read from a local copy; a
-  sharded one is gathered (a collective: every process reads the same outputs in the same
-  order, since each runs the same plans)."""
+  an output spans devices of other processes: a sharded one is first replicated over its own
+  devices (a collective: every process reads the same outputs in the same order, since each
+  runs the same plans), then read from a local copy. Every mesh spans every process
+  (``partitioning.mesh.split_devices``), so each process holds a copy."""
   if a.is_fully_addressable:
     return np.asarray(a)
-  if a.sharding.is_fully_replicated:
-    return np.asarray(a.addressable_shards[0].data)
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+  if not a.sharding.is_fully_replicated:
+    a = jax.device_put(a, jax.sharding.NamedSharding(a.sharding.mesh,
+                                                     jax.sharding.PartitionSpec()))
+  return np.asarray(a.addressable_shards[0].data)
 
 
 LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [B], top ids [B, n], top [B, n]

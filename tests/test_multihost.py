@@ -204,3 +204,15 @@ def test_two_process_partitioning_sweep(tmp_path):
   assert {r["ffn"] for r in rows} == {"ws_2d", "wg_xyz"}
   assert all(float(r["measured_s"]) > 0 for r in rows if not r["same_as"])
   assert json.load(open(out / "sweep.json"))["mesh"] == [2, 2, 2]
+
+
+def test_deployments_that_cannot_span_processes_are_refused(monkeypatch):
+  from serving.deployment import Deployment, check_multiprocess
+  check_multiprocess(Deployment("disaggregated"))  # one process: anything goes
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  check_multiprocess(Deployment("interleaved"))
+  for mode in ("single", "disaggregated"):
+    with pytest.raises(ValueError, match="--mode interleaved"):
+      check_multiprocess(Deployment(mode))
+  with pytest.raises(ValueError, match="host tier"):
+    check_multiprocess(Deployment("interleaved"), host_tier_bytes=1 << 20)
