@@ -7,6 +7,8 @@ no-op for one process) and then makes every process use process 0's CPU lowering
 (``models.cpu_lowering``: measured, so it could differ per process, and it decides the traced
 programs, which must be identical everywhere). Bad values raise ``CliError``.
 
+  # a TPU pod slice, the same command on every host (JAX finds the others):
+  python -m launch.server --coordinator_address auto ...
   # two hosts (or two local processes, 4 fake CPU devices each):
   python -m launch.server --coordinator_address HOST0:8476 --num_processes 2 --process_id 0 ...
   python -m launch.server --coordinator_address HOST0:8476 --num_processes 2 --process_id 1 ...
@@ -23,7 +25,8 @@ from partitioning.multihost import Cluster
 
 COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0's jax.distributed coordinator "
-    "(multi-process; default: one process)")
+    "(multi-process; 'auto': JAX detects the cluster, e.g. a TPU pod slice; default: one "
+    "process)")
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes in the cluster",
                                      lower_bound=1)
 PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (0 serves)",

@@ -2,8 +2,9 @@
 
 Contract:
   * ``Cluster(coordinator_address, num_processes, process_id, ...)``: a frozen description of
-    this process's place in a multi-process run; ``Cluster.single()`` is the one-process default
-    (``initialize`` is then a no-op). ``Cluster.validate()`` raises ``ValueError`` naming the bad
+    this process's place in a multi-process run (``coordinator_address="auto"``: JAX's cluster
+    detection fills in all three, e.g. on a TPU pod slice); ``Cluster.single()`` is the
+    one-process default (``initialize`` is then a no-op). ``Cluster.validate()`` raises ``ValueError`` naming the bad
     field.
   * ``initialize(cluster)`` calls ``jax.distributed.initialize`` once, before any JAX computation,
     with the heartbeat and initialisation timeouts of ``cluster`` (a process whose peer died
@@ -57,8 +58,13 @@ class Cluster:
     return cls()
 
   @property
+  def auto(self) -> bool:
+    """``coordinator_address="auto"``: JAX detects the cluster (TPU pod slices, SLURM, MPI)."""
+    return self.coordinator_address == "auto"
+
+  @property
   def multi(self) -> bool:
-    return self.num_processes > 1
+    return self.auto or self.num_processes > 1
 
   def validate(self) -> None:
     if self.num_processes < 1:
@@ -68,7 +74,7 @@ class Cluster:
           f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
     if self.multi and not self.coordinator_address:
       raise ValueError("coordinator_address (host:port) is required with num_processes > 1")
-    if self.coordinator_address is not None:
+    if self.coordinator_address is not None and not self.auto:
       host, sep, port = self.coordinator_address.rpartition(":")
       if not sep or not host or not port.isdigit():
         raise ValueError(
@@ -85,11 +91,14 @@ def initialize(cluster: Cluster) -> None:
     return
   # Only the CPU client reads this (TPU / GPU collectives are their own): set it always.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      cluster.coordinator_address, num_processes=cluster.num_processes,
-      process_id=cluster.process_id, initialization_timeout=cluster.init_timeout_s,
-      heartbeat_timeout_seconds=cluster.heartbeat_timeout_s,
-      shutdown_timeout_seconds=cluster.shutdown_timeout_s)
+  timeouts = dict(initialization_timeout=cluster.init_timeout_s,
+                  heartbeat_timeout_seconds=cluster.heartbeat_timeout_s,
+                  shutdown_timeout_seconds=cluster.shutdown_timeout_s)
+  if cluster.auto:
+    jax.distributed.initialize(**timeouts)
+  else:
+    jax.distributed.initialize(cluster.coordinator_address, num_processes=cluster.num_processes,
+                               process_id=cluster.process_id, **timeouts)
 
 
 def is_leader() -> bool:

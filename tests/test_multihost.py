@@ -69,6 +69,8 @@ def test_plan_codec_round_trips_exactly():
 def test_cluster_validation_names_the_field(kw, match):
   with pytest.raises(ValueError, match=match):
     Cluster(**kw).validate()
+  Cluster("auto").validate()  # JAX's cluster detection (TPU pod slices)
+  assert Cluster("auto").multi and not Cluster().multi
 
 
 def test_two_processes_give_the_logits_of_one(tmp_path):
