@@ -226,8 +226,10 @@ class _Source:
     rows, out_dims, out_cut = self._group(self.out_axes, index)
     if rows not in cache:
       amax = self.row_amax(reader, rows, dtype)
-      cache[rows] = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(
-          np.float32)
+      # amax * (1 / 127) and w * (1 / scale) below: XLA's rewrite of quantize_array's
+      # divisions by a constant / a broadcast, so the values are bit-equal to it.
+      cache[rows] = np.where(amax > 0, amax * (np.float32(1.0) / np.float32(127.0)),
+                             np.float32(1.0)).astype(np.float32)
     s = cache[rows].reshape(out_dims)[tuple(out_cut)]
     s = s.reshape(s.shape + (1,) * len(self.in_axes))
     return np.ascontiguousarray(s.transpose(self._order()))
@@ -235,13 +237,12 @@ class _Source:
   def quant(self, reader: _Reader, index: Index, dtype: np.dtype,
             cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
     w = self.read(reader, index, dtype).astype(np.float32)
-    # w * (1 / scale), as XLA computes quantize_array's w / scale (bit-equal int8 values).
     inv = np.float32(1.0) / self.scale(reader, index, dtype, cache)
     q = np.clip(np.round(w * inv), -127, 127)
     return q.astype(np.int8)
 
 
-_CHUNK_ELEMENTS = 1 << 22  # row_amax reads at most this many elements (16 MB in f32) at a time
+_CHUNK_ELEMENTS = 1 << 20  # row_amax reads at most this many elements (4 MB in f32) at a time
 
 
 def _sources(cfg: ModelConfig) -> dict[str, _Source]:

@@ -235,6 +235,64 @@ def build(cfg: ModelConfig, dtype, target: Target, make: MakeWeight, *, quantize
   return out
 
 
+def final_shardings(cfg: ModelConfig, dtype, quantized: bool, stacked: bool,
+                    target: Target) -> Params:
+  """The params tree (int8 / stacked as asked) with its ``Sharding`` at every array."""
+  return _placements(_final_abstract(cfg, dtype, quantized, stacked), target)
+
+
+def sharding_of_source(final: Params, path: str) -> Sharding:
+  """The sharding an unstacked array at ``path`` (``"['layers'][3]['q']"``, or its ``.quant`` /
+  ``.scale``) must have to become its weight in ``final``: the int8 ``quant``'s when a float
+  weight is to be quantized, one layer's of the stacked weight when it is to be stacked."""
+  by_path = {jax.tree_util.keystr(k): s for k, s in jax.tree_util.tree_flatten_with_path(final)[0]}
+  weight, dot, field = path.partition(".")
+  stacked = isinstance(final["layers"], dict) and weight.startswith("['layers'][")
+  if stacked:  # "['layers'][3]['q']" -> "['layers']['q']"
+    weight = "['layers']" + weight[weight.index("]", len("['layers'][")) + 1:]
+  key = weight + dot + field
+  if not field and key not in by_path:  # a float weight that becomes int8
+    key = weight + ".quant"
+  if key not in by_path:
+    raise ValueError(f"no target sharding for the stored array {path}")
+  return _layer_sharding(by_path[key], key) if stacked else by_path[key]
+
+
+def stack_placed(params: Params, cfg: ModelConfig, target: Target = None) -> Params:
+  """Placed per-layer params -> stacked (``target``: the stacked tree's shardings; default each
+  layer-0 weight's sharding with an unsharded layer axis). Each stacked weight is allocated,
+  filled a layer at a time by a donated update, and every per-layer array deleted once copied:
+  at most one stacked weight (all layers of one name) exists twice."""
+  if isinstance(params["layers"], dict):
+    return params
+  dtype = params["final_norm"].dtype  # the float dtype (norms are never quantized)
+  quantized = any(_is_quant(x) for x in jax.tree.leaves(params, is_leaf=_is_quant))
+  if target is None:
+    first = {jax.tree_util.keystr(k).replace("['layers'][0]", "['layers']", 1): a.sharding
+             for k, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def target(path: str, sds) -> Sharding:
+      del sds
+      base = first[path]
+      if isinstance(base, NamedSharding) and path.startswith("['layers']"):
+        return NamedSharding(base.mesh, PartitionSpec(None, *base.spec),
+                             memory_kind=base.memory_kind)
+      return base
+  abstract = _final_abstract(cfg, dtype, quantized, True)
+  where = _placements(abstract, target)
+  stacked = {}
+  for name in params["layers"][0]:
+    buf = jax.tree.map(_allocate, abstract["layers"][name], where["layers"][name])
+    for i, layer in enumerate(params["layers"]):
+      buf = jax.tree.map(lambda b, x: _set_layer(b, x, i), buf, layer[name])
+      for arr in jax.tree.leaves(layer[name]):
+        arr.delete()
+    stacked[name] = buf
+  top = {k: v for k, v in params.items() if k != "layers"}
+  top_where = {k: v for k, v in where.items() if k != "layers"}
+  return {**jax.device_put(top, top_where), "layers": stacked}
+
+
 def _init_one(info: ArrayInfo, key: jax.Array, dtype, quantized: bool):
   w = init_array(info, key, dtype)
   return quantize_array(w, info.contract_axes) if quantized and info.quantizable else w
