@@ -332,8 +332,12 @@ def quantize_placed(params: Params, cfg: ModelConfig, target: Target = None) -> 
                for k, a in jax.tree_util.tree_flatten_with_path(params)[0]}
 
     def target(path: str, sds) -> Sharding:
-      del sds
-      return float_s[path.removesuffix(".quant").removesuffix(".scale")]
+      s = float_s[path.removesuffix(".quant").removesuffix(".scale")]
+      if path.endswith(".scale") and isinstance(s, NamedSharding):  # size-1 axes: unsharded
+        spec = tuple(s.spec) + (None,) * (len(sds.shape) - len(s.spec))
+        s = NamedSharding(s.mesh, PartitionSpec(*(None if n == 1 else e
+                                                  for n, e in zip(sds.shape, spec))))
+      return s
   where = _placements(_final_abstract(cfg, dtype, True, stacked), target)
   infos = param_infos(cfg)
   lead = 1 if stacked else 0
