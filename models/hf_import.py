@@ -47,7 +47,6 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
@@ -236,10 +235,11 @@ class _Source:
 
   def quant(self, reader: _Reader, index: Index, dtype: np.dtype,
             cache: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
-    w = self.read(reader, index, dtype).astype(np.float32)
-    inv = np.float32(1.0) / self.scale(reader, index, dtype, cache)
-    q = np.clip(np.round(w * inv), -127, 127)
-    return q.astype(np.int8)
+    w = self.read(reader, index, dtype).astype(np.float32, copy=False)
+    w *= np.float32(1.0) / self.scale(reader, index, dtype, cache)  # in place: one f32 shard
+    np.round(w, out=w)
+    np.clip(w, -127, 127, out=w)
+    return w.astype(np.int8)
 
 
 _CHUNK_ELEMENTS = 1 << 20  # row_amax reads at most this many elements (4 MB in f32) at a time

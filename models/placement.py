@@ -41,7 +41,6 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Sequence
 
 import jax

@@ -27,8 +27,8 @@ Contract:
     The engine arranges rows by shard (``serving.engine`` reads ``kv_shards``).
   * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
     and every ``wg_*`` share it, ``ws_1d`` has its own); ``param_sharding(path, sds)`` is that
-    copy's sharding per param path, for loaders to make params straight into it; ``init_kv`` creates the pool directly in
-    ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
+    copy's sharding per param path, for loaders to make params straight into it; ``init_kv``
+    creates the pool directly in ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
     fallbacks, the KV sharding.
   * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=)`` builds the (prefill, decode)
     pair from layout names or ``partitioning.planner`` candidates. One resident params copy
