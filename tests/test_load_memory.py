@@ -158,6 +158,24 @@ def test_hf_import_int8_memory(small_hf):
   assert r["held"] <= r["read"] <= 2 * r["held"]
 
 
+@pytest.mark.slow  # 12 s: both processes compile the per-weight init programs on 2 vCPUs
+def test_two_processes_random_init_into_their_shards(tmp_path):
+  """Each process generates only its devices' shards; the values are the unsharded init's."""
+  from models.config import get_preset
+  from models.weights import init_params
+  cfg = get_preset("tiny")
+  workers = run_workers(tmp_path, [WORKER, "--checkpoint", "tiny", "--kind", "init", "--sums"],
+                        n=2, devices=4, timeout=TIMEOUT_S)
+  params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+  want = {jax.tree_util.keystr(k): float(jnp.sum(a.astype(jnp.float32)))
+          for k, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+  for w in workers:
+    assert w.returncode == 0, w.output[-3000:]
+    r = _result(w.output)
+    assert r["shards_ok"] and r["placed"] == _half_of_the_shards(cfg), r
+    _check_sums(r["sums"], want)
+
+
 @pytest.fixture(scope="module")
 def small_orbax(small_hf, tmp_path_factory):
   out = tmp_path_factory.mktemp("mem") / "small_orbax"

@@ -157,7 +157,7 @@ def test_orbax_into_shards_quantized_and_stacked(tmp_path, stored_int8, stacked)
 
 
 def test_preset_init_into_the_step_layout():
-  step = PagedShardedStep.make(CFG, make_mesh(), "ws_1d", "heads")
+  step = PagedShardedStep.make(CFG, make_mesh(), "ws_2d", "heads")  # init programs compiled above
   _, params, _ = loader.load_model("tiny", jnp.float32, 5, shardings=step.param_sharding)
   _assert_equal(params, init_params(CFG, jax.random.key(5)))
   placed = step.place_params(params)

@@ -19,7 +19,7 @@ from tests.workers.args import cluster, parser
 def main() -> None:
   p = parser(__doc__)
   p.add_argument("--checkpoint", required=True)
-  p.add_argument("--kind", choices=("hf", "orbax"), default="hf")
+  p.add_argument("--kind", choices=("hf", "orbax", "init"), default="hf")  # init: a preset
   p.add_argument("--mode", choices=("sharded", "naive"), default="sharded")
   p.add_argument("--layout", default="ws_2d")
   p.add_argument("--dtype", default="bfloat16")
@@ -66,6 +66,10 @@ def main() -> None:
       del whole
       watch.placed(sum(s.data.nbytes for a in jax.tree.leaves(params)
                        for s in a.addressable_shards))
+    elif args.kind == "init":
+      from models import placement
+      params = placement.init_params(cfg, jax.random.key(0), dtype, shardings,
+                                     quantized=args.quantize, progress=progress)
     elif args.kind == "hf":
       _, params = hf_import.load_hf_checkpoint(args.checkpoint, dtype, shardings=shardings,
                                                quantize=args.quantize, progress=progress)
@@ -76,7 +80,7 @@ def main() -> None:
                        for s in a.addressable_shards))
   # Where placed bytes are only known at the end (orbax, the naive control), the excess is
   # measured against the final total: peak - placed (the weaker, never larger, form).
-  counted = args.mode == "sharded" and args.kind == "hf"
+  counted = args.mode == "sharded" and args.kind != "orbax"
   out = {"process": jax.process_index(), "counted": counted,
          "excess": watch.excess if counted else watch.peak - watch.placed_bytes,
          "peak": watch.peak,
@@ -84,11 +88,11 @@ def main() -> None:
          "samples": watch.samples, "shards_ok": all(
              a.sharding == s for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))}
   if args.sums:
-    total = jax.jit(lambda x: jnp.sum(x.astype(jnp.float32)),
-                    out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    sums = jax.jit(lambda p: [jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(p)],
+                   out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    out["sums"] = {jax.tree_util.keystr(k): float(np.asarray(total(a).addressable_data(0)))
-                   for k, a in flat}
+    out["sums"] = {jax.tree_util.keystr(k): float(np.asarray(t.addressable_data(0)))
+                   for (k, _), t in zip(flat, sums(params))}  # one program for every weight
     out["quantized"] = any(isinstance(x, QuantArray) for x in jax.tree.leaves(
         params, is_leaf=lambda x: isinstance(x, QuantArray)))
   print("RESULT " + json.dumps(out), flush=True)
