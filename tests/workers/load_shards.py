@@ -11,6 +11,7 @@ shardings); ``--mode naive`` the whole-copy control: load every array on the fir
 
 import json
 import math
+import time
 
 from partitioning.multihost import initialize
 from tests.workers.args import cluster, parser
@@ -55,6 +56,7 @@ def main() -> None:
     watch.placed(ev.placed_bytes - watch.placed_bytes)
     read[0] = ev.read_bytes
 
+  start = time.perf_counter()
   with ExcessWatch() as watch:
     if args.mode == "naive":
       if args.kind == "hf":
@@ -83,7 +85,7 @@ def main() -> None:
   counted = args.mode == "sharded" and args.kind != "orbax"
   out = {"process": jax.process_index(), "counted": counted,
          "excess": watch.excess if counted else watch.peak - watch.placed_bytes,
-         "peak": watch.peak,
+         "peak": watch.peak, "seconds": round(time.perf_counter() - start, 2),
          "placed": watch.placed_bytes, "read": read[0], "held": held, "largest": largest,
          "samples": watch.samples, "shards_ok": all(
              a.sharding == s for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))}
