@@ -21,6 +21,7 @@ stacked weight extra at a time).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -37,12 +38,29 @@ from models.weights import Params, stack_layers as stack_layers_fn
 TRAINED_MODELS = ("smollm2-135m",)
 
 
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str, mtime_ns: int):
+  """The parsed file (~2 s of metadata), shared by ``load_config`` and the ``load_model`` that
+  follows it (the engine reads the config first, to build the steps the params are placed
+  for); ``load_model`` drops it once the weights are read."""
+  del mtime_ns  # part of the cache key only: a rewritten file is parsed again
+  from models.gguf_import import open_gguf
+  return open_gguf(path)
+
+
+def _open_gguf(path: str):
+  return _gguf_reader(path, os.stat(path).st_mtime_ns)
+
+
 def _load_gguf(path: str, dtype) -> tuple[ModelConfig, Params, Tokenizer]:
-  from models.gguf_import import load_gguf, open_gguf
+  from models.gguf_import import load_gguf
   from models.gguf_tokenizer import gguf_tokenizer_from_reader
-  reader = open_gguf(path)  # parsed once for weights and tokenizer (~2 s of metadata)
-  cfg, params = load_gguf(reader, dtype)
-  return cfg, params, gguf_tokenizer_from_reader(reader, os.path.basename(path))
+  reader = _open_gguf(path)  # parsed once for weights and tokenizer
+  try:
+    cfg, params = load_gguf(reader, dtype)
+    return cfg, params, gguf_tokenizer_from_reader(reader, os.path.basename(path))
+  finally:
+    _gguf_reader.cache_clear()
 
 
 def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0, *, quantize: Quantize = "none",
@@ -136,7 +154,7 @@ def load_config(spec: str) -> ModelConfig:
     path = str(installed_smollm2_path()) if spec in TRAINED_MODELS else spec
     if not os.path.isfile(path):
       raise FileNotFoundError(f"--model {spec!r}: no such GGUF file")
-    return gguf_config(path, name=spec if spec in TRAINED_MODELS else None)
+    return gguf_config(_open_gguf(path), name=spec if spec in TRAINED_MODELS else None)
   if spec in PRESET_NAMES:
     return get_preset(spec)
   if not os.path.isdir(spec):
