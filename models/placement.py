@@ -33,9 +33,15 @@ Contract:
     ``models.weights.init_params`` (then ``quantize`` / ``stack_layers``) whatever the target.
   * ``quantize_placed(params, cfg, target)``: float params already placed -> int8 ones, one
     weight at a time (each float weight deleted once its int8 copy exists).
+  * ``stack_placed(params, cfg, target)``: placed per-layer params -> stacked, one weight name at
+    a time (all layers of that name exist twice until copied; the path orbax restores take).
+  * ``final_shardings(cfg, dtype, quantized, stacked, target)`` is the resolved tree, and
+    ``sharding_of_source(final, path)`` the sharding an unstacked stored array must be read into
+    to become its weight there (the int8 ``quant``'s, or one layer's of the stacked weight).
   * ``progress(Progress)`` is called as buffers are made: ``placed_bytes`` counts this
     process's buffers of the final params made so far (a stacked load's transient per-layer
-    weights are not counted), ``read_bytes`` what the source has read from files so far.
+    weights are not counted), ``read_bytes`` what the source has read from files so far (the
+    ``read_bytes`` callable ``build`` is given).
 """
 
 from __future__ import annotations
@@ -354,5 +360,6 @@ def quantize_placed(params: Params, cfg: ModelConfig, target: Target = None) -> 
   return jax.tree.map(one, infos, params, where, is_leaf=lambda x: isinstance(x, ArrayInfo))
 
 
-__all__ = ["Placement", "Progress", "ShardingFn", "Target", "WeightRef", "build", "from_host",
-           "init_params", "quantize_placed", "shardings_for", "stacked_abstract"]
+__all__ = ["Placement", "Progress", "ShardingFn", "Target", "WeightRef", "build",
+           "final_shardings", "from_host", "init_params", "quantize_placed", "sharding_of_source",
+           "shardings_for", "stack_placed", "stacked_abstract"]

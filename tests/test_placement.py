@@ -164,3 +164,24 @@ def test_preset_init_into_the_step_layout():
   assert all(a is b for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(params)))
   assert any(isinstance(a.sharding, NamedSharding) and a.sharding.spec != P()
              for a in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_inner_axis_cut_reads_the_covering_block(hf_dir, quantized):
+  """head_dim sharded (no layout does it): the file range covering the shard is read, then cut."""
+  cfg, path = hf_dir
+  mesh = make_mesh()
+  head_dim_axis = {"q": 2, "k": 2, "v": 2, "o": 1}
+
+  def target(p, sds):
+    name = p.split("['")[-1].split("']")[0]
+    spec = [None] * len(sds.shape)
+    if name in head_dim_axis and sds.shape[head_dim_axis[name]] > 1:
+      spec[head_dim_axis[name]] = ("x", "y")
+    return NamedSharding(mesh, P(*spec))
+
+  _, whole = load_hf_checkpoint(path, jnp.float32)
+  _, got = load_hf_checkpoint(path, jnp.float32, shardings=target, quantize=quantized)
+  _assert_equal(got, quantize(whole, cfg) if quantized else whole)
+  q = got["layers"][0]["q"]
+  assert (q.quant if quantized else q).sharding.spec == P(None, None, ("x", "y"))
