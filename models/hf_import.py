@@ -120,7 +120,7 @@ class _Reader:
   """Reads slices of tensors on demand (``safe_open(...).get_slice``: only the bytes asked for
   are copied out of the memory-mapped file), one open handle per file; counts the bytes read."""
 
-  def __init__(self, files: dict[Path, Path] | dict[str, Path]):
+  def __init__(self, files: dict[str, Path]):
     self.files = files
     self.used: set[str] = set()
     self.bytes_read = 0
