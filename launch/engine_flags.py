@@ -95,13 +95,12 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
           max_traces: int | None = None) -> Built:
   import jax
   import jax.numpy as jnp
-  from models.loader import load_model
+  from models.loader import load_config, load_model
   from serving import stack
   from serving.deployment import Deployment, check_multiprocess, make_steps
   dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
   try:
-    cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,
-                                  quantize=QUANTIZE.value, int8_mode=INT8_MODE.value)
+    cfg = load_config(MODEL.value)  # the steps first: the params are made in their shardings
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
   mode = MODE.value
@@ -123,6 +122,16 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
     steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
                        max_context=config.max_context, quantized=QUANTIZE.value == "int8")
+  except ValueError as e:
+    raise CliError(str(e))
+  try:
+    cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,
+                                  quantize=QUANTIZE.value, int8_mode=INT8_MODE.value,
+                                  shardings=steps.step.param_sharding,
+                                  stack_layers=steps.step.stacked_params)
+  except (ValueError, FileNotFoundError) as e:
+    raise CliError(str(e))
+  try:
     loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
                        kv_shards=steps.kv_shards, max_traces=max_traces)
   except ValueError as e:

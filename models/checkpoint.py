@@ -22,7 +22,10 @@ Contract:
                                   tree built from ``logical_axes(cfg, quantized=True)`` is
                                   irrelevant. Build it by mapping ``logical_axes(cfg, quantized)``
                                   with ``abstract_params`` (the shapes) to ``NamedSharding``s;
-                                  a size-1 ``scale`` axis must stay unsharded.
+                                  a size-1 ``scale`` axis must stay unsharded;
+      a callable ``(path, ShapeDtypeStruct) -> Sharding``  asked per array (``models.placement``).
+    orbax reads each process's shards only (tensorstore, into the target sharding), so no
+    process holds more than its own shards plus the reads in flight.
     Every sharding must divide its array evenly (orbax cannot restore uneven shards), else
     ``ValueError`` naming the weight. ``dtype`` casts the float leaves on restore (int8 ``quant``
     and f32 ``scale`` are kept).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import Iterator
 
@@ -45,6 +49,7 @@ from etils import epath
 from jax.typing import DTypeLike
 
 from models.config import ModelConfig
+from models.placement import Target, shardings_for
 from models.quant import QuantArray
 from models.weights import Params, abstract_params
 
@@ -53,9 +58,9 @@ FORMAT_VERSION = 1
 PARAMS_ITEM = "params"
 METADATA_ITEM = "phaseserve"
 
+_IN_FLIGHT = 1.2  # restore reads in flight, in multiples of the largest stored array
 PathLike = str | os.PathLike[str]
-# One Sharding for every array, or a params-shaped pytree with a Sharding at every array leaf.
-Shardings = jax.sharding.Sharding | Params
+Shardings = Target  # models.placement's: None, one Sharding, a params-shaped pytree, a callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +116,10 @@ def _as_path(path: PathLike) -> epath.Path:
 
 
 @contextlib.contextmanager
-def _checkpointer() -> Iterator[ocp.Checkpointer]:
-  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+def _checkpointer(restore_bytes: int | None = None) -> Iterator[ocp.Checkpointer]:
+  handlers = {} if restore_bytes is None else {PARAMS_ITEM: ocp.StandardCheckpointHandler(
+      restore_concurrent_gb=restore_bytes / 1e9)}  # type: ignore[arg-type]  # bytes = gb * 1e9
+  ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
   try:
     yield ckptr
   finally:
@@ -206,44 +213,26 @@ def load_config(path: PathLike) -> ModelConfig:
   return load_metadata(path).config
 
 
-def _place(abstract: Params, shardings: Shardings | None) -> Params:
+def _place(abstract: Params, shardings: Target) -> Params:
   """``abstract`` with a sharding on every ``ShapeDtypeStruct`` (see the module contract)."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  if shardings is None:
-    shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  if isinstance(shardings, jax.sharding.Sharding):
-    targets = [shardings] * len(leaves)
-  else:
-    given = jax.tree_util.tree_flatten_with_path(
-        shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
-    by_path = {jax.tree_util.keystr(k): s for k, s in given}
-    want = [jax.tree_util.keystr(k) for k, _ in leaves]
-    if set(by_path) != set(want) or len(given) != len(want):
-      missing = sorted(set(want) - set(by_path))[:5]
-      extra = sorted(set(by_path) - set(want))[:5]
-      raise ValueError(f"shardings do not match the params tree (missing {missing}, "
-                       f"unexpected {extra})")
-    targets = [by_path[p] for p in want]
-  placed = []
-  for (path, a), s in zip(leaves, targets):
-    name = jax.tree_util.keystr(path)
-    if not isinstance(s, jax.sharding.Sharding):
-      raise ValueError(f"sharding for {name} is {type(s).__name__}, not a jax.sharding.Sharding")
-    try:
-      s.shard_shape(tuple(a.shape))
-    except ValueError as e:  # jax's IndivisibleError, or a rank mismatch
-      raise ValueError(f"sharding for param {name} {list(a.shape)} is not usable: {e}") from None
-    placed.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s))
-  return jax.tree_util.tree_unflatten(treedef, placed)
+  leaves, treedef = jax.tree.flatten(abstract)
+  placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(leaves, shardings_for(abstract, shardings))]
+  return jax.tree.unflatten(treedef, placed)
 
 
-def restore_params(path: PathLike, shardings: Shardings | None = None, *,
+def restore_params(path: PathLike, shardings: Shardings = None, *,
                    dtype: DTypeLike | None = None) -> Params:
   """Reads the params written by ``save_params``, each array straight into its sharding."""
   directory = _checkpoint_dir(path)
   meta = load_metadata(directory)
   target = _place(meta.abstract(dtype), shardings)
-  with _checkpointer() as ckptr:
+  # orbax reads every array at once unless told otherwise (a whole extra copy of the model in
+  # flight). Its limiter counts each shard read as the stored chunks it touches (at most the
+  # whole array) and refuses a read it could never admit, so: a little over the largest array.
+  stored = meta.abstract()
+  largest = max(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(stored))
+  with _checkpointer(restore_bytes=int(largest * _IN_FLIGHT) + 1) as ckptr:
     restored = ckptr.restore(directory, ocp.args.Composite(**{
         PARAMS_ITEM: ocp.args.StandardRestore(target)}))
   return restored[PARAMS_ITEM]

@@ -8,6 +8,10 @@ own jitted programs, with ``attend_len`` static.
   * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
     active row at position ``kv.lengths[b]``.
   * ``place_params(params)`` puts params where the step expects them (its resident layout).
+  * ``param_sharding(path, sds) -> Sharding``: that layout per param (``keystr`` path in the
+    float or int8 tree), the ``models.placement.Target`` loaders make params straight into, so
+    ``place_params`` of what they return moves nothing. ``stacked_params``: the step wants
+    ``models.weights.stack_layers``' form (then ``path`` is the stacked tree's).
   * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False)``: an empty
     paged pool, placed (``raw_keys``: a raw-key pool for attention sinks, ``models.paged_kv``;
     a step that cannot run one raises ``ValueError``).
@@ -29,11 +33,12 @@ from models import transformer
 from models.config import ModelConfig
 from models.kv_cache import KVStore
 from models.paged_kv import PagedKV, init_paged
-from models.weights import Params, stack_layers
+from models.weights import Params, is_stacked, stack_layers
 
 
 class Step(Protocol):
   cfg: ModelConfig
+  stacked_params: bool
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: KVStore, start_B: jax.Array,
               lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, KVStore]: ...
@@ -42,6 +47,8 @@ class Step(Protocol):
              attend_len: int) -> tuple[jax.Array, KVStore]: ...
 
   def place_params(self, params: Params) -> Params: ...
+
+  def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding: ...
 
   def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
               dtype: jnp.dtype, raw_keys: bool = False) -> PagedKV: ...
@@ -64,10 +71,18 @@ class UnshardedStep:
     return transformer.decode_step(params, tokens_B, kv, cfg=self.cfg, attend_len=attend_len,
                                    active_B=active_B)
 
+  @property
+  def stacked_params(self) -> bool:
+    return self.scan_layers
+
   def place_params(self, params: Params) -> Params:
-    if self.scan_layers:
+    if self.scan_layers and not is_stacked(params):
       params = jax.jit(stack_layers)(params)
     return jax.device_put(params, jax.local_devices()[0])
+
+  def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    del path, sds
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
   def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False
               ) -> PagedKV:

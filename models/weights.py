@@ -88,16 +88,17 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
   infos = param_infos(cfg)
   leaves, treedef = jax.tree.flatten(infos, is_leaf=_is_info)
   keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [init_array(i, k, dtype) for i, k in zip(leaves, keys)])
 
-  def one(info: ArrayInfo, k: jax.Array) -> jax.Array:
-    if info.init == "ones":
-      return jnp.ones(info.shape, dtype)
-    if info.init == "zeros":
-      return jnp.zeros(info.shape, dtype)
-    std = 1.0 if info.logical_axes == ("vocab", "embed") else 1.0 / math.sqrt(info.fan_in)
-    return (std * jax.random.normal(k, info.shape, jnp.float32)).astype(dtype)
 
-  return jax.tree.unflatten(treedef, [one(i, k) for i, k in zip(leaves, keys)])
+def init_array(info: ArrayInfo, key: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """One weight of ``init_params`` (``key``: its share of the split; see ``init_params``)."""
+  if info.init == "ones":
+    return jnp.ones(info.shape, dtype)
+  if info.init == "zeros":
+    return jnp.zeros(info.shape, dtype)
+  std = 1.0 if info.logical_axes == ("vocab", "embed") else 1.0 / math.sqrt(info.fan_in)
+  return (std * jax.random.normal(key, info.shape, jnp.float32)).astype(dtype)
 
 
 def quantize(params: Params, cfg: ModelConfig, act_quant: bool = False) -> Params:

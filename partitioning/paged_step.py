@@ -26,8 +26,9 @@ Contract:
     computes garbage for itself only (``misplaced`` counts such table entries, for checks).
     The engine arranges rows by shard (``serving.engine`` reads ``kv_shards``).
   * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
-    and every ``wg_*`` share it, ``ws_1d`` has its own); ``init_kv`` creates the pool directly in
-    ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
+    and every ``wg_*`` share it, ``ws_1d`` has its own); ``param_sharding(path, sds)`` is that
+    copy's sharding per param path, for loaders to make params straight into it; ``init_kv``
+    creates the pool directly in ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
     fallbacks, the KV sharding.
   * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=)`` builds the (prefill, decode)
     pair from layout names or ``partitioning.planner`` candidates. One resident params copy
@@ -124,6 +125,15 @@ class PagedShardedStep:
   def place_params(self, params: Params) -> Params:
     return shard_params(params, self.cfg, self.mesh, self.ffn)
 
+  stacked_params = False  # the sharded forward loops over per-layer weights
+
+  def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> NamedSharding:
+    """The resident sharding of the param at ``path`` (float or int8 tree): the
+    ``models.placement.Target`` loaders make params straight into (then ``place_params`` is a
+    no-op)."""
+    del sds
+    return _param_sharding_table(self.cfg, self.mesh, self.ffn)[path]
+
   def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
               dtype: jnp.dtype, raw_keys: bool = False) -> PagedKV:
     if raw_keys:
@@ -189,6 +199,18 @@ class PagedShardedStep:
                                   all_logits=False, store_spec=spec, localize=localize,
                                   merge=merge)
     return logits, kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=c.lengths_B)
+
+
+@functools.lru_cache(maxsize=8)
+def _param_sharding_table(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout
+                          ) -> dict[str, NamedSharding]:
+  """keystr path -> resident sharding, for the float and the int8 params trees at once."""
+  table: dict[str, NamedSharding] = {}
+  for quantized in (False, True):
+    tree = param_shardings(cfg, mesh, ffn, quantized)
+    for k, s in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      table[jax.tree_util.keystr(k)] = s
+  return table
 
 
 def _pages_spec(spec: P, dtype) -> P | QuantArray:
