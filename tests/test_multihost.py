@@ -218,3 +218,13 @@ def test_deployments_that_cannot_span_processes_are_refused(monkeypatch):
       check_multiprocess(Deployment(mode))
   with pytest.raises(ValueError, match="host tier"):
     check_multiprocess(Deployment("interleaved"), host_tier_bytes=1 << 20)
+
+
+def test_bench_multihost_smoke(tmp_path):
+  import json
+  ws = run_workers(tmp_path, ["launch.bench_multihost", "--reps", "5", "--width", "64"],
+                   timeout=120)
+  assert [w.returncode for w in ws] == [0, 0], ws[0].output[-2000:] + ws[1].output[-2000:]
+  r = json.loads(ws[0].output.strip().splitlines()[-1])
+  assert r["processes"] == 2 and r["devices"] == 8 and r["reps"] == 5
+  assert r["plan_bytes"] > 1000 and r["broadcast_round_trip_ms"] > 0 and r["allreduce_ms"] > 0
