@@ -3,7 +3,8 @@ collectives through gloo) against 1 process x 8 devices (this test process, test
 
 Covered: the step-plan wire form round-trips exactly and refuses unknown types; the cluster
 flags are validated; the partitioned paged prefill + decode give the same logits on 2 x 4 as on
-1 x 8 (and as the unsharded model), relative tolerance 1e-5 of the logits' magnitude as
+1 x 8 (and as the unsharded model; ws_2d + batch_z f32 by default, ws_1d + heads int8 under
+`slow`), relative tolerance 1e-5 of the logits' magnitude as
 tests/test_paged_layouts.py; a 2-process ``launch.server`` streams the same greedy tokens as
 the same engine in one process; SIGTERM to process 0 stops both cleanly (exit 0); a killed
 process takes the other down with an error within the heartbeat timeout plus a margin. Every
@@ -73,25 +74,27 @@ def test_cluster_validation_names_the_field(kw, match):
   assert Cluster("auto").multi and not Cluster().multi
 
 
-def test_two_processes_give_the_logits_of_one(tmp_path):
+@pytest.mark.parametrize("ffn,attn,quantized", [
+    ("ws_2d", "batch_z", False),  # KV pages sharded over z, which crosses the processes
+    pytest.param("ws_1d", "heads", True, marks=pytest.mark.slow),  # int8 weights
+])
+def test_two_processes_give_the_logits_of_one(tmp_path, ffn, attn, quantized):
   from partitioning.mesh import make_mesh
   from tests import test_paged_layouts as T
   from tests.workers import partitioned_logits as W
   out = tmp_path / "logits.npz"
-  ws = run_workers(tmp_path, ["tests.workers.partitioned_logits", "--out", str(out)],
-                   timeout=240)
+  name = W.case_name(ffn, attn, quantized)
+  ws = run_workers(tmp_path, ["tests.workers.partitioned_logits", "--out", str(out),
+                              "--cases", name], timeout=240)
   for w in ws:
     assert w.returncode == 0, w.output[-3000:]
   got = np.load(out)
-  mesh = make_mesh(jax.devices()[:8])
-  for ffn, attn, q in W.CASES:
-    name = f"{ffn}-{attn}-{'int8' if q else 'f32'}"
-    one = W.run_case(mesh, ffn, attn, q)
-    ref = T._case(q)[2]
-    for k in ("l1", "l2", "l3"):
-      assert_close(got[f"{name}/{k}"], one[k], f"{name} {k}: 2x4 vs 1x8")
-      assert_close(got[f"{name}/{k}"], ref[k], f"{name} {k}: 2x4 vs unsharded")
-    np.testing.assert_array_equal(got[f"{name}/lengths"], one["lengths"])
+  one = W.run_case(make_mesh(jax.devices()[:8]), ffn, attn, quantized)
+  ref = T._case(quantized)[2]
+  for k in ("l1", "l2", "l3"):
+    assert_close(got[f"{name}/{k}"], one[k], f"{name} {k}: 2x4 vs 1x8")
+    assert_close(got[f"{name}/{k}"], ref[k], f"{name} {k}: 2x4 vs unsharded")
+  np.testing.assert_array_equal(got[f"{name}/lengths"], one["lengths"])
 
 
 # -- launch.server over two processes ------------------------------------------------------------

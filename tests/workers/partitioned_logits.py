@@ -10,7 +10,11 @@ import jax
 from partitioning.multihost import initialize, is_leader
 from tests.workers.args import cluster, parser
 
-CASES = (("ws_2d", "batch_z", False), ("ws_1d", "heads", True))
+CASES = (("ws_2d", "batch_z", False), ("ws_1d", "heads", True))  # (ffn, attn, int8 weights)
+
+
+def case_name(ffn: str, attn: str, quantized: bool) -> str:
+  return f"{ffn}-{attn}-{'int8' if quantized else 'f32'}"
 
 
 def run_case(mesh, ffn: str, attn: str, quantized: bool) -> dict:
@@ -38,19 +42,22 @@ def run_case(mesh, ffn: str, attn: str, quantized: bool) -> dict:
 def main() -> None:
   p = parser(__doc__)
   p.add_argument("--out", required=True)
+  p.add_argument("--cases", default=",".join(case_name(*c) for c in CASES),
+                 help="comma-separated case names (default: all)")
   args = p.parse_args()
+  cases = [c for c in CASES if case_name(*c) in args.cases.split(",")]
   initialize(cluster(args))
   import numpy as np
 
   from partitioning.mesh import make_mesh
   mesh = make_mesh()
   out = {}
-  for ffn, attn, q in CASES:
+  for ffn, attn, q in cases:
     for k, v in run_case(mesh, ffn, attn, q).items():
-      out[f"{ffn}-{attn}-{'int8' if q else 'f32'}/{k}"] = v
+      out[f"{case_name(ffn, attn, q)}/{k}"] = v
   if is_leader():
     np.savez(args.out, **out)
-  print(f"process {jax.process_index()}: {len(CASES)} cases on {mesh.devices.size} devices",
+  print(f"process {jax.process_index()}: {len(cases)} cases on {mesh.devices.size} devices",
         flush=True)
 
 
