@@ -75,8 +75,10 @@ class Published:
             f"({self.figure})")
 
 
-def _row(model, table, column, chips, phase, batch, weights, layout, attention, latency_s,
-         mfu, confirmed=""):
+def _row(model: str, table: str, column: str, chips: int, phase: Phase, batch: int,
+         weights: WeightsDtype, layout: FfnLayout, attention: AttentionLayout,
+         latency_s: float, mfu: float, confirmed: str = "") -> Published:
+  """One table column; ``latency_s`` as the table states it (decode: 64 tokens)."""
   step_s = latency_s / _GENERATED if phase == "decode" else latency_s
   per = f", {step_s * 1e3:.1f} ms/token" if phase == "decode" else ""
   return Published(
