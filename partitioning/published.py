@@ -9,7 +9,10 @@ for 64 generated tokens, so it is divided by 64). ``mfu`` is the published MFU (
 source gives none). ``layout`` / ``attention`` are this project's names for the paper's
 ("WS 2D" -> ws_2d, "WG XYZ" -> wg_xyz, attention "Head" -> heads, "Batch" -> batch_xyz: the
 KV cache sharded over the batch on every chip); ``mesh`` is the TPU v4 slice shape of that chip
-count (the tables give only the count).
+count (the tables give only the count). ``samples(rows)`` costs each run with the uncalibrated
+model; ``fit_tpu_v4()`` fits ``TPU_V4_FREE`` on the 540B runs only; ``judge(calibration, rows)``
+returns per run the paper's layout and time beside the planner's choice and prediction,
+uncalibrated and calibrated (dicts, for ``launch.calibrate``'s JSON report and the tests).
 
 Where the numbers come from, and how sure they are. The stored copies of the paper that
 ``search`` reaches (https://deepai.org/publication/efficiently-scaling-transformer-inference,
