@@ -1,7 +1,9 @@
 """partitioning.calibration: identity changes nothing; a fit recovers known fractions from
 synthetic measurements (made by a known calibration) and generalises to held-out workloads;
 save / load round-trips; the planner and launch.calibrate use it. Tolerances: the recovered
-latencies within 1% of the synthetic ones (the fit is exact up to the optimiser's tolerance)."""
+latencies within 1% of the synthetic ones (the fit is exact up to the optimiser's tolerance).
+TPU v4: the fit on the paper's PaLM 540B runs only, validated on its PaLM 62B runs (held out)
+against the issue's 25% criterion and layout agreement, asserting the measured outcome."""
 
 import dataclasses
 import json
@@ -13,7 +15,7 @@ import pytest
 
 from models.config import get_preset
 from partitioning import calibration as cal
-from partitioning import cost_model, planner
+from partitioning import cost_model, planner, published
 from partitioning.hardware import get_hardware
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,5 +104,58 @@ def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   rep = json.loads(r.stdout.strip().splitlines()[-1])
-  for s in rep["samples"]:  # two figures, two parameters: reproduced
-    assert s["calibrated_s"] == pytest.approx(s["measured_s"], rel=0.01)
+  assert [h["run"] for h in rep["held_out"]] == [p.label for p in published.PALM_62B_TPU_V4]
+  assert rep["held_out_summary"]["calibrated"]["paper_layout_within_25pct"] == 4
+  assert rep["held_out_summary"]["uncalibrated"]["paper_layout_within_25pct"] == 1
+  assert rep["held_out_summary"]["calibrated"]["layout_agrees"] == 3
+
+
+# --- TPU v4: the paper's published configurations (partitioning.published). -----------------
+
+
+def test_published_mfu_and_latency_agree():
+  # Each transcribed row states both an MFU and a latency; under this project's FLOP count
+  # they must agree (a transcription error in either shows). The 540B model runs with 48
+  # heads here (the paper padded to 64 and counts MFU on the unpadded model).
+  hw = get_hardware("tpu-v4")
+  rows = [p for p in published.PALM_540B_TPU_V4 + published.PALM_62B_TPU_V4 if p.mfu]
+  assert len(rows) == 8
+  for p, s in zip(rows, published.samples(rows)):
+    implied = s.cost.flops / (p.measured_s * p.chips * hw.peak_flops_bf16)
+    assert implied == pytest.approx(p.mfu, rel=0.06), p.label
+
+
+def test_tpu_v4_fit_uses_only_the_540b_runs():
+  fitted = published.fit_tpu_v4()
+  assert {p.model for p in published.PALM_540B_TPU_V4} == {"palm-540b"}
+  assert {p.model for p in published.PALM_62B_TPU_V4} == {"palm-62b"}
+  # The same fit from the 540B samples alone: nothing of the 62B rows enters it.
+  again = cal.fit(published.samples(published.PALM_540B_TPU_V4), "tpu-v4",
+                  free=published.TPU_V4_FREE, source=fitted.source)
+  assert again == fitted
+  assert fitted.hop_scale == 1.0 and fitted.layer_overhead_s == 0.0  # not fitted
+  for r in cal.errors(fitted, published.samples(published.PALM_540B_TPU_V4)):
+    assert 0.85 < r < 1.15  # three parameters, five runs: a fit, not an interpolation
+
+
+def test_62b_held_out_validation():
+  """The issue's criteria on the held-out PaLM 62B runs (BUILD_NOTES "TPU v4 calibration from
+  the paper's tables"): times within 25% (met, calibrated; missed by 2x uncalibrated), layout
+  agreement (met on 3 of 4: on 16 chips ws_1d and ws_2d tie exactly in the model; on 8 chips it
+  picks ws_1d, predicting the paper's ws_2d 15% slower: the documented miss)."""
+  rows = published.judge(published.fit_tpu_v4(), published.PALM_62B_TPU_V4)
+  pre1, dec32, pre512, dec512 = rows
+  for r in rows:
+    assert 0.75 <= r["calibrated"]["ratio"] <= 1.25, r["run"]
+    assert 0.75 <= r["calibrated"]["pick_ratio"] <= 1.25, r["run"]
+  assert sum(r["uncalibrated"]["ratio"] < 0.75 for r in rows) == 3  # the criterion can fail
+  for r in (pre1, dec32):  # 16 chips: X=2, YZ=8 makes E/X + F/YZ = E, ws_1d's volume
+    assert r["calibrated"]["pick"].startswith("ws_1d")
+    assert r["calibrated"]["paper_layout_vs_pick"] == pytest.approx(1.0, abs=1e-9)
+    assert r["calibrated"]["tie"] and r["calibrated"]["layout_agrees"]
+  assert pre512["calibrated"]["pick"] == "wg_xyz+batch_xyz"  # the paper's layout exactly
+  assert not pre512["calibrated"]["tie"]
+  assert dec512["calibrated"]["pick"].startswith("ws_1d")
+  assert not dec512["calibrated"]["layout_agrees"]
+  assert 1.10 < dec512["calibrated"]["paper_layout_vs_pick"] < 1.20
+  assert dec512["calibrated"]["ratio"] == pytest.approx(1.0, abs=0.05)
