@@ -84,7 +84,8 @@ def saturation_rate(requests: Sequence[Request], deployment: Deployment) -> floa
 
 
 def default_search(ceiling_rps: float, steps: int = 6) -> loadgen_capacity.Search:
-  return loadgen_capacity.Search(start_rate=ceiling_rps / 4, max_rate=ceiling_rps * 4,
+  return loadgen_capacity.Search(start_rate=loadgen_capacity.round_rate(ceiling_rps / 4),
+                                 max_rate=loadgen_capacity.round_rate(ceiling_rps * 4),
                                  steps=steps)
 
 

@@ -18,7 +18,8 @@ Contract: ``simulate(requests, deployment, slo=None) -> SimResult``.
   the decoding rows and the slot wait, exactly as the live front end computes it) above the
   SLO's TTFT rejects the request (Mooncake).
 * Events: arrivals, step ends, transfer ends, in time order (ties: arrivals first, then by
-  insertion). An idle instance starts a step as soon as it has work.
+  insertion). An idle instance starts a step once every event of the current time is in (the
+  live loop admits its whole inbox before it plans), so simultaneous arrivals share a step.
 * ``SimResult``: one ``Record`` per request (TTFT = first token - arrival; TPOT = (end - first
   token) / (output - 1), as the load generator; e2e), the simulated span, and per instance its
   busy fraction, mean decode rows per step and prefill tokens per step.
@@ -151,16 +152,27 @@ def simulate(requests: Sequence[Request], deployment: Deployment, slo: Slo | Non
   for live in lives:
     heapq.heappush(events, (live.arrival_s, _ARRIVAL, next(order), live))
   link_free: dict[str, float] = {}
-  t = 0.0
+  t = last_t = 0.0
+
+  dirty: dict[str, Instance] = {}  # instances to start once every event of this time is in
 
   def kick(inst: Instance, now: float) -> None:
-    if not inst.busy and inst.has_work:
-      dt = inst.start_step(now)
-      if dt is not None:
-        heapq.heappush(events, (now + dt, _STEP, next(order), inst))
+    dirty[inst.name] = inst
 
-  while events:
+  def start_steps(now: float) -> None:
+    for inst in dirty.values():
+      if not inst.busy and inst.has_work:
+        dt = inst.start_step(now)
+        if dt is not None:
+          heapq.heappush(events, (now + dt, _STEP, next(order), inst))
+    dirty.clear()
+
+  while events or dirty:
+    if dirty and (not events or events[0][0] > last_t):
+      start_steps(last_t)
+      continue
     t, kind, _, obj = heapq.heappop(events)
+    last_t = t
     if kind == _ARRIVAL:
       live = obj
       assert isinstance(live, Live)

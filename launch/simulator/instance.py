@@ -20,9 +20,11 @@ counts instead of pages and ids:
 * ``cached_tokens`` of a request (prefix-cache hits) are not prefilled but hold KV.
 * ``start_step(now) -> seconds | None`` plans the next step (None: nothing to do) and
   ``end_step(now) -> StepEvents`` applies it: the requests whose first token or last token was
-  produced, and (prefill role) whose prompt is done. With ``spec.lag`` 1 a token reaches the
-  host one step late, as the live engine's asynchronous copy (``Engine.execute``), or when the
-  instance goes idle (``flush``); ``Live.first_s`` / ``end_s`` are those host times.
+  produced (``Live.first_s`` / ``end_s`` = the step's end), and (prefill role) whose prompt is
+  done. The live engine's ``lag=1`` returns a step's ids while the next step runs, i.e. when
+  its device work ends: the host's planning overlaps the device, so a step costs its device
+  time, and the ids are seen at the step's end as here; what the lag changes (a finished
+  request's slot is reused one step later) is not modelled.
 * Decode bookkeeping is O(1) per step: a row's finishing step is known when it joins, and the
   attended context of all rows is ``A + rows * step`` with ``A`` the sum of (context at join -
   join step).
@@ -50,13 +52,10 @@ class EngineSpec:
   max_step_tokens: int = 512
   max_chunk: int = 256
   max_prefill_chunks: int = 4
-  lag: int = 1
 
   def __post_init__(self):
     if min(self.max_slots, self.max_step_tokens, self.max_chunk, self.max_prefill_chunks) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk, max_prefill_chunks must be >= 1")
-    if self.lag not in (0, 1):
-      raise ValueError(f"lag must be 0 or 1, got {self.lag}")
 
 
 class Live:
@@ -113,7 +112,6 @@ class Instance:
     self._plan: list[tuple[Live, int]] = []
     self._rows = 0
     self._started = 0.0
-    self._pending: StepEvents | None = None  # produced last step, host sees them after this one
     self._admitted: Live | None = None
 
   # -- arrivals --------------------------------------------------------------------------------
@@ -249,20 +247,8 @@ class Instance:
     self.kv_used -= self.need(live)
 
   def _deliver(self, made: StepEvents, now: float) -> StepEvents:
-    """Host times: this step's tokens now (lag 0), or the previous step's (lag 1); all of them
-    when the instance has nothing more to run (the engine's ``flush``)."""
-    seen = made
-    if self.spec.lag:
-      seen, self._pending = self._pending or StepEvents(), made
-      if not self.has_work:
-        seen.first += made.first
-        seen.finished += made.finished
-        self._pending = None
-    for live in seen.first:
+    for live in made.first:
       live.first_s = now
-    for live in seen.finished:
+    for live in made.finished:
       live.end_s = now
-      if live.first_s is None:
-        live.first_s = now
-    seen.prefilled = made.prefilled  # the transfer starts when the device is done, not the host
-    return seen
+    return made
