@@ -7,7 +7,8 @@ A discrete-event simulation (``launch.simulator``) of a cluster of model instanc
 trace: the load generator's length profiles (``--profile``, weighted mixes allowed) with Poisson
 arrivals, or a ``--trace`` (JSONL / CSV of ``arrival_s``, ``prompt_len``, ``output_len``). Step
 times come from the analytic cost model with the planner's layouts per phase, calibrated by
-``--calibration`` files (``launch.calibrate``; each applies to the hardware it names).
+``--calibration`` files (``launch.calibrate``; each applies to the hardware it names, or to the
+one given as ``HARDWARE=PATH``).
 Per hardware x weights x chips: the capacity (highest request rate meeting p99 TTFT and TPOT
 of ``--slo``), interleaved (every instance prefills and decodes, chunked prefill) and
 disaggregated (prefill and decode pools, KV moved over ``--link_gb_s`` per chip; the best of the
@@ -18,6 +19,7 @@ per pool. Writes ``capacity.csv``, ``splits.csv``, ``runs.csv``, ``simulate.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from absl import flags
@@ -44,11 +46,20 @@ _SEED = flags.DEFINE_integer("seed", 0, "lengths and arrivals seed")
 _SCALE = flags.DEFINE_float("length_scale", 1.0, "profile length multiplier", lower_bound=1e-3)
 _HIT = flags.DEFINE_float("prefix_hit_rate", 0.0, "share of each prompt found cached",
                           lower_bound=0.0, upper_bound=0.99)
-_CALIBRATION = flags.DEFINE_list("calibration", [], "calibration JSON files (launch.calibrate)")
+_CALIBRATION = flags.DEFINE_list(
+    "calibration", [], "calibration JSON files (launch.calibrate), each PATH or HARDWARE=PATH")
 _LINK = flags.DEFINE_float("link_gb_s", 50.0, "KV transfer link per chip, GB/s", lower_bound=1e-3)
 _EARLY = flags.DEFINE_bool("early_reject", False, "reject arrivals predicted to miss TTFT")
 _PRICES = flags.DEFINE_list("chip_hour_usd", [], "price overrides, hardware=usd,...")
 _OUT = flags.DEFINE_string("out", None, "output directory")
+
+
+def _calibration(calibration, spec: str):
+  """``PATH`` (applies to the hardware the file names) or ``HARDWARE=PATH`` (applies to that
+  preset: a sweep on a real chip measured as ``local``)."""
+  hw, _, path = spec.rpartition("=")
+  cal = calibration.load(path)
+  return dataclasses.replace(cal, hardware=hw) if hw else cal
 
 
 def main(argv: list[str]) -> None:
@@ -69,7 +80,7 @@ def main(argv: list[str]) -> None:
     slo = parse_slo(_SLO.value)
     mix = workload.parse_mix(_PROFILE.value)
     trace = load_trace(_TRACE.value) if _TRACE.value else ()
-    cals = tuple(calibration.load(p) for p in _CALIBRATION.value)
+    cals = tuple(_calibration(calibration, c) for c in _CALIBRATION.value)
     splits = tuple(float(x) for x in _SPLITS.value)
     prices = tuple((k, float(v)) for k, _, v in (p.partition("=") for p in _PRICES.value))
   except (ValueError, OSError) as e:

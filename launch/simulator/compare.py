@@ -126,7 +126,8 @@ def compare(grid: GridSpec, progress: Callable[[], None] | None = None) -> Compa
                                                             prices[hw.name]),
               "usd_per_m_tokens": capacity.cost_per_million(rate, mean_prompt + mean_output,
                                                             chips, prices[hw.name]),
-              "utilisation": res.get("utilisation"), "note": ""})
+              "utilisation": res.get("utilisation"),
+              "note": "" if rate else "no rate tried met the SLO"})
         if progress is not None:
           progress()
   return Comparison(tuple(rows), tuple(split_rows), tuple(runs), tuple(deployments))

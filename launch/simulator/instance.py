@@ -97,7 +97,7 @@ class Instance:
     self.prefilling: list[Live] = []
     self.decoding = 0
     self._ctx_a = 0  # sum over decoding rows of (context at join - join step)
-    self._finish: list[tuple[int, int, Live]] = []  # (finish step, index, live)
+    self._finish: list[tuple[int, int, int, Live]] = []  # (finish step, index, A term, live)
     self.slots_used = 0
     self.kv_used = 0
     self.step = 0
@@ -144,7 +144,7 @@ class Instance:
     k = ahead - (self.spec.max_slots - self.slots_used)
     if k < 0 or not self._finish:
       return 0
-    left = sorted(max(0, f - self.step) for f, _, _ in self._finish)
+    left = sorted(max(0, f - self.step) for f, *_ in self._finish)
     per_round = sum(left) / len(left)
     return int(left[k % len(left)] + (k // len(left)) * per_round)
 
