@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from launch.loadgen_lib.report import percentile
 from launch.simulator.cluster import Deployment, Request, simulate

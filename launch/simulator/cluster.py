@@ -65,10 +65,6 @@ class Deployment:
   early_reject: bool = False
 
   @property
-  def mode(self) -> str:
-    return "disaggregated" if len(self.pools) == 2 else "interleaved"
-
-  @property
   def chips(self) -> int:
     return sum(p.count * p.chips for p in self.pools)
 
@@ -125,7 +121,7 @@ class SimResult:
   instances: tuple[InstanceStats, ...]
 
   def pool_utilisation(self) -> dict[str, float]:
-    """Mean busy fraction per role (chip-weighted)."""
+    """Mean busy fraction of the instances of each role."""
     out: dict[str, list[float]] = {}
     for s in self.instances:
       out.setdefault(s.role, []).append(s.busy_fraction)

@@ -12,9 +12,9 @@ one reported. Capacity (requests/s at the SLO's p99 TTFT and TPOT) scales by the
 cost per million tokens = chips x ``chip_hour_usd[hardware]`` / tokens per hour at capacity
 (output tokens, and prompt + output tokens).
 
-A run at rate r simulates (a ``trace``: its rows, arrival times rescaled to r; else) ``max(min_requests, r * duration_s)`` requests, so a run covers at
+A run at rate r simulates ``max(min_requests, r * duration_s)`` requests, so a run covers at
 least ``duration_s`` of arrivals (a short run hides a slow overload: the queue it builds is not
-long enough to show at p99).
+long enough to show at p99); with a ``trace``, its rows, arrival times rescaled to rate r.
 
 ``CHIP_HOUR_USD``: list prices, on-demand, rounded (assumptions, not quotes): TPU v5e $1.20 and
 v5p $4.20 per chip-hour, v4 $3.22, v6e $2.70 (Google Cloud us-central1 list prices); H100 SXM

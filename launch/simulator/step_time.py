@@ -84,8 +84,8 @@ def _pow2(n: int) -> int:
 @functools.lru_cache(maxsize=200_000)
 def _cost(model: ModelConfig, hw: Hardware, lay: PhaseLayout, phase: str, batch: int,
           context: int, weights: WeightsDtype, cal: Calibration | None) -> StepCost:
-  c = cost_model.step_cost(model, hw, lay.layout, lay.attention, lay.mesh, phase,  # type: ignore[arg-type]
-                           batch, context, weights)
+  c = cost_model.step_cost(model, hw, lay.layout, lay.attention, lay.mesh,
+                           phase, batch, context, weights)  # type: ignore[arg-type]
   return cal.apply(c, model.num_layers) if cal is not None else c
 
 
