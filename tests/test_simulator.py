@@ -273,6 +273,8 @@ def test_profiles_mix_rates_and_cached_prefixes():
   slow = workload.from_profiles(mix, 2.0, 200, seed=5)
   fast = workload.from_profiles(mix, 8.0, 200, seed=5)
   assert [r.prompt_len for r in slow] == [r.prompt_len for r in fast]  # same requests
+  longer = workload.from_profiles(mix, 2.0, 500, seed=5)  # a longer run extends it
+  assert longer[:200] == slow
   assert [r.arrival_s for r in fast] == pytest.approx([r.arrival_s / 4 for r in slow])
   assert sum(r.prompt_len > 1024 for r in slow) > 100  # mostly long_context
   shared = workload.from_profiles(workload.parse_mix("shared_prefix"), 1.0, 5, page_size=16)

@@ -152,7 +152,7 @@ def simulate(requests: Sequence[Request], deployment: Deployment, slo: Slo | Non
 
   dirty: dict[str, Instance] = {}  # instances to start once every event of this time is in
 
-  def kick(inst: Instance, now: float) -> None:
+  def kick(inst: Instance) -> None:
     dirty[inst.name] = inst
 
   def start_steps(now: float) -> None:
@@ -185,7 +185,7 @@ def simulate(requests: Sequence[Request], deployment: Deployment, slo: Slo | Non
         continue
       live.instance = inst.name
       inst.enqueue(live)
-      kick(inst, t)
+      kick(inst)
     elif kind == _STEP:
       inst = obj
       assert isinstance(inst, Instance)
@@ -197,15 +197,15 @@ def simulate(requests: Sequence[Request], deployment: Deployment, slo: Slo | Non
             if deployment.link_bytes_per_s else 0.0)
         link_free[inst.name] = done
         heapq.heappush(events, (done, _TRANSFER, next(order), (inst, live)))
-      kick(inst, t)
+      kick(inst)
     else:
       src, live = obj  # type: ignore[misc]
       src.release_kv(live.prompt)
       dst = min(back, key=lambda i: (i.slots_used + len(i.waiting), i.kv_used))
       live.decode_instance = dst.name
       dst.enqueue(live)
-      kick(dst, t)
-      kick(src, t)
+      kick(dst)
+      kick(src)
   start = min((r.arrival_s for r in requests), default=0.0)
   span = max(t - start, 1e-12)
   records = tuple(_record(live) for live in lives)

@@ -10,7 +10,7 @@ reported as ``idle_chips``). Per cell: the interleaved capacity, and the disaggr
 of every split in ``capacity.default_splits`` (or ``splits``, fractions of the cell), the best
 one reported. Capacity (requests/s at the SLO's p99 TTFT and TPOT) scales by the cell count;
 cost per million tokens = chips x ``chip_hour_usd[hardware]`` / tokens per hour at capacity
-(output tokens, and prompt + output tokens).
+(output tokens, and prompt + output tokens; the mean lengths of the capacity run's requests).
 
 A run at rate r simulates ``max(min_requests, r * duration_s)`` requests, so a run covers at
 least ``duration_s`` of arrivals (a short run hides a slow overload: the queue it builds is not
@@ -93,7 +93,6 @@ def _splits(grid: GridSpec, cell: int) -> tuple[int, ...]:
 def compare(grid: GridSpec, progress: Callable[[], None] | None = None) -> Comparison:
   prices = {**CHIP_HOUR_USD, **dict(grid.chip_hour_usd)}
   make = requests_at(grid)
-  mean_prompt, mean_output = workload.mean_tokens(make(1.0))
   rows, split_rows, runs, deployments = [], [], [], []
   for hw in grid.hardware:
     for weights in grid.weights:
@@ -116,6 +115,8 @@ def compare(grid: GridSpec, progress: Callable[[], None] | None = None) -> Compa
         idle = chips - n_cells * cell * planner.chips_per_instance
         for mode, res in cells[cell].items():
           rate = res["rate"] * n_cells if res["rate"] else None
+          # Tokens per request of the run at capacity (its requests; a longer run has more).
+          mean_prompt, mean_output = workload.mean_tokens(make(res["rate"] or 1.0))
           rows.append({
               "hardware": hw.name, "weights": weights, "chips": chips,
               "chips_per_instance": planner.chips_per_instance, "instances": planner.instances,

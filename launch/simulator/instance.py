@@ -112,7 +112,6 @@ class Instance:
     self._plan: list[tuple[Live, int]] = []
     self._rows = 0
     self._started = 0.0
-    self._admitted: Live | None = None
 
   # -- arrivals --------------------------------------------------------------------------------
 
@@ -150,16 +149,18 @@ class Instance:
 
   # -- steps -----------------------------------------------------------------------------------
 
-  def _admit(self, live: Live, now: float) -> bool:
+  def _admit(self, now: float) -> Live | None:
+    """The waiting queue's head, given a slot and its KV, or None (it stays at the head)."""
+    live = self.waiting[0]
     need = self.need(live)
     if self.slots_used >= self.spec.max_slots or self.kv_used + need > self.kv_tokens:
-      return False
-    self._admitted = self.waiting.popleft()
+      return None
+    self.waiting.popleft()
     self.slots_used += 1
     self.kv_used += need
     if live.admitted_s is None:
       live.admitted_s = now
-    return True
+    return live
 
   def _join(self, live: Live, join_step: int, context: int, tokens: int) -> None:
     """``live`` decodes ``tokens`` ids from step ``join_step``, attending to ``context`` first."""
@@ -173,8 +174,7 @@ class Instance:
     spec = self.spec
     plan: list[tuple[Live, int]] = []
     if self.role == "decode":
-      while self.waiting and self._admit(self.waiting[0], now):
-        live = self._admitted
+      while self.waiting and (live := self._admit(now)) is not None:
         self._join(live, self.step, live.prompt + 1, live.output - 1)
     else:
       budget = spec.max_step_tokens - self.decoding
@@ -185,9 +185,9 @@ class Instance:
         plan.append((live, n))
         budget -= n
       while budget > 0 and self.waiting and len(plan) < spec.max_prefill_chunks:
-        if not self._admit(self.waiting[0], now):
+        live = self._admit(now)
+        if live is None:
           break
-        live = self._admitted
         self.prefilling.append(live)
         n = min(live.left, spec.max_chunk, budget)
         plan.append((live, n))

@@ -8,8 +8,9 @@ Contract:
 * ``from_profiles(mix, rate, count, seed, ...)``: ``count`` requests; each draws its profile by
   weight, then its prompt and output lengths from that profile's ``LengthDist``s (``length_scale``
   as the load generator); arrivals from ``launch.loadgen_lib.arrivals`` at ``rate``. Lengths and
-  arrivals use separate streams of ``seed``, so every rate sees the same requests and Poisson /
-  Gamma times scale exactly as 1 / rate (a capacity search compares like with like).
+  arrivals use separate streams of ``seed``, so the first ``count`` requests are the same at
+  every rate and count, and Poisson / Gamma times scale exactly as 1 / rate (a capacity search
+  compares like with like).
 * ``from_trace(rows, rate=None)``: a ``load_trace`` file's rows; with ``rate`` the arrival
   times are rescaled to that mean rate (the trace's shape kept).
 * Cached tokens: ``shared_prefix`` requests after the first find the common prefix cached
@@ -58,12 +59,13 @@ def from_profiles(mix: tuple[tuple[str, float], ...], rate: float, count: int, s
     raise ValueError(f"prefix_hit_rate must be in [0, 1), got {prefix_hit_rate}")
   lengths = np.random.default_rng(seed)
   names = [n for n, _ in mix]
-  picks = lengths.choice(len(names), size=count, p=[w for _, w in mix])
+  cumulative = np.cumsum([w for _, w in mix])
   times = arrival_times_s(Arrivals(process, rate, burstiness), count, 0.0,
                           np.random.default_rng([seed, 1]))
   seen_prefix: set[str] = set()
   out = []
-  for t, k in zip(times, picks):
+  for t in times:  # one draw after another per request: a longer run extends a shorter one
+    k = min(int(np.searchsorted(cumulative, lengths.random(), side="right")), len(names) - 1)
     prof = PROFILES[names[k]]
     prefix = round(prof.shared_prefix_len * length_scale)
     prompt = prefix + prof.prompt.sample(lengths, length_scale)
