@@ -1,8 +1,9 @@
 """Frozen model configuration and named presets.
 
 Contract: ``ModelConfig`` is immutable and hashable (safe as a jit static argument). Presets are
-looked up by name with ``get_preset``; ``from_hf_config`` builds a config from a Hugging Face
-``config.json`` dict for the Llama family (MHA / GQA / MQA) and Gemma (v1).
+looked up by name with ``get_preset`` (``get_shape`` also knows the cost-model-only shapes,
+``SHAPE_NAMES``); ``from_hf_config`` builds a config from a Hugging Face ``config.json`` dict
+for the Llama family (MHA / GQA / MQA) and Gemma (v1).
 
 Einsum letters used throughout ``models/`` (documented once, here):
   B batch, T query time, S key/value time, D embed, N query heads, K kv heads,
@@ -108,12 +109,33 @@ _PRESETS: dict[str, ModelConfig] = {
 
 PRESET_NAMES = tuple(_PRESETS)
 
+# Shapes for the cost model and the capacity simulator only: never instantiated, so they are not
+# presets (the CLIs that build a model from ``PRESET_NAMES`` must not offer them).
+_SHAPES: dict[str, ModelConfig] = {
+    # Meta's Llama 3 70B (GQA 64/8, head dim 128, SwiGLU 28672, untied 128256 vocab): the
+    # 70B-class model of ``launch.simulate``'s comparison (BUILD_NOTES "Capacity simulator").
+    "llama-3-70b": ModelConfig(
+        name="llama-3-70b", vocab_size=128_256, embed_dim=8192, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, mlp_dim=28_672, rope_theta=500_000.0, max_seq_len=8192),
+}
+SHAPE_NAMES = PRESET_NAMES + tuple(_SHAPES)
+
 
 def get_preset(name: str) -> ModelConfig:
   try:
     return _PRESETS[name]
   except KeyError:
     raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESET_NAMES)}") from None
+
+
+def get_shape(name: str) -> ModelConfig:
+  """A preset or a cost-model-only shape (``SHAPE_NAMES``)."""
+  if name in _SHAPES:
+    return _SHAPES[name]
+  try:
+    return _PRESETS[name]
+  except KeyError:
+    raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPE_NAMES)}") from None
 
 
 def from_hf_config(hf: Mapping[str, object], name: str = "hf") -> ModelConfig:

@@ -219,6 +219,12 @@ def test_capacity_search_doubles_bisects_and_resumes_without_redoing(tmp_path):
   assert low == [8.0, 4.0, 2.0, 1.0] and res["best_rate_per_s"] == 1.0
   with pytest.raises(ValueError, match="another configuration"):
     capacity.RateStore(str(tmp_path / "a"), "other").get(1.0)
+  # a max_rate finer than the rates' 4 digits still ends the doubling (it looped forever)
+  top: list[float] = []
+  store = capacity.RateStore(str(tmp_path / "d"), "fp")
+  res = capacity.find_capacity(capacity.Search(50.0, 123.45678, 2), store,
+                               _fake_measure(store, 1e9, top))
+  assert top == [50.0, 100.0, 123.5] and res["best_rate_per_s"] == 123.5
 
 
 # ----- the OpenAI path against a fake OpenAI-compatible SSE server -----

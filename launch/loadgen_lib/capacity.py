@@ -84,12 +84,13 @@ def find_capacity(search: Search, store: RateStore,
       passes(r)
   else:
     lo, hi, r = None, None, round_rate(search.start_rate)
+    top = round_rate(search.max_rate)  # rounded as the rates are, or the doubling never ends
     while True:
       if passes(r):
         lo = r
-        if r >= search.max_rate:
+        if r >= top:
           break
-        r = round_rate(min(r * 2, search.max_rate))
+        r = round_rate(min(r * 2, top))
       else:
         hi = r
         break
