@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.refenv import REPO
 
 
@@ -31,6 +33,7 @@ def test_bench_prefix_smoke():
   assert host["cached_tokens"] == 4 * 32 and host["loaded"] == 2 and host["spilled"] >= 2
 
 
+@pytest.mark.slow  # suite time: the script's default smoke run stays in the suite
 def test_bench_prefix_multiturn_smoke():
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   r = subprocess.run([sys.executable, "-m", "launch.bench_prefix", "--model", "tiny",

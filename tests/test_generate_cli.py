@@ -49,6 +49,7 @@ def test_greedy_matches_reference_and_reports_timings():
   assert isinstance(out["text"], str)
 
 
+@pytest.mark.slow  # suite time: per-seed determinism is also checked in-process (test_engine, test_generator)
 def test_sampling_is_deterministic_per_seed():
   args = ("--model", "tiny", "--prompt", "hello", "--max_tokens", "16", "--temperature", "1.0",
           "--top_k", "50", "--top_p", "0.95", "--ignore_eos")

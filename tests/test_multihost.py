@@ -186,9 +186,13 @@ def test_a_killed_process_takes_the_other_down(tmp_path, victim):
   print(f"process {survivor} exited (rc {rc}) {elapsed:.1f} s after process {victim} died")
 
 
-def test_two_process_partitioning_sweep(tmp_path):
+@pytest.mark.parametrize("runs", [1, pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["once", "resumed"])
+def test_two_process_partitioning_sweep(tmp_path, runs):
   """launch.sweep_partitioning over 2 x 4 devices: every process runs every cell; process 0's
-  timings decide and only it writes; a rerun resumes from its cache without re-timing."""
+  timings decide and only it writes; run twice (``slow``), the second resumes from process 0's
+  cache without re-timing (resuming itself is tested in one process by
+  tests/test_sweep_partitioning.py)."""
   import csv
   import json
   out = tmp_path / "sweep"
@@ -196,7 +200,7 @@ def test_two_process_partitioning_sweep(tmp_path):
           "decode", "--batches", "8", "--seqs", "16", "--weights", "bf16", "--candidates",
           "ws_2d:heads,wg_xyz:batch_xyz", "--reps", "1", "--hardware", "tpu-v4",
           "--out", str(out)]
-  for resumed in (0, 1):
+  for resumed in range(runs):
     logs = tmp_path / f"run{resumed}"
     logs.mkdir()
     ws = run_workers(logs, argv, timeout=240)

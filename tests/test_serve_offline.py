@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from models.config import get_preset
 from models.tokenizer import ByteTokenizer
@@ -75,6 +76,7 @@ def test_bad_flags_exit_2(tmp_path):
   assert r.returncode == 2 and "requests" in r.stderr
 
 
+@pytest.mark.slow  # suite time: the disaggregated engine's tokens are checked in-process in test_paged_layouts
 def test_serve_offline_disaggregated_same_tokens(tmp_path):
   """--mode disaggregated on 8 fake devices (prefill ws_2d+heads on 4, decode wg_xyz+batch_xyz
   on the other 4): the same greedy tokens as the single-device run."""
