@@ -12,7 +12,8 @@ Then the decode step of ``--speed_model`` (default ``small``: 12 layers, 768 wid
 paged pool at ``--batch`` rows and context ``--context``, both ways (``--steps`` greedy steps
 per timed call in a jitted loop, median of ``--repeats`` interleaved rounds). ``--json`` prints
 {"compile": [{"layers", "mode", "warmup_s", "programs"}], "decode": {"model", "unrolled_ms",
-"scan_ms", "scan_x_unrolled"}, "date", "cpu", "load_avg_1m"}. Bad flags exit 2.
+"scan_ms", "scan_x_unrolled"}, "date", "cpu", "load_avg_1m"}. Bad flags exit 2. JAX's persistent
+compilation cache is switched off (a cache hit is not a compile).
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def _decode_ms(name: str) -> dict:
 
 def main(argv: list[str]) -> None:
   cli.start(argv)
+  import jax
+  # Compile time is what is measured: JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR,
+  # which the test suite sets) would turn it into cache reads.
+  jax.config.update("jax_compilation_cache_dir", None)
   from models.config import PRESET_NAMES, get_preset
   depths = cli.positive_ints("layers", _LAYERS.value)
   for name in (_MODEL.value, _SPEED.value):

@@ -14,8 +14,32 @@ os.environ.setdefault("PHASESERVE_CPU_AUTOTUNE", "0")
 
 
 import gc  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+_OWN_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+  """JAX's persistent compilation cache, shared by this process and every server / CLI the tests
+  start (they inherit the environment): the many tiny servers compile the same programs (the
+  service tests' four servers: 174 s -> 129 s, measured). Keyed by the program, XLA flags, jax
+  version and backend, so a hit is the same executable. A fresh directory per session, removed at
+  the end; set JAX_COMPILATION_CACHE_DIR to keep one across runs."""
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    path = tempfile.mkdtemp(prefix="phaseserve-jax-cache-")
+    _OWN_CACHE.append(path)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+  for path in _OWN_CACHE:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 MAX_MAPS = 30_000  # half the kernel's default vm.max_map_count (65,530)

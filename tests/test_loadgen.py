@@ -320,10 +320,13 @@ def test_openai_cli_open_loop_against_a_fake_sse_server(fake_openai, tmp_path):
   ok = [r for r in rows if r["status"] == "ok"]
   assert len(ok) == 8 and {r["status"] for r in rows} == {"ok", "http_429"}
   for r in ok:
-    assert float(r["ttft_s"]) >= 0.2 and 0.01 <= float(r["tpot_s"]) < 0.06
+    # The server sleeps 0.2 s, then 10 ms per token: those bound TTFT and e2e from below. TPOT's
+    # floor is half the step: a late first read on a loaded machine moves time from TPOT into
+    # TTFT (all tokens in one burst would give ~0).
+    assert float(r["ttft_s"]) >= 0.2 and 0.005 <= float(r["tpot_s"]) < 0.06
     assert r["output_tokens"] == r["max_tokens"] and int(r["prompt_tokens"]) == \
         int(r["prompt_len"])
-    assert float(r["e2e_s"]) >= float(r["ttft_s"]) + 0.01 * (int(r["output_tokens"]) - 1)
+    assert float(r["e2e_s"]) >= 0.2 + 0.01 * (int(r["output_tokens"]) - 1)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["rejected_by_status"] == {"http_429": 2}
   assert summary["ttft_s"]["p50"] >= 0.2 and summary["slo"]["name"] == "interactive"

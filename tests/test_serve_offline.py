@@ -37,7 +37,8 @@ def test_serve_offline_tiny(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
                       "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
-                      "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace)],
+                      "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace),
+                      "--max_context", "128", "--max_chunk", "32"],  # few buckets: suite time
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
