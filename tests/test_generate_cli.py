@@ -2,7 +2,6 @@
 deterministic, streaming prints text, --chat renders the model's chat template, and bad flags exit
 2 with one line and no traceback. ``build_prompt`` is also tested in-process."""
 
-import functools
 import json
 import os
 import subprocess
@@ -31,17 +30,19 @@ def _json(*args):
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+_forward = jax.jit(T.forward, static_argnames="cfg")  # one program per padded width, all calls
+
+
 def _reference_greedy(prompt, n, valid_vocab=None):
   """Greedy ids from the uncached causal forward, over ids < valid_vocab (the tokenizer's ids).
   The sequence is zero-padded to one length (one compiled program): causal attention keeps the
   padding out of the logits at position len - 1."""
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0))
-  forward = jax.jit(functools.partial(T.forward, cfg=cfg))
   width = T.bucket(len(prompt) + n)
   toks = list(prompt)
   for _ in range(n):
-    logits = forward(params, jnp.asarray([toks + [0] * (width - len(toks))]))
+    logits = _forward(params, jnp.asarray([toks + [0] * (width - len(toks))]), cfg=cfg)
     toks.append(int(jnp.argmax(logits[0, len(toks) - 1, :valid_vocab])))
   return toks[len(prompt):]
 
