@@ -161,9 +161,12 @@ class Stream:
       self.completion[index] += len(out.token_ids)
       if out.finished:
         self.finals[index] = out
-      slow = self._stop is None and (self._bytes > self.frontend.config.stream_buffer_bytes or
-                                     now - self._items[0][2] > self.frontend.config.stream_stall_s)
       done = all(f is not None for f in self.finals)
+      # A finished request holds no engine resources: its last outputs wait for the reader
+      # however slow it is (only a stream still generating is cut off as a slow consumer).
+      slow = not done and self._stop is None and (
+          self._bytes > self.frontend.config.stream_buffer_bytes or
+          now - self._items[0][2] > self.frontend.config.stream_stall_s)
       self._cond.notify_all()
     if self.backlog and (out.token_ids or out.finished):
       self.frontend._prefilled(self)

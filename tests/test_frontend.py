@@ -241,6 +241,27 @@ def test_slow_consumer_is_cancelled_and_its_pages_freed(tmp_path):
     fe.loop.stop(timeout=5)
 
 
+def test_a_finished_stream_read_late_is_not_a_slow_consumer(tmp_path):
+  """The last output may land in a buffer older than the stall bound: the request is over and
+  holds nothing, so the late reader gets every token and an OK end."""
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, stream_stall_s=0.05,
+                                                 early_reject=False))
+  fe.loop.engine.execute = _slow(fe.loop.engine.execute, 0.04)
+  try:
+    stream = fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=3, ignore_eos=True, seed=1),
+                         ANON)
+    deadline = time.monotonic() + 10
+    while not stream.ended and time.monotonic() < deadline:  # read only once it has ended
+      time.sleep(0.01)
+    ids, finals = _collect(stream)
+    assert stream.status is Status.OK and finals[0].finish_reason is FinishReason.LENGTH
+    assert ids[0] == reference([1, 2], 1, 3, VOCAB)
+    record = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
+    assert record["status"] == "ok"
+  finally:
+    fe.loop.stop(timeout=5)
+
+
 def test_recoverable_fault_fails_the_step_and_serving_goes_on(tmp_path):
   fe = _frontend(tmp_path, fault=True)
   try:
