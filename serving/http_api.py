@@ -159,9 +159,11 @@ def decode_body(data: bytes) -> Any:
     text = data.decode("utf-8", "surrogateescape")  # located below, by field
   try:
     body = json.loads(text)
+    field = _bad_text(body, "")
   except json.JSONDecodeError as e:
     raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-  field = _bad_text(body, "")
+  except RecursionError:
+    raise ApiError(400, "the request body is nested too deeply") from None
   if field == "":
     raise ApiError(400, "the request body is not valid UTF-8 (in a field name)")
   if field is not None:

@@ -186,12 +186,19 @@ def _with_sinks(args: GenerateArgs, ids: list[int], limits: Limits, bad, vocab: 
   return dataclasses.replace(v, sinks=Sinks(window, sinks))  # type: ignore[arg-type]
 
 
+def _float(value: float, field: str, bad) -> float:
+  try:
+    return float(value)
+  except OverflowError:  # a JSON integer literal beyond a double's range
+    raise bad(field, "must be a finite number, got an integer out of range") from None
+
+
 def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, bad,
           vocab: int) -> Validated:
-  temperature = 0.0 if args.temperature is None else float(args.temperature)
+  temperature = 0.0 if args.temperature is None else _float(args.temperature, "temperature", bad)
   if not math.isfinite(temperature) or temperature < 0:
     raise bad("temperature", f"must be finite and >= 0, got {temperature}")
-  top_p = 1.0 if args.top_p is None else float(args.top_p)
+  top_p = 1.0 if args.top_p is None else _float(args.top_p, "top_p", bad)
   if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
     raise bad("top_p", f"must be in (0, 1], got {top_p}")
   top_k = 0 if args.top_k is None else args.top_k

@@ -90,6 +90,8 @@ BAD = [
     (dict(text="a", temperature=math.nan), "temperature"),
     (dict(text="a", temperature=math.inf), "temperature"),
     (dict(text="a", temperature=-0.5), "temperature"),
+    (dict(text="a", temperature=10**400), "temperature"),  # a JSON integer beyond a double
+    (dict(text="a", top_p=10**400), "top_p"),
     (dict(text="a", top_p=0.0), "top_p"),
     (dict(text="a", top_p=1.5), "top_p"),
     (dict(text="a", top_k=-1), "top_k"),
@@ -244,18 +246,20 @@ def test_slow_consumer_is_cancelled_and_its_pages_freed(tmp_path):
 def test_a_finished_stream_read_late_is_not_a_slow_consumer(tmp_path):
   """The last output may land in a buffer older than the stall bound: the request is over and
   holds nothing, so the late reader gets every token and an OK end."""
-  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, stream_stall_s=0.05,
+  # Two tokens, one step (>= 40 ms) apart: only the final push can find the buffer past the
+  # 20 ms stall bound, whatever the machine's load.
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, stream_stall_s=0.02,
                                                  early_reject=False))
   fe.loop.engine.execute = _slow(fe.loop.engine.execute, 0.04)
   try:
-    stream = fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=3, ignore_eos=True, seed=1),
+    stream = fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=2, ignore_eos=True, seed=1),
                          ANON)
     deadline = time.monotonic() + 10
     while not stream.ended and time.monotonic() < deadline:  # read only once it has ended
       time.sleep(0.01)
     ids, finals = _collect(stream)
     assert stream.status is Status.OK and finals[0].finish_reason is FinishReason.LENGTH
-    assert ids[0] == reference([1, 2], 1, 3, VOCAB)
+    assert ids[0] == reference([1, 2], 1, 2, VOCAB)
     record = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
     assert record["status"] == "ok"
   finally:

@@ -160,6 +160,7 @@ def test_response_shapes():
     (b'{"stop": ["ok", "\xfe"]}', "stop[1]"),
     (b'{"a\xff": 1}', None),
     (b'{', None),
+    (b'{"prompt": "a", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # too deep
 ])
 def test_invalid_utf8_and_json_are_400_naming_the_field(raw, param):
   with pytest.raises(ApiError) as e:
