@@ -142,6 +142,7 @@ class Stream:
     with self._cond:
       deferred, self._deferred = self._deferred, []
       stopped = self._stop is not None
+    self.frontend._unhold(len(deferred))
     for i, req in deferred:
       if stopped:  # cancelled before it was submitted: it ends here
         self._push(i, RequestOutput(req.request_id, finish_reason=FinishReason.CANCELLED,
@@ -234,6 +235,7 @@ class Frontend:
     self._lock = threading.Lock()
     self._live: dict[str, Stream] = {}
     self._backlog = 0
+    self._held = 0  # samples held back for a sibling's prefill (Stream._deferred), not yet queued
     self._ids = itertools.count()
     self._prefix = secrets.token_hex(3)
     self._hurry = threading.Event()
@@ -309,7 +311,10 @@ class Frontend:
              f"{(field_names or {}).get(field, field)}: {refusal.message}",
              key, client_request_id, api, v.slo_class, prompt)
     sched = self.loop.scheduler
-    if sched.num_waiting + self.loop.num_arriving + v.n > self.config.max_queue:
+    # Waiting: in the scheduler's queue, on their way to it, and samples held back for a sibling's
+    # prefill (they join the queue later, so they count now).
+    waiting = sched.num_waiting + self.loop.num_arriving + self._held
+    if waiting + v.n > self.config.max_queue:
       refuse(Status.REJECTED, "queue_full",
              f"the queue is full ({self.config.max_queue} requests waiting)", key,
              client_request_id, api, v.slo_class, prompt)
@@ -320,7 +325,7 @@ class Frontend:
     pred = admission.predict(admission.Load(
         self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
         model=self.loop.cost_model,
-        slot_wait_steps=sched.slot_wait_steps(sched.num_waiting + self.loop.num_arriving)))
+        slot_wait_steps=sched.slot_wait_steps(waiting)))
     if self.config.early_reject:
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
@@ -342,6 +347,9 @@ class Frontend:
     # With the prefix cache, samples 1..n-1 wait for sample 0's prefill and then reuse its
     # prompt pages (only the last prompt token is computed again for each).
     share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
+    if share:  # counted before sample 0 is submitted, whose first output releases them
+      with self._lock:
+        self._held += v.n - 1
     for i, sid in enumerate(stream.ids):
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       # Only sample 0 of a session continues it (one conversation, one pinned path).
@@ -355,6 +363,11 @@ class Frontend:
       else:
         self.loop.submit(req, stream._callback(i), trace)
     return stream
+
+  def _unhold(self, samples: int) -> None:
+    if samples:
+      with self._lock:
+        self._held = max(0, self._held - samples)
 
   def _cached_prefix(self, ids) -> int:
     cache = self.loop.scheduler.prefix_cache
@@ -390,6 +403,7 @@ class Frontend:
       if stream.ended:
         return
       stream.ended = True
+      never_submitted, stream._deferred = len(stream._deferred), []  # aborted while held back
       reasons = [f.finish_reason for f in stream.finals if f is not None]
       if stream._stop is not None:
         stream.status, stream.message = stream._stop
@@ -403,6 +417,7 @@ class Frontend:
         stream.message = next(f.message for f in stream.finals if f is not None and
                               f.finish_reason is FinishReason.REJECTED)
       stream._cond.notify_all()
+    self._unhold(never_submitted)
     with self._lock:
       self._live.pop(stream.request_id, None)
       self._backlog = max(0, self._backlog - stream.backlog)

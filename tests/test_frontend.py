@@ -176,6 +176,29 @@ def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
     fe.loop.stop(timeout=5)
 
 
+def test_held_back_samples_count_against_the_queue_bound(tmp_path):
+  """Samples 1..n-1 wait for sample 0's prefill outside the scheduler: the queue bound counts
+  them, so what is admitted fits the scheduler's queue and is never rejected after admission."""
+  fe = _frontend(tmp_path, cache=True, slots=1, pages=256, max_waiting=8 + 4,
+                 config=FrontendConfig(LIMITS, max_queue=8, early_reject=False))
+  try:
+    admitted, refused = [], 0
+    for k in range(12):
+      try:
+        admitted.append(fe.generate(GenerateArgs(token_ids=[k + 1] * 9, max_tokens=3, n=4,
+                                                 ignore_eos=True), ANON))
+      except ServiceError as e:
+        assert e.status is Status.REJECTED and e.reason == "queue_full"
+        refused += 1
+    assert admitted and refused
+    for stream in admitted:
+      ids, finals = _collect(stream)
+      assert stream.status is Status.OK and sorted(finals) == [0, 1, 2, 3]
+    assert fe._held == 0 and fe.live == 0
+  finally:
+    fe.loop.stop(timeout=5)
+
+
 def test_refusals_reach_no_engine_and_are_recorded(fe, tmp_path):
   steps = fe.loop.engine.steps
   with pytest.raises(ServiceError) as e:
