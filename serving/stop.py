@@ -84,19 +84,31 @@ class StopChecker:
     n = len(self.all_ids)
     armed = n > self.criteria.min_tokens
     if armed and int(token_id) in self._stop_ids:
-      return self._end(FinishReason.STOP, self._pending + self._decoder.flush())
+      return self._flush_end(FinishReason.STOP, armed)
     self._pending += self._decoder.push(token_id)
-    if armed and self.criteria.stop_strings:
-      cut = min((i for i in (self._pending.find(s) for s in self.criteria.stop_strings)
-                 if i >= 0), default=-1)
-      if cut >= 0:
-        return self._end(FinishReason.STOP, self._pending[:cut])
+    cut = self._stop_at(self._pending) if armed else -1
+    if cut >= 0:
+      return self._end(FinishReason.STOP, self._pending[:cut])
     if n >= self.criteria.max_tokens:
-      return self._end(FinishReason.LENGTH, self._pending + self._decoder.flush())
+      return self._flush_end(FinishReason.LENGTH, armed)
     hold = _held_suffix(self._pending, self.criteria.stop_strings) if armed else 0
     out, self._pending = self._pending[:len(self._pending) - hold], self._pending[
         len(self._pending) - hold:]
     return StopStep(out)
+
+  def _stop_at(self, text: str) -> int:
+    """Where the first stop string in ``text`` begins, else -1."""
+    return min((i for i in (text.find(s) for s in self.criteria.stop_strings) if i >= 0),
+               default=-1)
+
+  def _flush_end(self, reason: FinishReason, armed: bool) -> StopStep:
+    """Ends with the text the decoder still holds (a partial UTF-8 character's prefix), which
+    may itself complete a stop string: then the text is cut there and the reason is ``stop``."""
+    text = self._pending + self._decoder.flush()
+    cut = self._stop_at(text) if armed else -1
+    if cut >= 0:
+      return self._end(FinishReason.STOP, text[:cut])
+    return self._end(reason, text)
 
   def _end(self, reason: FinishReason, text: str) -> StopStep:
     self.finish = reason

@@ -83,3 +83,39 @@ def test_bad_criteria():
                                                                         stop_strings=("",))):
     with pytest.raises(ValueError):
       StopCriteria(**kw)
+
+
+class _SpaceLeadByte(ByteTokenizer):
+  """Bytes, plus id 300: ' ' followed by a UTF-8 lead byte, one token (SmolLM2's BPE has 39 such
+  tokens, e.g. ' \\xe2'): its space is held back with the partial character."""
+
+  SPACE_LEAD = 300
+
+  def decode(self, ids):
+    raw = b"".join(b" \xe2" if i == self.SPACE_LEAD else bytes([i]) for i in ids
+                   if 0 <= i < 256 or i == self.SPACE_LEAD)
+    return raw.decode("utf-8", errors="replace")
+
+  @property
+  def vocab_size(self) -> int:
+    return 301
+
+
+@pytest.mark.parametrize("tail,max_tokens", [([], 6), ([ByteTokenizer.EOS], 100)],
+                         ids=["length", "stop_id"])
+def test_text_held_with_a_partial_character_is_checked_at_the_end(tail, max_tokens):
+  """The decoder holds ' ' + a partial byte; when the sequence ends there, the flushed text can
+  complete a stop string: it is cut and the sequence finishes as ``stop``."""
+  tok = _SpaceLeadByte()
+  chk = StopChecker(tok, StopCriteria(max_tokens=max_tokens, stop_strings=("User: ",)))
+  text, finish = "", None
+  for i in list(b"User:") + [tok.SPACE_LEAD] + tail:
+    step = chk.push(i)
+    text += step.text
+    finish = step.finish or finish
+    if finish:
+      break
+  assert (text, finish) == ("", FinishReason.STOP)
+  # Without the stop string the held text is released at the end, partial byte and all.
+  chk = StopChecker(tok, StopCriteria(max_tokens=6))
+  assert "".join(chk.push(i).text for i in list(b"User:") + [tok.SPACE_LEAD]) == "User: \ufffd"
