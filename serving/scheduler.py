@@ -15,7 +15,10 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     Pages come from the ``PagePool`` before the step that writes them. When a decode cannot get a
     page, the running sequence with the lowest priority (latest arrival among equals) is
     preempted: its pages are freed and it is recomputed later from its prompt and the tokens it
-    already generated (the same tokens: sampling keys on seed and position). A sequence that
+    already generated (the same tokens: sampling keys on seed and position). A prompt chunk
+    that cannot get a page preempts the lowest-priority sequence still in its prompt, if one
+    ranks below it, else waits; a step in which a running sequence lacked pages admits no new
+    request (as vLLM v1). A sequence that
     would pass its page capacity or the context finishes as ``length`` with a message.
   * ``update(result) -> list[RequestOutput]`` applies one ``StepResult``: each sampled id goes
     through the request's ``StopChecker``; finished requests release pages and slot at once.
@@ -197,6 +200,7 @@ class Scheduler:
     self._free_slots = list(range(max_slots))  # a heap: lowest slot first
     self._order = itertools.count()
     self._step = 0
+    self._short = False
     self._cancel_lock = threading.Lock()
     self._cancelled: list[str] = []
     self._outputs: list[RequestOutput] = []
@@ -290,6 +294,7 @@ class Scheduler:
     if self.sessions is not None:
       self.sessions.expire()
     budget = self.max_step_tokens
+    self._short = False  # a running sequence lacked pages this step (see _reserve)
     decode: list[DecodeRow] = []
     prefill: list[PrefillChunk] = []
     setups: list[SlotSetup] = []
@@ -309,7 +314,7 @@ class Scheduler:
         break
       if seq.state is _State.RUNNING and not seq.decoding:
         budget -= self._plan_chunk(seq, budget, prefill)
-    while (budget > 0 and self._waiting and self._free_slots
+    while (budget > 0 and self._waiting and self._free_slots and not self._short
            and len(prefill) < self.max_prefill_chunks):
       _, _, rid = self._waiting[0]
       seq = self._seqs[rid]
@@ -442,7 +447,12 @@ class Scheduler:
   def _reserve(self, seq: _Seq, n: int, preempt: bool) -> bool:
     """Pages for ``n`` more positions of a running ``seq``. Decodes (``preempt``) may preempt
     sequences of lower priority, which the decode loop (in priority order) has not planned yet;
-    with none left, ``seq`` itself yields. Prefill chunks wait for pages instead."""
+    with none left, ``seq`` itself yields. A prefill chunk may preempt a lower-priority sequence
+    that is itself still in its prompt (none of those is planned yet: the prefill loop runs in
+    priority order after the decodes); with none, it waits, keeping its pages. Without this, two
+    long prompts admitted together could each hold half the pool and wait for the other forever.
+    Any shortage stops admissions for the step (``_short``): a new request would take the pages
+    a running one is waiting for, or that a preempted one was just made to give up."""
     while True:
       refusal = self.pool.extend(seq.req.request_id, n)
       if refusal is None:
@@ -453,18 +463,19 @@ class Scheduler:
       if self.prefix_cache is not None and self.prefix_cache.evict(
           self.pool.shard_of(seq.req.request_id), 1):
         continue  # a cached page was reclaimed: try again before preempting anyone
-      if not preempt:
-        return False
-      victim = self._victim(seq)
+      self._short = True
+      victim = self._victim(seq, prefilling_only=not preempt)
       if victim is None:
-        self._preempt(seq)
+        if preempt:
+          self._preempt(seq)
         return False
       self._preempt(victim)
 
-  def _victim(self, seq: _Seq) -> _Seq | None:
+  def _victim(self, seq: _Seq, prefilling_only: bool = False) -> _Seq | None:
     shard = self.pool.shard_of(seq.req.request_id)
     cands = [s for s in self._running if s.key > seq.key and s.req.sinks is None
-             and self.pool.shard_of(s.req.request_id) == shard]
+             and self.pool.shard_of(s.req.request_id) == shard
+             and not (prefilling_only and s.decoding)]
     return max(cands, key=lambda s: s.key, default=None)
 
   def _preempt(self, seq: _Seq) -> None:

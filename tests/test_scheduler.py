@@ -106,6 +106,48 @@ def test_thousand_random_requests(lag):
   assert sum(e.kind == 'preempted' for t in traces.values() for e in t.events) > 0
 
 
+def test_long_prompts_that_fill_the_pool_together_do_not_deadlock():
+  """Two prompts, each fitting the pool alone, admitted together: chunk by chunk they take the
+  whole pool with neither done. The earlier one preempts the later (still in its prompt), which
+  is recomputed after: both finish with the reference tokens."""
+  pool, sched, engine = _setup(pages=4, page_size=4, slots=4, step_tokens=8, chunk=4, max_seq=16)
+  reqs = [Request(rid, tuple(range(base, base + 12)), SamplingParams(seed=1),
+                  StopCriteria(max_tokens=2, ignore_eos=True)) for rid, base in (("a", 10), ("b", 50))]
+  traces = {r.request_id: RequestTrace(r.request_id) for r in reqs}
+  for r in reqs:
+    assert sched.add(r, traces[r.request_id]) is None
+  outs, steps = _drive(sched, engine, pool, max_steps=200)
+  by_id, final = _collect(outs)
+  for r in reqs:
+    assert by_id[r.request_id] == reference(list(r.prompt_ids), 1, 2, VOCAB)
+  assert [e.kind for e in traces["b"].events].count("preempted") >= 1
+  assert [e.kind for e in traces["a"].events].count("preempted") == 0
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_random_long_prompts_on_a_small_pool_all_finish(lag):
+  """Prompts up to the pool's size, chunked, mixed priorities: nothing waits forever."""
+  rng = np.random.default_rng(10 + lag)
+  pool, sched, engine = _setup(pages=12, page_size=4, slots=4, step_tokens=12, chunk=4,
+                               max_seq=48, lag=lag)
+  reqs = []
+  for i in range(60):
+    plen = int(rng.integers(8, 40))
+    reqs.append(Request(f"L{i}", tuple(int(t) for t in rng.integers(0, 256, plen)),
+                        SamplingParams(seed=i),
+                        StopCriteria(max_tokens=int(rng.integers(1, 48 - plen + 1)),
+                                     ignore_eos=True),
+                        priority=int(rng.integers(0, 2))))
+  for r in reqs:
+    assert sched.add(r, RequestTrace(r.request_id)) is None
+  outs, _ = _drive(sched, engine, pool, max_steps=20_000)
+  by_id, final = _collect(outs)
+  for r in reqs:
+    assert by_id[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed,
+                                            r.stop.max_tokens, VOCAB), r.request_id
+  assert pool.pages_used == 0 and sched.num_running == 0
+
+
 def test_preemption_recomputes_the_same_tokens():
   pool, sched, engine = _setup(pages=10, page_size=4, slots=4, step_tokens=32, chunk=16)
   reqs = [Request(f"p{i}", tuple(range(1 + i, 13 + i)), SamplingParams(seed=i),
