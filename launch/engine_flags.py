@@ -6,11 +6,11 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
 ``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``,
-``--scan_layers``) for
-``launch.serve_offline`` and ``launch.server``.
+``--scan_layers``, ``--compile_cache_dir``) for ``launch.serve_offline`` and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
-given) and assembles the serving loop; user errors raise ``CliError``.
+given) and assembles the serving loop, with JAX's persistent compilation cache on
+(``launch.compile_cache``) before anything compiles; user errors raise ``CliError``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from absl import flags
+from absl import flags, logging
 
+from launch import compile_cache
 from launch.cli import CliError
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ SCAN = flags.DEFINE_bool("scan_layers", False, "mode single: one lax.scan over s
                          "(compile time independent of depth; see BUILD_NOTES)")
 SINKS = flags.DEFINE_bool("attention_sinks", False, "a raw-key KV pool: requests may ask for "
                           "attention sinks + a window (StreamingLLM; mode single only)")
+COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache_dir", None, "JAX's persistent compilation cache (default: "
+    "~/.cache/phaseserve/jax/<this CPU>; '' turns it off; JAX_COMPILATION_CACHE_DIR wins)")
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -98,6 +102,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
   from models.loader import load_config, load_model
   from serving import stack
   from serving.deployment import Deployment, check_multiprocess, make_steps
+  cache = compile_cache.configure(COMPILE_CACHE.value)
+  logging.info("compilation cache: %s", cache or "off")
   dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
   try:
     cfg = load_config(MODEL.value)  # the steps first: the params are made in their shardings
