@@ -7,7 +7,8 @@ Contract:
     plan. ``on_output(RequestOutput)`` is called from the loop's thread for every update (token
     ids and text deltas), the last one with the finish reason; a request rejected at arrival gets
     exactly one, final, output. ``cancel(request_id)`` is thread-safe (pages free before the
-    next planned step).
+    next planned step); a request cancelled while still on its way to the scheduler (submitted,
+    not yet admitted) ends as ``cancelled`` at admission, never reaching the scheduler.
   * ``step()`` runs one iteration: admit arrivals, plan, execute (asynchronously; results lag one
     step), apply results, deliver outputs, update gauges. ``run_until_idle()`` steps until nothing
     is waiting, running or in flight (offline use). ``start()`` / ``stop()`` run the loop on a
@@ -41,7 +42,7 @@ from typing import Callable
 from serving.engine import Engine
 from serving.admission import StepCostModel
 from serving.lifecycle import Metrics, RequestTrace
-from serving.request import Request, RequestOutput
+from serving.request import Request, RequestOutput, Usage
 from serving.scheduler import Scheduler, StepPlan
 from serving.stop import FinishReason
 
@@ -75,6 +76,11 @@ class ServingLoop:
     self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()
+    # Ids submitted and not yet admitted, and those of them already cancelled: a cancel the
+    # scheduler would not know yet (it drops unknown ids) is kept for the admission.
+    self._arriving_lock = threading.Lock()
+    self._arriving: set[str] = set()
+    self._cancelled_early: set[str] = set()
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._wake = threading.Event()
@@ -84,11 +90,16 @@ class ServingLoop:
     trace = trace or RequestTrace(request.request_id, self.clock)
     if not trace.events:
       trace.record("arrival")
+    with self._arriving_lock:
+      self._arriving.add(request.request_id)
     self._inbox.put((request, trace, on_output))
     self._wake.set()
     return trace
 
   def cancel(self, request_id: str) -> None:
+    with self._arriving_lock:
+      if request_id in self._arriving:
+        self._cancelled_early.add(request_id)
     self.scheduler.cancel(request_id)
     self._wake.set()
 
@@ -108,6 +119,16 @@ class ServingLoop:
       except queue.Empty:
         return
       self.traces[req.request_id] = trace
+      with self._arriving_lock:
+        self._arriving.discard(req.request_id)
+        cancelled = req.request_id in self._cancelled_early
+        self._cancelled_early.discard(req.request_id)
+      if cancelled:
+        trace.record("finished", FinishReason.CANCELLED.value)
+        self._deliver_one(RequestOutput(req.request_id, finish_reason=FinishReason.CANCELLED,
+                                        message="cancelled by the client",
+                                        usage=Usage(len(req.prompt_ids), 0)), cb)
+        continue
       if self.failed is not None:
         trace.record("finished", FinishReason.ERROR.value)
         self._deliver_one(RequestOutput(req.request_id, finish_reason=FinishReason.ERROR,
