@@ -207,6 +207,10 @@ class PagePool:
   def refcount(self, page: int) -> int:
     return int(self._ref[page])
 
+  def retained(self, page: int) -> int:
+    """References to ``page`` held outside any sequence (``retain``)."""
+    return int(self._retained[page])
+
   def usage(self) -> tuple[ShardUsage, ...]:
     """Per sub-pool: ``used`` pages (held by a sequence), ``cached`` (held only by retained
     references: reclaimable), ``free``."""

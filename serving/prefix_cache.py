@@ -26,7 +26,9 @@ Contract:
     device), host nodes hang below. ``match`` returns the device part and then the host part
     (``Match.host``); ``promote(node, page)`` brings a host node back onto a fresh device page
     and returns the ``PageLoad`` to plan.
-  * Counters: ``hits`` / ``misses`` (lookups), ``hit_tokens``, ``host_hits`` /
+  * ``reclaimable(shard)``: the pages ``evict`` could free there now (unlocked, cache-only).
+  * Counters: ``hits`` / ``misses`` (lookups; ``record(match)`` counts one made with
+    ``count=False``), ``hit_tokens``, ``host_hits`` /
     ``host_hit_tokens`` (lookups reaching into the host tier, and their host tokens), ``evicted``
     pages (device), ``spilled`` / ``loaded`` / ``host_evicted`` pages. ``pages`` counts device
     nodes, ``host_pages_used`` host ones; ``check()`` verifies the tree's own invariants.
@@ -109,20 +111,34 @@ class PrefixCache:
         break
       path.append(node)
     dev = [n for n in path if n.page is not None]
-    host = path[len(dev):]
+    m = Match(shard, tuple(dev), tuple(path[len(dev):]))
     if count:
-      tick = next(self._tick)
-      for n in path:
-        n.used = tick
-      if path:
-        self.hits += 1
-        self.hit_tokens += len(path) * self.page_size
-        if host:
-          self.host_hits += 1
-          self.host_hit_tokens += len(host) * self.page_size
-      else:
-        self.misses += 1
-    return Match(shard, tuple(dev), tuple(host))
+      self.record(m)
+    return m
+
+  def record(self, m: Match | None) -> None:
+    """Counts one lookup (``None``: a miss) and marks its path used now: what ``match`` does
+    unless ``count=False`` (a caller that may retry the same lookup counts it once, on use)."""
+    if m is None or not (m.nodes or m.host):
+      self.misses += 1
+      return
+    tick = next(self._tick)
+    for n in m.nodes + m.host:
+      n.used = tick
+    self.hits += 1
+    self.hit_tokens += (len(m.nodes) + len(m.host)) * self.page_size
+    if m.host:
+      self.host_hits += 1
+      self.host_hit_tokens += len(m.host) * self.page_size
+
+  def reclaimable(self, shard: int) -> int:
+    """Pages of ``shard`` that ``evict`` could free now: on the device, unlocked, and held by
+    nothing but the cache (a session's pin or a running sequence's match locks a path; a page a
+    running sequence still holds frees nothing when dropped)."""
+    pool = self.pool
+    return sum(1 for x in self._walk(self._roots[shard])
+               if x.page is not None and not x.locks
+               and pool.refcount(x.page) == pool.retained(x.page))
 
   def promote(self, node: _Node, page: int) -> PageLoad:
     """Host node -> device ``page`` (a page the caller holds; the cache retains it too)."""

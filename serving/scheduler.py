@@ -323,6 +323,8 @@ class Scheduler:
       hit = self._lookup(seq)
       if not self._allocate(seq, budget, hit):
         break  # no pages now: admit later (running sequences are never preempted for this)
+      if self.prefix_cache is not None and seq.req.sinks is None:
+        self.prefix_cache.record(hit)  # once per admission, however often it had to wait
       start = seq.computed
       if hit is not None and not seq.preemptions:
         seq.cached = start
@@ -358,10 +360,7 @@ class Scheduler:
     if cache is None or seq.req.sinks is not None:
       return None
     shard = cache.best_shard(seq.tokens)
-    if shard is None:
-      cache.misses += 1
-      return None
-    return cache.match(seq.tokens, shard)
+    return None if shard is None else cache.match(seq.tokens, shard, count=False)
 
   def _allocate(self, seq: _Seq, budget: int, hit: Match | None) -> bool:
     """Pages for an admitted sequence's first chunk, starting on ``hit``'s pages (then
@@ -374,8 +373,7 @@ class Scheduler:
     if hit is not None:
       shard = hit.shard
     else:  # the sub-pool with the most free or reclaimable pages
-      usage = pool.usage()
-      shard = max(range(len(usage)), key=lambda s: (usage[s].free + usage[s].cached, -s))
+      shard = max(range(pool.budget.num_shards), key=lambda s: (self._room(s), -s))
     prefix = hit.pages if hit is not None else ()
     if cache is not None:
       if hit is not None:
@@ -398,6 +396,12 @@ class Scheduler:
         return self._allocate_copy(seq, budget, hit) or self._allocate(seq, budget, None)
     return False
 
+  def _room(self, shard: int) -> int:
+    """Pages ``shard`` could give a new sequence now: free, or cached and reclaimable (not the
+    pages a session pins or a running sequence's match locks)."""
+    free = self.pool.usage()[shard].free
+    return free + (self.prefix_cache.reclaimable(shard) if self.prefix_cache is not None else 0)
+
   def _allocate_copy(self, seq: _Seq, budget: int, hit: Match) -> bool:
     """The sub-pool holding ``hit`` is full: start ``seq`` on the sub-pool with the most free
     pages, its first pages copies of the prefix's device pages (the plan's ``copies``, run
@@ -409,7 +413,7 @@ class Scheduler:
     others = [s for s in range(len(usage)) if s != hit.shard]
     if not others:
       return False
-    shard = max(others, key=lambda s: (usage[s].free + usage[s].cached, -s))
+    shard = max(others, key=lambda s: (self._room(s), -s))
     device = Match(hit.shard, hit.nodes)  # a host part stays behind: recomputed
     start = device.tokens(pool.page_size)
     total = start + min(budget, self.max_chunk, len(seq.tokens) - start)

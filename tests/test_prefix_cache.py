@@ -80,6 +80,7 @@ def test_cache_match_insert_lock_evict():
   table = pool.table("a")
   assert cache.insert(toks, table, 0) == 2 and cache.pages == 2
   assert cache.insert(toks, table, 0) == 0  # already there
+  assert cache.reclaimable(0) == 0  # "a" still holds both pages: dropping them frees nothing
   m = cache.match(toks + [99], 0)
   assert m.pages == table[:2] and m.tokens(Z) == 8
   assert cache.match(toks[:8], 0).tokens(Z) == 4  # 8 tokens: one page, the last token left
@@ -87,9 +88,16 @@ def test_cache_match_insert_lock_evict():
   pool.release("a")
   assert pool.pages_used == 0 and pool.pages_cached == 2 and pool.pages_free == 6
   pool.check()
+  assert cache.reclaimable(0) == 2
   cache.lock(m)
-  assert cache.evict(0, 2) == 0  # locked: nothing goes
+  assert cache.reclaimable(0) == 0 and cache.evict(0, 2) == 0  # locked: nothing goes
   cache.unlock(m)
+  hits, misses = cache.hits, cache.misses
+  quiet = cache.match(toks, 0, count=False)
+  assert (cache.hits, cache.misses) == (hits, misses)  # counted only when recorded
+  cache.record(quiet)
+  cache.record(None)
+  assert (cache.hits, cache.misses) == (hits + 1, misses + 1)
   assert cache.evict(0, 1) == 1 and cache.pages == 1  # the leaf first
   assert cache.match(toks, 0).tokens(Z) == 4
   assert cache.evict(0, 5) == 1 and cache.pages == 0 and pool.pages_free == 8

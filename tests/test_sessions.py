@@ -49,7 +49,9 @@ def _serve(sched, eng, reqs, traces=None):
     if traces is not None:
       traces[r.request_id] = tr
     assert sched.add(r, tr) is None
-  while not sched.idle:
+  for _ in range(10_000):  # bounded: a request that can never be admitted fails, not hangs
+    if sched.idle:
+      break
     got = run_step(sched, eng)
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
@@ -57,6 +59,8 @@ def _serve(sched, eng, reqs, traces=None):
         finals[o.request_id] = o
     sched.pool.check()
     sched.prefix_cache.check()
+  else:
+    raise AssertionError(f"not idle after 10,000 steps: {sched.num_waiting} waiting")
   for x in eng.flush():
     sched.update(x)
   return outs, finals
@@ -112,3 +116,25 @@ def test_idle_sessions_expire_and_the_budget_unpins_the_oldest():
   assert "B" not in sched.sessions and sched.sessions.expired == 1
   assert pool.pages_cached == 8 and pool.pages_used == 0  # unpinned pages stay cached
   assert sched.prefix_cache.evict(0, 8) == 8
+
+
+def test_a_pinned_shard_is_not_chosen_for_a_new_sequence():
+  """Two sub-pools; a session pins 5 of shard 0's 6 pages. A new prompt with no cache hit goes
+  to shard 1 (empty), not to shard 0, whose pinned pages look reclaimable but are locked: it
+  runs at once instead of waiting out the session's idle time, and each lookup counts once."""
+  pool = PagePool(PageBudget(Z, 6, num_shards=2), max_seq_tokens=24)
+  cache = PrefixCache(pool)
+  clock = Clock()
+  sessions = Sessions(cache, SessionPolicy(idle_s=300.0, max_pinned_pages=16), clock)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=16, max_chunk=8,
+                    prefix_cache=cache, sessions=sessions)
+  eng = FakeEngine(12, Z, VOCAB, 4, lag=1)
+  _serve(sched, eng, [_req("turn1", range(30, 45), n=6, session="chat")])
+  shard0 = pool.usage()[0]
+  assert (shard0.free, shard0.cached) == (1, 5) and cache.reclaimable(0) == 0
+  outs, finals = _serve(sched, eng, [_req("other", range(100, 106), n=4, seed=1),
+                                     _req("other2", range(120, 123), n=4, seed=2)])
+  assert outs["other"] == reference(list(range(100, 106)), 1, 4, VOCAB)
+  assert outs["other2"] == reference(list(range(120, 123)), 2, 4, VOCAB)
+  assert clock.t == 0.0 and "chat" in sched.sessions  # no idle time had to pass
+  assert cache.misses == 3 and cache.hits == 0  # turn1, other, other2: once each
