@@ -24,8 +24,9 @@ Contract:
     (``Scheduler.fail``), drops the engine's results in flight, and the loop goes on with the
     queued requests. A ``FatalEngineError``, or ``max_faults`` faults in a row, means the engine
     cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
-    end at once. ``step_started`` is the clock time the current engine call began (None between
-    calls), for a watchdog. An ``on_output`` callback that raises is dropped, never the loop.
+    end at once. An exception from the scheduler or the loop itself does the same on the
+    background thread (``failed`` says so), so no stream waits forever. ``step_started`` is
+    the clock time the current engine call began (None between calls), for a watchdog. An ``on_output`` callback that raises is dropped, never the loop.
   * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
     and composition (prefill tokens, decode rows), for admission predictions.
 """
@@ -255,13 +256,31 @@ class ServingLoop:
 
   def _run(self) -> None:
     while not self._stop.is_set():
-      if self.failed is not None:
-        self._admit()  # later submissions end at once
-        self._wake.wait(0.05)
-        self._wake.clear()
-      elif not self.step():
-        self._wake.wait(0.05)
-        self._wake.clear()
+      try:
+        if self.failed is not None:
+          self._admit()  # later submissions end at once
+          self._wake.wait(0.05)
+          self._wake.clear()
+        elif not self.step():
+          self._wake.wait(0.05)
+          self._wake.clear()
+      except Exception as e:  # a bug outside the engine call: fail loudly, never hang streams
+        self._internal_error(e)
+
+  def _internal_error(self, exc: Exception) -> None:
+    """An exception from the scheduler or the loop itself (engine faults are handled in
+    ``step``): its state cannot be trusted, so the loop fails like a fatal engine fault; every
+    request still known ends as ``error`` and later submissions end at once."""
+    _log.exception("serving loop failed")
+    self.failed = f"internal error in the serving loop: {type(exc).__name__}: {exc}"
+    try:
+      self._deliver(self.scheduler.fail(self.failed, waiting=True))
+    except Exception:
+      _log.exception("ending the requests after the failure also failed")
+    for rid, cb in list(self._callbacks.items()):  # whatever fail() could not end
+      self._callbacks.pop(rid, None)
+      self._deliver_one(RequestOutput(rid, finish_reason=FinishReason.ERROR,
+                                      message=self.failed), cb)
 
   def stop(self, timeout: float | None = None) -> None:
     """Stops the background thread; ``timeout`` bounds the wait (a hung engine call)."""

@@ -60,3 +60,44 @@ def test_cancel_after_the_end_keeps_nothing():
   loop.run_until_idle()
   assert outs[-1].finish_reason is FinishReason.LENGTH
   assert not loop._cancelled_early
+
+
+def test_a_scheduler_bug_fails_every_stream_instead_of_hanging_them():
+  """An exception outside the engine call (here: the scheduler's plan) on the background
+  thread: every request ends as ``error``, ``failed`` is set, later submissions end at once."""
+  import threading
+  pool = PagePool(PageBudget(4, 32), max_seq_tokens=64)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=2, max_step_tokens=16, max_chunk=8)
+  loop = ServingLoop(sched, FakeEngine(32, 4, VOCAB, 2, lag=1))
+  done = {rid: threading.Event() for rid in "abc"}
+  finals = {}
+
+  def on(rid):
+    def cb(o):
+      if o.finished:
+        finals[rid] = o
+        done[rid].set()
+    return cb
+
+  calls = [0]
+  plan = sched.schedule
+
+  def buggy():
+    calls[0] += 1
+    if calls[0] == 3:
+      raise KeyError("a scheduler bug")
+    return plan()
+
+  sched.schedule = buggy
+  for rid in "ab":
+    loop.submit(_request(rid, ord(rid)), on(rid))
+  loop.start()
+  try:
+    assert done["a"].wait(10) and done["b"].wait(10)
+    assert loop.failed and "KeyError" in loop.failed
+    loop.submit(_request("c", 3), on("c"))
+    assert done["c"].wait(10)
+    assert {r: o.finish_reason for r, o in finals.items()} == {
+        "a": FinishReason.ERROR, "b": FinishReason.ERROR, "c": FinishReason.ERROR}
+  finally:
+    loop.stop(timeout=5)
