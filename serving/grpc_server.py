@@ -7,14 +7,18 @@ liveness (SERVING unless the engine failed), ``phaseserve.v1.Generation`` and
 ``jetstream_proto.Orchestrator`` are readiness (SERVING only in the front end's ``serving``
 state: NOT_SERVING while loading and warming up, draining or failed). Server reflection lists
 every service. Messages over ``max_message_bytes`` are refused by gRPC with RESOURCE_EXHAUSTED.
-At most ``max_concurrent_rpcs`` calls run at once (the rest get RESOURCE_EXHAUSTED at once).
+At most ``max_concurrent_rpcs`` calls of the two APIs run at once (the rest get
+RESOURCE_EXHAUSTED at once); health and reflection are outside that bound, on threads of their
+own, so a server busy with that many streams still answers its probes.
 TLS when ``tls_cert`` and ``tls_key`` (PEM files) are given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent import futures
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,14 +49,67 @@ class Running:
 
 
 _READINESS = (grpc_service.SERVICE, jetstream_service.SERVICE)
+_SPARE_THREADS = 8  # for health, reflection and the calls turned away at the bound
+
+
+class _ApiCallLimit(grpc.ServerInterceptor):
+  """At most ``limit`` calls of the bounded services at once, each refused past it with
+  RESOURCE_EXHAUSTED; other services (health, reflection) pass untouched. (gRPC's own
+  ``maximum_concurrent_rpcs`` counts every call, health checks included.)"""
+
+  def __init__(self, limit: int, services: tuple[str, ...]):
+    self._slots = threading.BoundedSemaphore(limit)
+    self._limit = limit
+    self._prefixes = tuple(f"/{s}/" for s in services)
+
+  def intercept_service(self, continuation, details):
+    handler = continuation(details)
+    if handler is None or not details.method.startswith(self._prefixes):
+      return handler
+    for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                       ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                       ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                       ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+      behaviour = getattr(handler, kind)
+      if behaviour is not None:
+        guarded = (self._streaming(behaviour) if handler.response_streaming
+                   else self._unary(behaviour))
+        return make(guarded, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+    return handler
+
+  def _enter(self, context: grpc.ServicerContext) -> None:
+    if not self._slots.acquire(blocking=False):
+      context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many concurrent calls (at most {self._limit})")
+
+  def _unary(self, fn: Callable) -> Callable:
+    def run(request, context):
+      self._enter(context)
+      try:
+        return fn(request, context)
+      finally:
+        self._slots.release()
+    return run
+
+  def _streaming(self, fn: Callable) -> Callable:
+    def run(request, context):
+      self._enter(context)
+      try:
+        yield from fn(request, context)
+      finally:
+        self._slots.release()
+    return run
 
 
 def serve(frontend: Frontend, keys: ApiKeys, info: generation_pb2.ServerInfoResponse,
           options: ServerOptions) -> Running:
+  limit = _ApiCallLimit(options.max_concurrent_rpcs,
+                        (grpc_service.SERVICE, jetstream_service.SERVICE))
   server = grpc.server(
-      futures.ThreadPoolExecutor(max_workers=options.max_concurrent_rpcs + 8,
+      futures.ThreadPoolExecutor(max_workers=options.max_concurrent_rpcs + _SPARE_THREADS,
                                  thread_name_prefix="grpc"),
-      maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+      interceptors=(limit,),
       options=[("grpc.max_receive_message_length", options.max_message_bytes),
                ("grpc.max_send_message_length", options.max_message_bytes),
                ("grpc.so_reuseport", 0)])
