@@ -16,7 +16,11 @@ translate messages and statuses.
     loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
     output older than ``stream_stall_s``, the request is cancelled (``slow_consumer``: its pages
     are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
-    sample in the loop; pages are free before the next step.
+    sample in the loop; pages are free before the next step. ``Stream.poll()`` is the same
+    stream without blocking (an asyncio consumer): the next ``(index, output)``, ``None`` while
+    none is ready, ``Stream.END`` once all is read (or ``ServiceError``); ``on_ready(fn)`` calls
+    ``fn()`` from the loop's thread whenever there is something new to poll (``fn`` must not
+    block: ``loop.call_soon_threadsafe``), ``off_ready(fn)`` stops it.
   * Every request that passes authentication ends on one path (``_end``), exactly once: the
     usage record (``serving.usage``; prompt tokens counted per sample, ``cached_tokens`` the
     samples' prompt tokens served from the prefix cache), the per-request metrics, the quota
@@ -108,6 +112,8 @@ def _size(out: RequestOutput) -> int:
 class Stream:
   """One client call: ``n`` samples' outputs through one bounded buffer."""
 
+  END = object()  # poll(): every output has been read and the stream ended OK
+
   def __init__(self, frontend: "Frontend", request_id: str, v: Validated, key: KeyInfo,
                client_request_id: str, api: str, quota: list[float] | None, user: str = ""):
     self.frontend = frontend
@@ -129,6 +135,7 @@ class Stream:
     self._bytes = 0
     self._stop: tuple[Status, str] | None = None  # why the stream was stopped early
     self._deferred: list[tuple[int, Request]] = []  # samples waiting for sample 0's prefill
+    self._wakers: list[Callable[[], None]] = []  # on_ready callbacks
     self.ended = False
     self.status = Status.OK
     self.message = ""
@@ -169,6 +176,7 @@ class Stream:
           self._bytes > self.frontend.config.stream_buffer_bytes or
           now - self._items[0][2] > self.frontend.config.stream_stall_s)
       self._cond.notify_all()
+    self._wake()
     if self.backlog and (out.token_ids or out.finished):
       self.frontend._prefilled(self)
     if slow:
@@ -197,6 +205,37 @@ class Stream:
       if self._stop is None:
         self._stop = (status, message)
     self.frontend._end(self)
+
+  def on_ready(self, fn: Callable[[], None]) -> None:
+    with self._cond:
+      self._wakers.append(fn)
+    fn()  # whatever is already buffered (or the end) is there to poll now
+
+  def off_ready(self, fn: Callable[[], None]) -> None:
+    with self._cond:
+      if fn in self._wakers:
+        self._wakers.remove(fn)
+
+  def _wake(self) -> None:
+    with self._cond:
+      wakers = list(self._wakers)
+    for fn in wakers:
+      try:
+        fn()
+      except Exception:  # e.g. the consumer's event loop has closed: the stream goes on
+        _log.debug("stream waker failed", exc_info=True)
+
+  def poll(self) -> "tuple[int, RequestOutput] | None | object":
+    with self._cond:
+      if self._items:
+        index, out, _ = self._items.popleft()
+        self._bytes -= _size(out)
+        return index, out
+      if not self.ended:
+        return None
+      if self.status is not Status.OK:
+        raise ServiceError(self.status, self.message)
+      return Stream.END
 
   def events(self, poll_s: float = 0.1) -> Iterator[tuple[int, RequestOutput]]:
     while True:
@@ -417,6 +456,7 @@ class Frontend:
         stream.message = next(f.message for f in stream.finals if f is not None and
                               f.finish_reason is FinishReason.REJECTED)
       stream._cond.notify_all()
+    stream._wake()
     self._unhold(never_submitted)
     with self._lock:
       self._live.pop(stream.request_id, None)

@@ -18,9 +18,11 @@ quotas, the KV budget, early rejection, drain, usage records and metrics are the
     failed), ``GET /metrics`` (the process's Prometheus registry).
   * Errors are OpenAI's JSON shape (``serving.http_api.ApiError``) with the right status; an
     unexpected exception is a 500 and is logged.
-The Frontend API is blocking: each ``generate`` and each ``next()`` of a ``Stream.events()``
-iterator runs in a thread pool (``loop.run_in_executor``), so the event loop never blocks and
-unread outputs stay in the Stream's bounded buffer (its stall / size limits apply as in gRPC).
+``Frontend.generate`` is blocking and runs in a thread pool (``loop.run_in_executor``); a
+stream's outputs are read without a thread: the loop thread wakes the event loop
+(``Stream.on_ready`` -> ``call_soon_threadsafe``) and the handler polls (``Stream.poll``) one
+output per write, so unread outputs stay in the Stream's bounded buffer (its stall / size limits
+apply as in gRPC) and any number of live streams hold no threads.
 A client that closes the connection cancels the handler (aiohttp's ``handler_cancellation``;
 a write to a closed transport raises ``ConnectionResetError`` too): every sample still running
 is cancelled in the loop, whose scheduler frees its pages before the next step.
@@ -50,7 +52,6 @@ from serving.stop import FinishReason
 
 _log = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
-_END = object()  # next(iterator, _END): the stream ended
 _OK_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
 
 
@@ -60,7 +61,7 @@ class HttpOptions:
   host: str = "127.0.0.1"
   port: int = 0
   max_body_bytes: int = 4 << 20
-  max_concurrent: int = 512  # threads bridging to the Frontend
+  max_concurrent: int = 512  # threads for Frontend.generate calls (admission; streams hold none)
   max_context: int = 0  # reported by /v1/models
   shutdown_s: float = 2.0
   tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
@@ -164,22 +165,28 @@ class _Api:
   async def events(self, streams: Sequence[Stream]
                    ) -> AsyncIterator[tuple[int, int, RequestOutput]]:
     """(prompt, sample, output) from every stream as they come; ServiceError at a failure."""
-    its = [s.events() for s in streams]
     loop = asyncio.get_running_loop()
-    pending = {loop.run_in_executor(self.pool, next, it, _END): p for p, it in enumerate(its)}
+    ready = asyncio.Event()
+    wake = lambda: loop.call_soon_threadsafe(ready.set)
+    for s in streams:
+      s.on_ready(wake)
+    live = list(range(len(streams)))
     try:
-      while pending:
-        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for fut in done:
-          p = pending.pop(fut)
-          item = fut.result()  # raises the stream's ServiceError
-          if item is _END:
-            continue
-          yield p, item[0], item[1]
-          pending[loop.run_in_executor(self.pool, next, its[p], _END)] = p
+      while live:
+        ready.clear()  # before polling: a push after this sets it again, none is missed
+        got = False
+        for p in list(live):
+          item = streams[p].poll()  # raises the stream's ServiceError
+          if item is Stream.END:
+            live.remove(p)
+          elif item is not None:
+            got = True
+            yield p, item[0], item[1]  # type: ignore[index]
+        if live and not got:
+          await ready.wait()
     finally:
-      for fut in pending:
-        fut.cancel()
+      for s in streams:
+        s.off_ready(wake)
 
   async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
     key = self.authenticate(request)
