@@ -30,7 +30,7 @@ from absl import flags, logging
 from launch import cli, paged_timing
 from launch.cli import CliError
 
-_MODEL = flags.DEFINE_string("model", "small", "model preset name (tiny, small)")
+_MODEL = flags.DEFINE_string("model", "small", "a preset (tiny, small) or a trained model (smollm2-135m)")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "param / KV dtype")
 _BATCH = flags.DEFINE_integer("batch", 8, "decode batch", lower_bound=1)
 _CONTEXT = flags.DEFINE_integer("context", 2048, "attended positions (attend_len)",

@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC modules (``make proto``) and the .proto files they come from."""
