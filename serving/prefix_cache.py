@@ -14,8 +14,8 @@ Contract:
     step that reads them); a block already cached keeps its page (the caller's stays private).
     Returns the pages newly cached.
   * ``lock(match)`` / ``unlock(match)``: a running sequence locks the path it reuses; eviction
-    only ever removes unlocked leaves, least recently used first (``evict(shard, n)`` frees up to
-    ``n`` pages, returns how many). ``clear()`` drops every node (after an engine fault: pages
+    only ever removes unlocked leaves held by nothing but the cache, least recently used first
+    (``evict(shard, n)`` frees up to ``n`` pages, returns how many). ``clear()`` drops every node (after an engine fault: pages
     written by a failed step must not be reused).
   * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): a page evicted from the device goes
     to host memory instead of being forgotten, while the tier has room (its own LRU: the
@@ -201,10 +201,13 @@ class PrefixCache:
       n.locks -= 1
 
   def evict(self, shard: int, n: int) -> int:
-    """Frees up to ``n`` pages of ``shard`` by dropping unlocked leaves, oldest first; a page
-    still used by a running sequence is dropped from the cache but frees nothing."""
+    """Frees up to ``n`` pages of ``shard`` by dropping unlocked leaves, oldest first. A leaf
+    whose page a running sequence still holds is kept: dropping it would free nothing now and
+    lose the prefix (and, with a host tier, copy out a page that is still in use)."""
     root = self._roots[shard]
+    pool = self.pool
     device_leaf = lambda x: (x.page is not None and not x.locks and
+                             pool.refcount(x.page) == pool.retained(x.page) and
                              all(c.page is None for c in x.children.values()))
     leaves = [(x.used, id(x), x) for x in self._walk(root) if device_leaf(x)]
     heapq.heapify(leaves)

@@ -80,7 +80,8 @@ def test_cache_match_insert_lock_evict():
   table = pool.table("a")
   assert cache.insert(toks, table, 0) == 2 and cache.pages == 2
   assert cache.insert(toks, table, 0) == 0  # already there
-  assert cache.reclaimable(0) == 0  # "a" still holds both pages: dropping them frees nothing
+  assert cache.reclaimable(0) == 0  # "a" still holds both pages: dropping them frees nothing,
+  assert cache.evict(0, 2) == 0 and cache.pages == 2  # so they stay cached
   m = cache.match(toks + [99], 0)
   assert m.pages == table[:2] and m.tokens(Z) == 8
   assert cache.match(toks[:8], 0).tokens(Z) == 4  # 8 tokens: one page, the last token left
@@ -426,3 +427,63 @@ def test_the_copy_path_is_checked_by_the_output(monkeypatch):
   monkeypatch.setattr(type(eng), "_copy", lambda self, c: None)
   outs, _ = _run(sched, eng, [(0, _req("b", base + [2], n=5, seed=2))], check=False)
   assert outs["b"] != reference(base + [2], 2, 5, VOCAB)
+
+
+def _mixed_run(seed: int, shards: int, host: int, sessions_on: bool, n: int = 400) -> None:
+  """One random run over everything the cache meets: sub-pools, the host tier, pinned sessions,
+  priorities, cancellations, a tight pool and lagged results; invariants after every step and
+  every output against the reference (a sequence reading a page the cache gave away, spilled or
+  reloaded wrongly reads different ids)."""
+  from serving.host_tier import HostStore
+  from serving.sessions import SessionPolicy, Sessions
+  rng = random.Random(seed)
+  clock = [0.0]
+  pages = 32
+  pool = PagePool(PageBudget(Z, pages // shards, shards), max_seq_tokens=48)
+  cache = PrefixCache(pool, host_pages=host)
+  sessions = (Sessions(cache, SessionPolicy(rng.choice([5.0, 50.0]), 6), lambda: clock[0])
+              if sessions_on else None)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=5, max_step_tokens=rng.choice([8, 16, 24]),
+                    max_chunk=rng.choice([4, 8]), prefix_cache=cache, sessions=sessions,
+                    max_prefill_chunks=2)
+  engine = FakeEngine(pages, Z, VOCAB, 5, lag=1, host_store=HostStore())
+  prefixes = [[rng.randrange(256) for _ in range(rng.choice([4, 7, 12, 17]))] for _ in range(6)]
+  reqs, arrivals = {}, {}
+  for i in range(n):
+    prompt = rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(0, 6))]
+    r = Request(f"r{i}", tuple(prompt), SamplingParams(seed=i),
+                StopCriteria(max_tokens=rng.randrange(1, 12), ignore_eos=True),
+                priority=rng.randrange(2), session_id=rng.choice(["", "", "s1", "s2"]))
+    reqs[r.request_id] = r
+    arrivals.setdefault(i // 2 + rng.randrange(3), []).append(r)
+  outs, finals = {}, {}
+  for step in range(20_000):
+    clock[0] += 0.5
+    for r in arrivals.pop(step, []):
+      assert sched.add(r, RequestTrace(r.request_id)) is None
+    if rng.random() < 0.05 and sched._seqs:
+      sched.cancel(rng.choice(sorted(sched._seqs)))
+    if sched.idle and not arrivals:
+      break
+    for o in run_step(sched, engine):
+      outs.setdefault(o.request_id, []).extend(o.token_ids)
+      if o.finished:
+        finals[o.request_id] = o
+    pool.check()
+    cache.check()
+  else:
+    raise AssertionError(f"not idle: {sched.num_waiting} waiting, {sched.num_running} running")
+  for res in engine.flush():
+    sched.update(res)
+  for rid, r in reqs.items():
+    want = reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
+    got = outs.get(rid, [])
+    assert got == want[:len(got)] and rid in finals, rid
+  assert pool.pages_used == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("shards,host,sessions_on", [(2, 6, True), (2, 6, False), (1, 6, True),
+                                                     (2, 0, True)])
+def test_random_runs_with_shards_host_tier_and_sessions(seed, shards, host, sessions_on):
+  _mixed_run(seed, shards, host, sessions_on)
