@@ -377,9 +377,15 @@ class Frontend:
     rid = f"req-{self._prefix}-{next(self._ids)}"
     stream = Stream(self, rid, v, key, client_request_id, api, quota, user)
     stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s
-    with self._lock:
-      self._live[rid] = stream
-      self._backlog += new_tokens
+    with self._lock:  # set_state takes the lock: drain sees this stream, or it is refused here
+      serving = self.state == "serving"
+      if serving:
+        self._live[rid] = stream
+        self._backlog += new_tokens
+    if not serving:  # a drain (or failure) began while this request was being admitted
+      self.quotas.settle(quota, 0)
+      refuse(Status.UNAVAILABLE, "unavailable", "the server is shutting down", key,
+             client_request_id, api, v.slo_class, prompt)
     if self.config.fault_injection and client_request_id.startswith("fault:"):
       for sid in stream.ids:
         self.fault_ids[sid] = client_request_id.split(":", 1)[1]

@@ -363,6 +363,30 @@ def test_drain_lets_live_requests_finish_then_cancels_the_rest(tmp_path):
   fe.loop.stop(timeout=5)
 
 
+def test_a_drain_that_begins_during_admission_refuses_the_request(tmp_path):
+  """generate() checks the state first; a drain that starts after that check (here: inside the
+  quota check) must not let the request run past the drain: it is refused UNAVAILABLE, with its
+  usage record, and nothing is submitted."""
+  fe = _frontend(tmp_path)
+  admit = fe.quotas.admit
+
+  def drain_meanwhile(*args):
+    fe.set_state("draining")
+    return admit(*args)
+
+  fe.quotas.admit = drain_meanwhile
+  try:
+    with pytest.raises(ServiceError) as e:
+      fe.generate(GenerateArgs(token_ids=[1, 2], max_tokens=4), ANON)
+    assert e.value.status is Status.UNAVAILABLE
+    assert fe.live == 0 and fe.loop.idle and fe._backlog == 0
+    assert fe.drain(grace_s=0.1) == 0
+    rec = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
+    assert rec["status"] == "unavailable"
+  finally:
+    fe.loop.stop(timeout=5)
+
+
 def _slow(fn, s):
   def run(plan):
     time.sleep(s)
