@@ -398,7 +398,7 @@ def _bad_inputs():
       (T, dict(chat, messages=[]), 400, "messages"),
       (T, dict(chat, max_completion_tokens=200), 400, "max_completion_tokens"),
       (T, dict(chat, top_logprobs=2, logprobs=True, n=1, max_tokens=0), 400, "max_tokens"),
-      (T, dict(chat, logprobs=True, top_logprobs=9), 400, "top_logprobs"),
+      (T, dict(chat, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
       # HTTP's own: JSON types, fields phaseserve does not implement, unknown fields.
       (C, dict(ok, temperature="hot"), 400, "temperature"),
       (C, dict(ok, max_tokens=4.5), 400, "max_tokens"),
