@@ -48,7 +48,7 @@ import gguf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from models.tokenizer import TokenizersTokenizer
+from models.tokenizer import TokenizersTokenizer, bytes_to_unicode
 
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -235,7 +235,7 @@ def build_tokenizer(vocab: GGUFVocab) -> tokenizers.Tokenizer:
     raise ValueError(f"{vocab.name}: {_K}add_space_prefix with a byte-level BPE vocab is not "
                      "supported")
   pre = _pre_tokenizer(vocab)
-  byte_to_char = _bytes_to_unicode()
+  byte_to_char = bytes_to_unicode()
   alphabet = set(byte_to_char.values())
   types = vocab.token_types or (TOKEN_NORMAL,) * len(vocab.tokens)
   ids: dict[str, int] = {}
@@ -275,19 +275,6 @@ def build_tokenizer(vocab: GGUFVocab) -> tokenizers.Tokenizer:
     raise ValueError(f"{vocab.name}: built {tok.get_vocab_size(with_added_tokens=True)} ids for "
                      f"{len(vocab.tokens)} tokens")
   return tok
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
-  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-               *range(ord("\xae"), ord("\xff") + 1)]
-  table = {b: chr(b) for b in printable}
-  n = 0
-  for b in range(256):
-    if b not in table:
-      table[b] = chr(256 + n)
-      n += 1
-  return table
 
 
 def _end_ids(vocab: GGUFVocab) -> tuple[int, ...]:

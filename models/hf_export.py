@@ -90,8 +90,8 @@ def hf_tensors(cfg: ModelConfig, params: Params, dtype: str = "bfloat16"
 def byte_tokenizer() -> tokenizers.Tokenizer:
   """Byte-level tokens 0..255 (no merges) then ``<s>`` 256, ``</s>`` 257, ``<pad>`` 258."""
   from tokenizers import decoders, models, pre_tokenizers
-  from models.gguf_tokenizer import _bytes_to_unicode
-  spelling = _bytes_to_unicode()  # byte b -> its byte-level character; id b as ByteTokenizer
+  from models.tokenizer import bytes_to_unicode
+  spelling = bytes_to_unicode()  # byte b -> its byte-level character; id b as ByteTokenizer
   tok = tokenizers.Tokenizer(models.BPE(vocab={spelling[b]: b for b in range(256)}, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()

@@ -6,7 +6,8 @@ Contract:
     tokenizer does not know, and never raises on invalid UTF-8 (U+FFFD replaces bad bytes);
     ``vocab_size`` counts the tokenizer's ids (a model's vocab may be larger: the sampler should
     never produce ids >= ``vocab_size``); ``bos_id`` (the id to prepend, or None); ``eos_id``
-    and ``eos_ids`` (every id that ends generation, ``eos_id`` first).
+    and ``eos_ids`` (every id that ends generation, ``eos_id`` first); ``token_bytes(id)`` is
+    the token's own bytes, which may be part of a UTF-8 character (OpenAI's logprob ``bytes``).
   * ``ByteTokenizer`` (the built-in presets): ids 0..255 are the UTF-8 bytes, then
     ``BOS = 256``, ``EOS = 257``, ``PAD = 258``; ``vocab_size`` is 259 whatever the model's vocab
     (the ``small`` preset's 32000-id vocab uses only the first 259).
@@ -36,6 +37,7 @@ Contract:
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import os
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -66,6 +68,10 @@ class Tokenizer(abc.ABC):
   @abc.abstractmethod
   def vocab_size(self) -> int:
     ...
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """The token's bytes (may be part of a character; b"" for a special or unknown id)."""
+    return self.decode([token_id]).encode("utf-8")
 
   @property
   @abc.abstractmethod
@@ -122,6 +128,9 @@ class ByteTokenizer(Tokenizer):
 
   def decode(self, ids: Iterable[int]) -> str:
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+  def token_bytes(self, token_id: int) -> bytes:
+    return bytes([token_id]) if 0 <= token_id < 256 else b""
 
   @property
   def vocab_size(self) -> int:
@@ -206,6 +215,32 @@ class TokenizersTokenizer(Tokenizer):
   def decode(self, ids: Iterable[int]) -> str:
     size = self.vocab_size
     return self._tok.decode([i for i in ids if 0 <= i < size], skip_special_tokens=True)
+
+  def token_bytes(self, token_id: int) -> bytes:
+    """The piece's bytes: byte-level BPE (GPT-2's alphabet) spelled back, SentencePiece's
+    ``<0xNN>`` byte tokens and ``▁`` spaces; b"" for a special token or an unknown id."""
+    if not 0 <= token_id < self.vocab_size or self.decode([token_id]) == "":
+      return b""
+    piece = self._tok.id_to_token(token_id)
+    if piece is None:
+      return b""
+    if self._byte_level():
+      back = _byte_level_decoder()
+      if all(ch in back for ch in piece):
+        return bytes(back[ch] for ch in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+      try:
+        return bytes([int(piece[3:5], 16)])
+      except ValueError:
+        pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+  def _byte_level(self) -> bool:
+    if not hasattr(self, "_is_byte_level"):
+      decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+      kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
+      self._is_byte_level = "ByteLevel" in kinds
+    return self._is_byte_level
 
   @property
   def vocab_size(self) -> int:
@@ -316,6 +351,24 @@ class HFTokenizer(TokenizersTokenizer):
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.path!r})"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
+  printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+               *range(ord("\xae"), ord("\xff") + 1)]
+  table = {b: chr(b) for b in printable}
+  n = 0
+  for b in range(256):
+    if b not in table:
+      table[b] = chr(256 + n)
+      n += 1
+  return table
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+  return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class StreamDecoder:

@@ -427,7 +427,7 @@ class Response:
       return None
     if self.parsed.chat:
       entry = lambda t, lp: {"token": self._token(t), "logprob": lp,
-                             "bytes": list(self._token(t).encode("utf-8"))}
+                             "bytes": list(self.tok.token_bytes(t))}
       return {"content": [dict(entry(lp.token_id, lp.logprob),
                                top_logprobs=[entry(t, p) for t, p in lp.top[:k]])
                           for lp in out.logprobs]}

@@ -25,9 +25,8 @@ import gguf
 import pytest
 
 from models.gguf_import import installed_smollm2_path
-from models.gguf_tokenizer import (END_TOKEN_NAMES, GGUFTokenizer, _bytes_to_unicode,
-                                   load_gguf_tokenizer)
-from models.tokenizer import Tokenizer, stream_decode
+from models.gguf_tokenizer import END_TOKEN_NAMES, GGUFTokenizer, load_gguf_tokenizer
+from models.tokenizer import Tokenizer, bytes_to_unicode, stream_decode
 from tests import refenv
 from tests.test_chat_template import DEFAULT_SYSTEM, SMOLLM2_TEMPLATE
 
@@ -204,6 +203,8 @@ def test_round_trip(tok):
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == text, text
     assert "".join(stream_decode(tok, ids)) == text, text
+    # Each token's own bytes (a character may span tokens) concatenate to the text's UTF-8.
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text
 
 
 def test_special_tokens(tok):
@@ -213,7 +214,7 @@ def test_special_tokens(tok):
              "<jupyter_output>", "<jupyter_script>", "<empty_output>"]
   for i, name in enumerate(control):
     assert tok.encode(name) == [i], name
-    assert tok.decode([i]) == ""
+    assert tok.decode([i]) == "" and tok.token_bytes(i) == b""
   ids = tok.encode("a<|im_start|>b<|im_end|>")
   assert ids[1] == 1 and ids[-1] == 2 and len(ids) == 4
   assert tok.decode([1, *tok.encode("hi"), 2, 0]) == "hi"
@@ -223,7 +224,7 @@ def test_special_tokens(tok):
 
 # ---- synthetic GGUF files -------------------------------------------------------------------
 
-ALPHABET = sorted(set(_bytes_to_unicode().values()))
+ALPHABET = sorted(set(bytes_to_unicode().values()))
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]  # ids 0..3
 EXTRA = ["12", "hi", "Ġhi", " x"]  # " x" is spelled raw (outside the byte alphabet)
 

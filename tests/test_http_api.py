@@ -128,6 +128,10 @@ def test_response_shapes():
   assert choice["logprobs"]["content"] == [{"token": "h", "logprob": -0.5, "bytes": [104],
                                             "top_logprobs": [{"token": "h", "logprob": -0.5,
                                                               "bytes": [104]}]}]
+  # A token that is part of a character: its own bytes, not U+FFFD's (EF BF BD).
+  part = RequestOutput("r", (0xE2,), "", logprobs=(TokenLogprobs(0xE2, -0.1, ((0xE2, -0.1),)),))
+  entry = r.chunk(0, part)["choices"][0]["logprobs"]["content"][0]
+  assert entry["bytes"] == [0xE2] and entry["top_logprobs"][0]["bytes"] == [0xE2]
   assert r.chunk(0, RequestOutput("r")) is None  # nothing to say
   end = r.chunk(0, RequestOutput("r", finish_reason=FinishReason.STOP))
   assert end["choices"][0]["finish_reason"] == "stop" and end["choices"][0]["delta"] == {}

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from models.config import get_preset
+from models.tokenizer import bytes_to_unicode
 from models.weights import init_params
 from serving.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
@@ -58,20 +59,6 @@ You are a test model.<|im_end|>
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable character map (what a byte-level BPE vocabulary is made of)."""
-  bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) +
-        list(range(ord("\xae"), ord("\xff") + 1)))
-  cs = bs[:]
-  extra = 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + extra)
-      extra += 1
-  return dict(zip(bs, map(chr, cs)))
-
-
 def _write_model(directory) -> None:
   """The tiny preset (param seed 0) as a checkpoint, with a byte-level BPE tokenizer (id = byte,
   no merges, three special tokens: 259 ids, the preset's vocab) and a chat template."""
@@ -80,7 +67,7 @@ def _write_model(directory) -> None:
   from models.checkpoint import save_params
   cfg = get_preset("tiny")
   save_params(str(directory), init_params(cfg, jax.random.key(0)), cfg.replace(name=MODEL))
-  chars = _bytes_to_unicode()
+  chars = bytes_to_unicode()
   tok = tokenizers.Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
