@@ -83,13 +83,19 @@ def default_cache_dir() -> str:
 
 
 def cache_key(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, quantized: bool,
-              candidates: Sequence[tuple[str, str]]) -> str:
+              candidates: Sequence[tuple[str, str]], hardware=None, reps: int = 3) -> str:
+  """Everything an entry depends on: the model, devices and mesh, the cell, the candidates, the
+  cost model's hardware (its predictions are stored too) and the timing repetitions."""
   cfg_hash = hashlib.sha256(repr(cfg).encode()).hexdigest()[:10]
+  # A preset by its name and spec; "local" by name only (its figures are re-measured each run,
+  # never twice the same, and it is this machine either way).
+  hw = "none" if hardware is None else hardware.name if hardware.name == "local" else (
+      f"{hardware.name}-{hashlib.sha256(repr(hardware).encode()).hexdigest()[:8]}")
   dev = mesh.devices.flat[0]
   x, y, z = mesh_shape(mesh)
   cand = hashlib.sha256(repr(sorted(candidates)).encode()).hexdigest()[:8]
   return (f"{cfg.name}-{cfg_hash}|{dev.platform}:{dev.device_kind}x{mesh.size}:{x}x{y}x{z}|"
-          f"{phase}|b{batch}|s{seq}|{'int8' if quantized else 'float'}|c{cand}")
+          f"{phase}|b{batch}|s{seq}|{'int8' if quantized else 'float'}|c{cand}|hw:{hw}|r{reps}")
 
 
 def _load(path: str) -> dict:
@@ -159,7 +165,7 @@ def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
   candidates = [(layouts.get_ffn_layout(f).name, layouts.get_attn_layout(a).name)
                 for f, a in candidates]
   path = os.path.join(cache_dir or default_cache_dir(), CACHE_FILE)
-  key = cache_key(cfg, mesh, phase, batch, seq, quantized, candidates)
+  key = cache_key(cfg, mesh, phase, batch, seq, quantized, candidates, hardware, reps)
   # Several processes: process 0's cache decides and its timings are everyone's (all processes
   # must compile and run the same programs, and agree on the winner); only process 0 writes.
   entry = multihost.agree("autotune_cached", lambda: None if refresh else _load(path).get(key))

@@ -37,8 +37,13 @@ def test_autotune_measures_predicts_and_hits_the_cache(tmp_path, monkeypatch):
                        hardware=hw, reps=1)
   assert second.cache_hit
   assert second.measurements == first.measurements and second.key == first.key
-  other = at.cache_key(CFG, mesh, "prefill", 8, 8, False, PAIRS)
+  other = at.cache_key(CFG, mesh, "prefill", 8, 8, False, PAIRS, hw, 1)
   assert other != first.key  # phase (and shape, model, devices) are part of the key
+  assert at.cache_key(CFG, mesh, "decode", 8, 8, False, PAIRS, hw, 1) == first.key
+  # The hardware priced the stored predictions, and reps made the timings: both in the key.
+  assert at.cache_key(CFG, mesh, "decode", 8, 8, False, PAIRS, get_hardware("tpu-v4"), 1) \
+      != first.key
+  assert at.cache_key(CFG, mesh, "decode", 8, 8, False, PAIRS, hw, 3) != first.key
 
 
 def test_predicted_is_none_without_hardware_or_for_rejected_combinations():
