@@ -97,8 +97,9 @@ def pareto(points: Iterable[Point], against: str = "mfu") -> list[Point]:
   key = (lambda p: -p.mfu) if against == "mfu" else (lambda p: p.cost)
   best: list[Point] = []
   for p in sorted(points, key=lambda p: (p.latency_s, key(p))):
-    if not best or key(p) < key(best[-1]):
-      best.append(p)
+    if not best or key(p) < key(best[-1]) or (
+        (p.latency_s, key(p)) == (best[-1].latency_s, key(best[-1]))):
+      best.append(p)  # an exact twin of a frontier point is not dominated either
   return best
 
 

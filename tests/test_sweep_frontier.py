@@ -4,6 +4,7 @@ CSV has the documented columns, the Pareto flags mark a non-dominated set, the J
 frontier's two ends, the PNG exists; a bad flag exits 2."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,6 +52,11 @@ def test_pareto_is_non_dominated():
                                 (8, 3.0, 0.5, 6))]
   assert [p.batch for p in frontier.pareto(pts, "mfu")] == [1, 2, 8]
   assert [p.batch for p in frontier.pareto(pts, "cost")] == [1, 2, 4]
+  # Exact twins (another mesh, the same figures) dominate neither each other nor are dominated:
+  # both stay; a point equal in MFU but slower is dominated.
+  twin = dataclasses.replace(pts[1], batch=3)
+  slower = dataclasses.replace(pts[1], batch=5, latency_s=2.2)
+  assert [p.batch for p in frontier.pareto(pts + [twin, slower], "mfu")] == [1, 2, 3, 8]
 
 
 def test_bad_flags_exit_2(tmp_path):
