@@ -238,6 +238,7 @@ class _FakeOpenAI(http.server.ThreadingHTTPServer):
     super().__init__(("127.0.0.1", 0), _Handler)
     self.first_s, self.step_s = first_s, step_s
     self.reject_every = 5
+    self.truncate_after: int | None = None  # close the body after this many chunks, no [DONE]
     self.lock = threading.Lock()
     self.bodies: list[dict] = []
     self.received: list[float] = []
@@ -277,6 +278,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       for i in range(body["max_tokens"]):
         if i:
           time.sleep(srv.step_s)
+        if srv.truncate_after is not None and i == srv.truncate_after:
+          self.close_connection = True
+          return  # the body ends here: a close-delimited stream cut off
         chunk = {"choices": [{"index": 0, "text": f" tok{i}", "finish_reason": None}]}
         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.flush()
@@ -332,6 +336,26 @@ def test_openai_cli_open_loop_against_a_fake_sse_server(fake_openai, tmp_path):
   assert summary["ttft_s"]["p50"] >= 0.2 and summary["slo"]["name"] == "interactive"
   assert summary["good"] == 8 - sum(float(r["ttft_s"]) > 0.45 for r in ok)
   assert _is_png(out / "latency.png")
+
+
+def test_openai_stream_cut_off_before_done_is_an_error(fake_openai):
+  """A close-delimited body that ends after 3 of 16 chunks, with no finish_reason, usage or
+  [DONE], is ``stream_truncated``, never an ``ok`` request (it would count in goodput)."""
+  import asyncio
+  fake_openai.reject_every, fake_openai.truncate_after = 0, 3
+  target = f"http://127.0.0.1:{fake_openai.server_address[1]}"
+
+  async def one():
+    driver = drivers.make_driver(drivers.DriverConfig("openai", target, model="fake"))
+    try:
+      return await driver.generate([1, 2], "a b", 16, "")
+    finally:
+      await driver.close()
+
+  out = asyncio.run(one())
+  assert out.status == "stream_truncated" and out.output_tokens == 3, out
+  fake_openai.truncate_after = None
+  assert asyncio.run(one()).status == "ok"  # the same server, the whole stream: ok
 
 
 def test_openai_multi_turn_prompts_extend_the_previous_turn(fake_openai, tmp_path):

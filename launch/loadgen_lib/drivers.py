@@ -166,7 +166,7 @@ class OpenAIDriver:
       body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
     sent = time.monotonic()
-    first, text, chunks, usage, finish = None, [], 0, None, ""
+    first, text, chunks, usage, finish, done = None, [], 0, None, "", False
     try:
       async with self.session.post(self.url, json=body, headers=headers) as resp:
         if resp.status != 200:
@@ -178,6 +178,7 @@ class OpenAIDriver:
             continue
           data = line[5:].strip()
           if data == "[DONE]":
+            done = True
             break
           obj = json.loads(data)
           if obj.get("error"):
@@ -196,6 +197,9 @@ class OpenAIDriver:
       return Outcome(type(e).__name__, str(e)[:300], sent, first, time.monotonic(), (),
                      "".join(text), chunks)
     end = time.monotonic()
+    if not (done or finish):  # the body ended with neither [DONE] nor a finish reason: cut off
+      return Outcome("stream_truncated", "the stream ended before [DONE] or a finish_reason",
+                     sent, first, end, (), "".join(text), chunks)
     tokens = int(usage["completion_tokens"]) if usage else chunks
     prompt = int(usage["prompt_tokens"]) if usage else None
     cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
