@@ -23,7 +23,9 @@ Contract:
     summation order (and, for bf16 pages, up to the gather path's rounding of the probabilities
     to bf16 before the value product: this kernel keeps them f32; for int8 pages, up to the
     order in which the scales are applied: a key's logit times its K scale, each probability
-    times its V scale).
+    times its V scale). With AVX-512 BF16, int8 pages also round an f32 query and the
+    probabilities to bf16 (relative error ~1e-3, below the int8 KV's own ~1e-2); bf16 pages take
+    that path only for a bf16 query, where the rounding is exact.
 
 How: one work item per (row, kv head), handed out to XLA's intra-op threads from an atomic
 counter (rows of unequal length balance themselves). Per page: the G query heads' logits
@@ -648,7 +650,17 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
               v_scale.astype(jnp.float32), table_BM.astype(jnp.int32),
               pos_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
               max_keys=np.int64(max_keys),
-              bf16_dot=np.int32(1 if bf16_dot() else 0))
+              bf16_dot=np.int32(1 if _dot_path(q_BNH.dtype, k_pages.dtype) else 0))
+
+
+def _dot_path(q_dtype, pages_dtype) -> bool:
+  """The BF16 dot-product loops round q to bf16: exact for a bf16 query, so bf16 pools take them
+  only then (an f32 query over bf16 pages takes the f32 loops, equal to the gather path); int8
+  pools take them for any query (the documented rounding, within the int8 KV's own error)."""
+  if not bf16_dot():
+    return False
+  return jnp.dtype(pages_dtype) == jnp.dtype(jnp.int8) or (
+      jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def bf16_dot() -> bool:

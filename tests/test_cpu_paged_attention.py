@@ -89,6 +89,21 @@ def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monke
 
 
 @needs_kernel
+def test_an_f32_query_over_bf16_pages_is_not_rounded():
+  """f32 activations over a bf16 pool (``--kv_dtype bfloat16``): the stored K / V are exact in
+  f32, so the kernel must equal the gather path to f32 accuracy (the BF16 dot-product loops,
+  which round the query, are for bf16 queries only)."""
+  rng = np.random.default_rng(7)
+  q, k, v, table, pos = _case(rng, 4, 4, 1, 64, 16, 4, jnp.dtype("bfloat16"))
+  q = q.astype(jnp.float32) * 30.0  # large logits: a bf16-rounded query would miss by ~1e-2
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos)
+  ref = attention.attend(q, *kv.read(0, 64, jnp.float32), pos[:, None])
+  got = jax.jit(kv.attend, static_argnums=(0, 3))(0, q, pos[:, None], 64)
+  assert got.dtype == jnp.float32
+  assert_close(got, ref, TOL["float32"])
+
+
+@needs_kernel
 def test_rows_past_max_keys_see_only_max_keys():
   """A row whose position is past ``max_keys`` attends to the first ``max_keys`` keys (what the
   gather path reads), never to the positions after them."""
