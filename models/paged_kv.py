@@ -221,7 +221,9 @@ class PagedKV:
                                                      self.page_table, pos_BT[:, 0], layer,
                                                      attend_len)
       return out_BNH[:, None].astype(q_BTNH.dtype)
-    return attention.attend(q_BTNH, *self.read(layer, attend_len, q_BTNH.dtype), pos_BT)
+    k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
+    seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
+    return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)
 
   def _attend_raw(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
                   ) -> jax.Array:
@@ -242,7 +244,15 @@ class PagedKV:
     rot = rotation(jnp.maximum(rpos_BS, 0), k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
     k_BKSH = jnp.swapaxes(rotate(jnp.swapaxes(k_BKSH, 1, 2), rot), 1, 2)
     keys = attention.KeyPositions(kpos_BS, sinks_B, window_B)
-    return attention.attend(q_BTNH, k_BKSH, v_BKSH, pos_BT, keys)
+    seen_BS = (kpos_BS >= 0) & (kpos_BS <= jnp.max(pos_BT, axis=1)[:, None])
+    return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT, keys)
+
+
+def _seen_only(v_BKSH: jax.Array, seen_BS: jax.Array) -> jax.Array:
+  """Values of keys no query of the row can see, zeroed: a reused page keeps its old owner's
+  contents past this sequence's end (NaN or Inf included), and a masked probability (0) times NaN
+  is still NaN. Fused into the gather's copy."""
+  return jnp.where(seen_BS[:, None, :, None], v_BKSH, jnp.zeros((), v_BKSH.dtype))
 
 
 def _gather(pages: Pages, layer: int, ids_BM: jax.Array, s: int, dtype=None) -> jax.Array:
@@ -256,7 +266,8 @@ def _gather(pages: Pages, layer: int, ids_BM: jax.Array, s: int, dtype=None) -> 
 
 def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -> jax.Array:
   b, m = ids_BM.shape
-  _, _, kh, z, h = pages_LPKZH.shape
+  _, p, kh, z, h = pages_LPKZH.shape
+  ids_BM = jnp.where((ids_BM >= 0) & (ids_BM < p), ids_BM, p)  # negative too: JAX would wrap it
   x_BMKZH = pages_LPKZH.at[layer, ids_BM].get(mode="fill", fill_value=0)
   x_BKSH = jnp.swapaxes(x_BMKZH, 1, 2).reshape(b, kh, m * z, h)  # a bitcast when K == 1
   return x_BKSH if m * z == s else x_BKSH[:, :, :s]

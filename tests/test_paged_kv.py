@@ -161,3 +161,39 @@ def test_copy_pages_padding_and_page_bytes():
   assert PK.page_bytes(CFG, 16, jnp.bfloat16) == 2 * 2 * 2 * 16 * 16 * 2
   with pytest.raises(ValueError):
     kv.read(0, 5)  # more than the 4-position capacity
+
+
+@pytest.mark.parametrize("t,native", [(2, "1"), (1, "0")], ids=["chunk", "decode_gather"])
+def test_a_reused_pages_stale_nan_past_the_end_adds_nothing(monkeypatch, t, native):
+  """A page freed by a sequence whose values went non-finite is reused: positions past the new
+  owner's end still hold NaN / Inf. Masked, they must add nothing (a zero probability times NaN
+  is NaN): the output equals that of a clean pool."""
+  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", native)
+  cfg = get_preset("tiny").replace(num_layers=1)
+  rng = np.random.default_rng(0)
+  kv = PK.init_paged(cfg, 1, 2, 8, 2, jnp.float32)
+  kv = kv.replace(page_table=jnp.asarray([[0, 1]], jnp.int32))
+  shape = (1, 10, cfg.num_kv_heads, cfg.head_dim)
+  clean = kv.write(0, jnp.arange(10, dtype=jnp.int32)[None],
+                   jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                   jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  stale = clean.replace(v_pages=clean.v_pages.at[0, 1, :, 4].set(jnp.nan).at[0, 1, :, 6]
+                        .set(jnp.inf), k_pages=clean.k_pages.at[0, 1, :, 5].set(jnp.nan))
+  q = jnp.asarray(rng.standard_normal((1, t, cfg.num_heads, cfg.head_dim)), jnp.float32)
+  pos = jnp.arange(10 - t, 10, dtype=jnp.int32)[None]  # sees keys <= 9; stale at 12, 13, 14
+  got = stale.attend(0, q, pos, 16)
+  assert bool(jnp.isfinite(got).all())
+  np.testing.assert_allclose(np.asarray(got), np.asarray(clean.attend(0, q, pos, 16)),
+                             rtol=0, atol=1e-6)
+
+
+def test_negative_table_entries_read_as_zeros():
+  """The contract: a table entry outside [0, P) is the null page (zeros); JAX's fill mode alone
+  would wrap a negative index onto a real page."""
+  cfg = get_preset("tiny").replace(num_layers=1)
+  kv = PK.init_paged(cfg, 1, 3, 4, 2, jnp.float32)
+  kv = kv.replace(k_pages=jnp.ones_like(kv.k_pages), v_pages=jnp.ones_like(kv.v_pages))
+  for entry in (3, -1, -3):
+    k, v = kv.replace(page_table=jnp.asarray([[0, entry]], jnp.int32)).read(0, 8)
+    assert float(jnp.abs(k[:, :, 4:]).sum()) == 0 and float(jnp.abs(v[:, :, 4:]).sum()) == 0
+    assert float(k[:, :, :4].sum()) == k[:, :, :4].size
