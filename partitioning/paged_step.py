@@ -38,8 +38,9 @@ Contract:
     which. When the two pools' shardings differ, ``relayout`` re-lays the WHOLE pool into the
     decode sharding (one ``device_put``; replicated -> sharded is a local slice, sharded ->
     sharded over other axes an all-to-all of the pool) and ``transfer_pages`` copies only the
-    given pages. Page ids keep their meaning when one phase's ``kv_shards`` divides the
-    other's: the host allocator then uses the finer sub-pools, each inside one coarse range.
+    given pages. Page ids keep their meaning across the two pools: the host allocator's
+    sub-pools (``PhaseSteps.kv_shards()``, the lcm of the two shard counts) each lie inside one
+    shard of each pool.
   * ``transfer_pages(src_kv, dst_kv, src_ids, dst_ids)`` copies pages ``src_ids[c]`` of a pool
     (on any mesh) to ``dst_ids[c]`` of another (on its own mesh, e.g. a disaggregated decode
     sub-mesh) and returns the new destination pool (donated, still in its sharding). Ids
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal, Sequence
 
 import jax
@@ -271,8 +273,10 @@ class PhaseSteps:
     return pre, pre if self.shared_params else self.decode.place_params(params)
 
   def kv_shards(self) -> int:
-    """Sub-pools for the host allocator: the finer of the two phases'."""
-    return max(self.prefill.kv_shards, self.decode.kv_shards)
+    """Sub-pools for the host allocator: the least common multiple of the two phases' shard
+    counts, so each sub-pool (a contiguous page range) lies inside one shard of each pool and a
+    sequence's pages never straddle a shard of either (3 prefill and 2 decode shards: 6)."""
+    return math.lcm(self.prefill.kv_shards, self.decode.kv_shards)
 
   def describe(self, quantized: bool = False) -> dict[str, object]:
     copies = 1 if self.shared_params else 2
@@ -317,11 +321,6 @@ def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: Lay
   else:
     notes.append(f"{pre.ffn.name} and {dec.ffn.name} share the stored layout: one params copy")
   relay = pre.kv_axes != dec.kv_axes
-  if relay:
-    lo, hi = sorted((pre.kv_shards, dec.kv_shards))
-    if hi % lo:
-      raise ValueError(f"prefill kv shards {pre.kv_shards} and decode {dec.kv_shards}: neither "
-                       "divides the other, so no page id is in one sub-pool of each")
   return PhaseSteps(pre, dec, shared_params=shared, relayout=relay, notes=tuple(notes))
 
 

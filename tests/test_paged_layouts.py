@@ -254,10 +254,10 @@ def test_engine_over_the_sharded_step(mesh8):
                   SamplingParams(), StopCriteria(max_tokens=int(rng.integers(3, 8)),
                                                  ignore_eos=True)) for i in range(6)]
 
-  def serve(step, shards, decode=None):
-    pool = PagePool(PageBudget(8, 64 // shards, shards), max_seq_tokens=CFG.max_seq_len)
+  def serve(step, shards, decode=None, pages=64):
+    pool = PagePool(PageBudget(8, pages // shards, shards), max_seq_tokens=CFG.max_seq_len)
     sched = Scheduler(pool, ByteTokenizer(), max_slots=8, max_step_tokens=40, max_chunk=16)
-    engine = Engine(step, params, EngineConfig(max_slots=8, num_pages=64, page_size=8,
+    engine = Engine(step, params, EngineConfig(max_slots=8, num_pages=pages, page_size=8,
                                                max_seq_tokens=CFG.max_seq_len, lag=1),
                     decode=decode)
     for r in reqs:
@@ -285,6 +285,16 @@ def test_engine_over_the_sharded_step(mesh8):
                               decode=PhaseDecode(steps.decode, PS.transfer_pages))
   assert split_engine.kv_dec.k_pages.sharding.mesh == dec_mesh
   assert split == want
+  # 3 prefill chips and 2 decode chips: 3 and 2 kv shards, neither dividing the other. The
+  # allocator's 6 sub-pools each lie in one shard of each pool, so no sequence straddles a
+  # decode shard (with 3 sub-pools one did, and decode read its foreign page as zeros).
+  pre3, dec2 = make_submeshes(jax.devices()[:5], 3)
+  odd = PS.phase_steps(CFG, pre3, ("wg_xyz", "batch_xyz"), ("wg_xyz", "batch_xyz"),
+                       decode_mesh=dec2)
+  assert (odd.prefill.kv_shards, odd.decode.kv_shards, odd.kv_shards()) == (3, 2, 6)
+  got_odd, _ = serve(odd.prefill, odd.kv_shards(), PhaseDecode(odd.decode, PS.transfer_pages),
+                     pages=24)
+  assert got_odd == want
   # Interleaved on one mesh, a layout per phase through serving.deployment: prefill ws_2d+heads,
   # decode ws_2d+batch_xyz (one params copy, the KV re-laid into decode's own pool at insert);
   # then both layouts left to the planner (a fixed hardware preset: no measuring in tests).
