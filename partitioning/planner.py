@@ -12,6 +12,9 @@ first (meshes with identical predicted cost for the same layouts, e.g. y <-> z s
 the most cubic one; ws_1d's cost depends only on the chip count, so its meshes collapse the same
 way) and the dropped combinations.
 
+With ``meshes`` only those mesh shapes are considered (a deployment whose mesh is already
+built: the choice must be valid, and costed, on the mesh that runs it).
+
 With ``calibration`` (``partitioning.calibration``) every candidate's cost is the calibrated one
 (fractions of peak achieved, fixed overheads), so choices and figures follow measured runs.
 
@@ -26,7 +29,7 @@ and ``NoFeasiblePlan`` (a ValueError) when nothing is left.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Sequence
 
 from models.config import ModelConfig
 from partitioning import cost_model
@@ -153,7 +156,8 @@ def _sort_key(objective: Objective,
 
 def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch: int,
          context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
-         latency_bound_s: float | None = None, calibration: Calibration | None = None) -> Plan:
+         latency_bound_s: float | None = None, calibration: Calibration | None = None,
+         meshes: "Sequence[Mesh] | None" = None) -> Plan:
   """Best layout for the workload; see the module docstring."""
   if chips < 1:
     raise ValueError(f"chips must be >= 1, got {chips}")
@@ -170,7 +174,9 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
   kept: list[Candidate] = []
   dropped: list[Dropped] = []
   for n in sizes:
-    for mesh in mesh_shapes(n):
+    shapes = mesh_shapes(n) if meshes is None else [
+        tuple(m) for m in meshes if m[0] * m[1] * m[2] == n]
+    for mesh in shapes:
       for layout in FFN_LAYOUTS:
         for attention in ATTENTION_LAYOUTS:
           if (cost_model.structural_reason(layout, attention, mesh)

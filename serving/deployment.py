@@ -63,15 +63,19 @@ class Steps:
   description: dict[str, object]
 
 
-def _choose(cfg: ModelConfig, given: str | None, phase: str, chips: int, batch: int,
-            context: int, quantized: bool, hardware: str) -> tuple[tuple[str, str], str]:
+def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
+            batch: int, context: int, quantized: bool, hardware: str
+            ) -> tuple[tuple[str, str], str]:
+  """The given layout, or the planner's best on ``mesh``, the shape that will run it (another
+  ordering of the same chips could make the pair invalid there, or cost it differently)."""
   if given is not None:
     ffn, attn = given.split(":")
     return (ffn, attn), "given"
   from partitioning.hardware import get_hardware
   from partitioning.planner import plan
+  chips = mesh[0] * mesh[1] * mesh[2]
   best = plan(cfg, get_hardware(hardware), chips, phase, batch, context,  # type: ignore[arg-type]
-              weights="int8" if quantized else "bf16").best
+              weights="int8" if quantized else "bf16", meshes=[mesh]).best
   return (best.layout, best.attention), (
       f"planner ({hardware}): {best.layout}+{best.attention}, predicted "
       f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
@@ -99,22 +103,20 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
     step = UnshardedStep(cfg, deployment.scan_layers)
     return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
   from partitioning import paged_step as PS
-  from partitioning.mesh import make_mesh, make_submeshes
+  from partitioning.mesh import make_mesh, make_submeshes, mesh_shape
   devices = list(jax.devices() if devices is None else devices)
   if deployment.mode == "interleaved":
     pre_mesh = dec_mesh = make_mesh(devices)
-    n_pre = n_dec = len(devices)
   else:
     n_pre = deployment.prefill_devices or len(devices) // 2
     pre_mesh, dec_mesh = make_submeshes(devices, n_pre)
-    n_dec = len(devices) - n_pre
   from partitioning.multihost import agree
 
   def choose() -> list[object]:
-    return [_choose(cfg, deployment.prefill_layout, "prefill", n_pre, 1, max_chunk, quantized,
-                    deployment.hardware),
-            _choose(cfg, deployment.decode_layout, "decode", n_dec, max_slots, max_context,
-                    quantized, deployment.hardware)]
+    return [_choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
+                    max_chunk, quantized, deployment.hardware),
+            _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh), max_slots,
+                    max_context, quantized, deployment.hardware)]
 
   # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)

@@ -105,6 +105,20 @@ def test_cost_objective_and_latency_bound():
     plan(PALM, V4, 64, "decode", 64, 2048, latency_bound_s=1e-4)
 
 
+def test_meshes_restrict_the_choice_to_the_mesh_that_runs_it():
+  """On 6 H100s the unrestricted best decode layout (ws_1d+batch_z) is on (1, 3, 2); the
+  balanced (1, 2, 3) that make_mesh builds cannot split batch 64 over z = 3. Restricted to that
+  mesh, every candidate is on it and valid there."""
+  cfg, hw = get_preset("small"), get_hardware("h100")
+  free = plan(cfg, hw, 6, "decode", 64, 2048).best
+  assert (free.layout, free.attention, free.mesh) == ("ws_1d", "batch_z", (1, 3, 2))
+  assert cost_model.check_layout("ws_1d", "batch_z", (1, 2, 3), 64) is not None
+  fixed = plan(cfg, hw, 6, "decode", 64, 2048, meshes=[(1, 2, 3)])
+  assert {c.mesh for c in fixed.candidates} == {(1, 2, 3)}
+  assert all(cost_model.check_layout(c.layout, c.attention, c.mesh, 64) is None
+             for c in fixed.candidates)
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError):
     plan(PALM, V4, 0, "decode", 64, 2048)

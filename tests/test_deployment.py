@@ -1,0 +1,28 @@
+"""serving.deployment: the planner's layouts are chosen, and costed, on the meshes that run them."""
+
+from __future__ import annotations
+
+import jax
+
+from models.config import get_preset
+from partitioning import cost_model
+from partitioning.hardware import get_hardware
+from partitioning.mesh import mesh_shape
+from partitioning.planner import plan
+from serving.deployment import Deployment, make_steps
+
+
+def test_interleaved_choice_is_valid_and_costed_on_the_live_mesh():
+  # 6 devices: make_mesh builds (1, 2, 3); the planner's unrestricted decode pick, ws_1d+batch_z
+  # on (1, 3, 2), would need batch 64 split over z = 3 there.
+  cfg = get_preset("small")
+  steps = make_steps(cfg, Deployment("interleaved", prefill_layout="ws_1d:heads",
+                                     hardware="h100"),
+                     max_slots=64, max_chunk=256, max_context=2048, quantized=False,
+                     devices=jax.devices()[:6])
+  dec = steps.decode.step if steps.decode else steps.step
+  mesh = mesh_shape(dec.mesh)
+  assert cost_model.check_layout(dec.ffn.name, dec.attn.name, mesh, 64) is None
+  want = plan(cfg, get_hardware("h100"), 6, "decode", 64, 2048, meshes=[mesh]).best
+  assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
+  assert f"{want.latency_s * 1e3:.3f} ms" in steps.description["decode_choice"]
