@@ -296,6 +296,13 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   layer_weight_bytes = _layer_params(model) * w
   total_weight_bytes = model.param_count(include_embedding=True) * w
   embed_weight_bytes = total_weight_bytes - model.num_layers * layer_weight_bytes
+  # The k / v projections [E, K, H]: kv heads are never sharded (``layouts``), so each chip holds
+  # them whole under ws_1d (E unsharded) and split over x only under the E_x layouts; a
+  # weight-gathered layout gathers them whole (its gather axes include x).
+  kv_proj_bytes = 2.0 * e * model.num_kv_heads * model.head_dim * w  # per layer
+  kv_proj_resident = kv_proj_bytes / (1 if layout == "ws_1d" else x)
+  kv_proj_read = kv_proj_bytes if layout == "ws_1d" or layout.startswith("wg") else \
+      kv_proj_bytes / x
 
   # --- Feed-forward (and fused attention projection) collectives, per layer.
   comm = 0.0  # bytes/W seconds
@@ -335,8 +342,11 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   # kv heads never sharded (replicated over the other chips).
   kv_per_chip = (kv_cache_bytes(model, batch, context)
                  / attention_batch_chips(layout, attention, mesh))
-  resident_weights = total_weight_bytes / n
-  weights_read = (model.num_layers * layer_weight_bytes * gathered + embed_weight_bytes) / n
+  rest_layer = layer_weight_bytes - kv_proj_bytes
+  resident_weights = ((total_weight_bytes - model.num_layers * kv_proj_bytes) / n
+                      + model.num_layers * kv_proj_resident)
+  weights_read = (model.num_layers * (rest_layer * gathered / n + kv_proj_read)
+                  + embed_weight_bytes / n)
   gather_buffer = layer_weight_bytes * gathered / n if gathered > 1 else 0.0
   activations = tokens * 2 * e * a / n  # residual stream in + out; see module docstring
   hbm_needed = resident_weights + kv_per_chip + gather_buffer + activations

@@ -39,16 +39,19 @@ def test_decode_ws_1d_by_hand():
   # ws_1d: 2*T*E*a/W = 2*4*4*2/10 = 6.4 s per layer; 2 collectives x 1 step x 0.5 s per layer.
   assert c.collective_floor_s == pytest.approx(2.0)
   assert c.comm_s == pytest.approx(2 * 6.4 + 2.0)
-  # Weights: 340 params * 2 B / 2 chips. KV: L*B*S*2*K*H*2 B = 192, MQA + heads: replicated.
-  assert c.weight_bytes_per_chip == 340
-  assert c.weight_mem_s == pytest.approx(3.4)
+  # Weights: 340 params * 2 B over 2 chips, except the k / v projections (2*E*K*H = 16 params,
+  # 32 B per layer), which ws_1d keeps whole on every chip (kv heads are never sharded, E is not
+  # sharded by ws_1d): (680 - 2*32) / 2 + 2*32 = 372 B, all read each step.
+  # KV: L*B*S*2*K*H*2 B = 192, MQA + heads: replicated.
+  assert c.weight_bytes_per_chip == 372
+  assert c.weight_mem_s == pytest.approx(3.72)
   assert c.kv_bytes_per_chip == 192
   assert c.kv_mem_s == pytest.approx(1.92)
-  latency = 3.4 + 1.92 + 14.8  # memory-bound, comms not overlapped
+  latency = 3.72 + 1.92 + 14.8  # memory-bound, comms not overlapped
   assert c.latency_s == pytest.approx(latency)
   assert c.mfu == pytest.approx(3008 / (latency * 2 * 1e3))
   assert c.cost_chip_s_per_token == pytest.approx(latency * 2 / 4)
-  assert c.hbm_bytes_per_chip == pytest.approx(340 + 192 + 4 * 2 * 4 * 2 / 2)
+  assert c.hbm_bytes_per_chip == pytest.approx(372 + 192 + 4 * 2 * 4 * 2 / 2)
   assert c.fits and c.tokens == 4 and c.n_chips == 2
 
 
@@ -62,8 +65,10 @@ def test_decode_ws_2d_batch_sharded_by_hand():
   assert c.comm_s == pytest.approx(2 * (9.6 + 0.8) + 6.0)
   assert c.all_to_all_s == pytest.approx(2 * (0.8 + 2 * 0.5))
   assert c.kv_bytes_per_chip == 96  # split over the 2 batch shards
-  assert c.weight_mem_s == pytest.approx(680 / 4 / 100)
-  assert c.latency_s == pytest.approx(1.7 + 0.96 + 26.8)
+  # Weights read: everything over the 4 chips but the k / v projections (32 B per layer), split
+  # over x = 2 only: 2*(264/4 + 32/2) + 88/4 = 186 B.
+  assert c.weight_mem_s == pytest.approx(186 / 100)
+  assert c.latency_s == pytest.approx(1.86 + 0.96 + 26.8)
 
 
 def test_prefill_weight_gathered_int8_by_hand():
@@ -254,3 +259,26 @@ def test_measure_smoke():
   assert hardware.measure_read_bandwidth(1 << 20, reps=1) > 0
   local = hardware.measure_local(matmul_size=64, read_bytes=1 << 20)
   assert local.name == "local" and local.peak_flops_bf16 > 0 and local.hbm_bytes > 0
+
+
+@pytest.mark.parametrize("layout", ["ws_1d", "ws_2d", "wg_xyz"])
+def test_resident_weights_match_the_layouts_shards(layout):
+  """The cost model's weight bytes per chip are what ``partitioning.layouts`` places, for a
+  grouped-query model whose dimensions all divide the mesh (8 kv heads are never sharded: the
+  k / v projections are whole on every chip under ws_1d, split over x otherwise)."""
+  import jax
+  import numpy as np
+  from models.config import get_shape
+  from models.weights import abstract_params
+  from partitioning import layouts
+  from partitioning.mesh import make_mesh
+  cfg = get_shape("llama-3-70b")
+  shape = (2, 2, 2)
+  mesh = make_mesh(jax.devices()[:8], shape)
+  leaves = jax.tree.leaves(abstract_params(cfg, quantized=True))
+  shards = jax.tree.leaves(layouts.param_shardings(cfg, mesh, layout, True))
+  placed = sum(int(np.prod(sh.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+               for x, sh in zip(leaves, shards) if x.dtype == np.int8)  # the int8 weights
+  cost = step_cost(cfg, get_hardware("tpu-v5e"), layout, "heads", shape, "decode", 8, 1024,
+                   "int8")
+  assert cost.weight_bytes_per_chip == pytest.approx(placed, rel=0.002)
