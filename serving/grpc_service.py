@@ -23,7 +23,7 @@ from serving.frontend import Frontend, ServiceError, Status, Stream
 from serving.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.request import RequestOutput
 from serving.stop import FinishReason
-from serving.validation import GenerateArgs
+from serving.validation import GenerateArgs, InvalidArgument, chat_messages
 from serving.wire_utf8 import bad_utf8_field
 
 SERVICE = "phaseserve.v1.Generation"
@@ -162,8 +162,10 @@ class GenerationServicer:
     kind = request.WhichOneof("input")
     if kind == "messages":
       try:
-        ids = tok.encode_chat([{"role": m.role, "content": m.content}
-                               for m in request.messages.messages])
+        ids = tok.encode_chat(chat_messages([(m.role, m.content)
+                                             for m in request.messages.messages]))
+      except InvalidArgument as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
       except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {e}")
     else:

@@ -101,6 +101,21 @@ def _text(field: str, value: str | bytes) -> str:
   return value
 
 
+def chat_messages(messages: Sequence[tuple[str, str | bytes]]) -> list[ChatMessage]:
+  """``(role, content)`` pairs as chat messages: at least one, known roles, valid UTF-8
+  (``InvalidArgument`` on ``messages`` otherwise); what Generate and Tokenize both accept."""
+  msgs = list(messages)
+  if not msgs:
+    raise InvalidArgument("messages", "no messages")
+  chat: list[ChatMessage] = []
+  for i, (role, content) in enumerate(msgs):
+    if role not in _ROLES:
+      raise InvalidArgument("messages", f"message {i}: role must be one of "
+                            f"{', '.join(_ROLES)}, got {role!r}")
+    chat.append({"role": role, "content": _text("messages", content)})
+  return chat
+
+
 def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
              field_names: Mapping[str, str] | None = None) -> Validated:
   names = field_names or {}
@@ -128,15 +143,10 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
     if wrong is not None:
       raise bad("token_ids", f"token id {wrong} is outside the vocabulary [0, {vocab})")
   else:
-    msgs = list(args.messages or ())
-    if not msgs:
-      raise bad("messages", "no messages")
-    chat: list[ChatMessage] = []
-    for i, (role, content) in enumerate(msgs):
-      if role not in _ROLES:
-        raise bad("messages", f"message {i}: role must be one of {', '.join(_ROLES)}, "
-                  f"got {role!r}")
-      chat.append({"role": role, "content": _text("messages", content)})
+    try:
+      chat = chat_messages(args.messages or ())
+    except InvalidArgument as e:
+      raise bad("messages", e.message) from None
     try:
       ids = tokenizer.encode_chat(chat)
     except ValueError as e:

@@ -179,6 +179,13 @@ def test_tokenize_detokenize_server_info(stub):
   ids = stub.Tokenize(pb.TokenizeRequest(text="héllo", add_bos=True), timeout=10).token_ids
   assert list(ids) == [TOK.bos_id] + list("héllo".encode())
   assert stub.Detokenize(pb.DetokenizeRequest(token_ids=ids[1:]), timeout=10).text == "héllo"
+  # Tokenize accepts the chats Generate accepts, and refuses the same ones the same way.
+  chat = pb.Messages(messages=[pb.ChatMessage(role="user", content="hi")])
+  assert list(stub.Tokenize(pb.TokenizeRequest(messages=chat), timeout=10).token_ids)
+  robot = pb.Messages(messages=[pb.ChatMessage(role="robot", content="hi")])
+  with pytest.raises(grpc.RpcError) as e:
+    stub.Tokenize(pb.TokenizeRequest(messages=robot), timeout=10)
+  assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in e.value.details()
   with pytest.raises(grpc.RpcError) as e:
     stub.Detokenize(pb.DetokenizeRequest(token_ids=[VOCAB]), timeout=10)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
