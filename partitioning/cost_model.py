@@ -352,7 +352,13 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   hbm_needed = resident_weights + kv_per_chip + gather_buffer + activations
 
   flops = step_flops(model, phase, batch, context)
-  compute_s = flops / (n * hw.peak_flops_bf16)
+  # The k / v projections' FLOPs are repeated on every chip holding the same slice of them and
+  # of the tokens: split over x (E_x) under ws_2d, over the batch chips under the weight-gathered
+  # layouts, not at all under ws_1d (the compute side of the placement above).
+  kv_split = x if layout == "ws_2d" else ffn_batch_chips(layout, mesh)
+  kv_flops = model.num_layers * 2.0 * tokens * e * 2 * model.num_kv_heads * model.head_dim
+  redundant = kv_flops * (1.0 / kv_split - 1.0 / n)  # per chip, beyond its even share
+  compute_s = (flops / n + redundant) / hw.peak_flops_bf16
   weight_mem_s = weights_read / hw.hbm_bandwidth
   kv_mem_s = kv_per_chip / hw.hbm_bandwidth
   latency_s = max(compute_s, weight_mem_s + kv_mem_s) + comm_s

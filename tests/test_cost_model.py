@@ -35,7 +35,9 @@ def test_decode_ws_1d_by_hand():
   c = step_cost(TOY, TOY_HW, "ws_1d", "heads", (2, 1, 1), "decode", batch=4, context=3)
   # FLOPs: 4 tokens * (656 + L*4*N*H*S = 2*4*2*2*3 = 96).
   assert c.flops == 3008
-  assert c.compute_s == pytest.approx(3008 / 2e3)
+  # Each chip also repeats the k / v projections (whole under ws_1d): L*2*T*E*2*K*H = 256
+  # FLOPs, half of them beyond its even share.
+  assert c.compute_s == pytest.approx((3008 / 2 + 128) / 1e3)
   # ws_1d: 2*T*E*a/W = 2*4*4*2/10 = 6.4 s per layer; 2 collectives x 1 step x 0.5 s per layer.
   assert c.collective_floor_s == pytest.approx(2.0)
   assert c.comm_s == pytest.approx(2 * 6.4 + 2.0)
@@ -282,3 +284,40 @@ def test_resident_weights_match_the_layouts_shards(layout):
   cost = step_cost(cfg, get_hardware("tpu-v5e"), layout, "heads", shape, "decode", 8, 1024,
                    "int8")
   assert cost.weight_bytes_per_chip == pytest.approx(placed, rel=0.002)
+
+
+def test_repeated_kv_projection_flops_match_the_compiled_programs():
+  """The k / v projections' FLOPs repeated per chip (whole under ws_1d, split over x under
+  ws_2d, not repeated under wg_xyz) are what XLA counts in the sharded prefill programs: the
+  difference between two layouts' per-device FLOPs is the difference of the model's terms."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  from models.config import get_preset
+  from models.weights import init_params
+  from partitioning import collectives
+  from partitioning.layouts import get_attn_layout, get_ffn_layout
+  from partitioning.mesh import make_mesh
+  cfg = get_preset("tiny").replace(num_heads=8, num_kv_heads=2, head_dim=32, embed_dim=256,
+                                   mlp_dim=512, vocab_size=256, num_layers=2)
+  shape, b, t = (2, 2, 2), 8, 64
+  mesh = make_mesh(jax.devices()[:8], shape)
+  params = init_params(cfg, jax.random.key(0))
+  hw = get_hardware("tpu-v5e")
+  compiled, modelled = {}, {}
+  for ffn in ("ws_1d", "ws_2d", "wg_xyz"):
+    fn = jax.jit(functools.partial(collectives._prefill, cfg=cfg, mesh=mesh,
+                                   ffn=get_ffn_layout(ffn), attn=get_attn_layout("heads")),
+                 static_argnames=("attend_len", "all_logits"))
+    cache = collectives.init_sharded_cache(cfg, b, t, mesh, ffn, "heads", jnp.float32)
+    lowered = fn.lower(collectives.shard_params(params, cfg, mesh, ffn),
+                       jnp.zeros((b, t), jnp.int32), cache, jnp.zeros((b,), jnp.int32),
+                       jnp.full((b,), t, jnp.int32), attend_len=None, all_logits=False)
+    analysis = lowered.compile().cost_analysis()
+    compiled[ffn] = (analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"]
+    modelled[ffn] = step_cost(cfg, hw, ffn, "heads", shape, "prefill", b, t).compute_s \
+        * hw.peak_flops_bf16
+  for ffn in ("ws_1d", "ws_2d"):
+    want = modelled[ffn] - modelled["wg_xyz"]
+    assert want > 0
+    assert compiled[ffn] - compiled["wg_xyz"] == pytest.approx(want, rel=0.15), ffn
