@@ -180,6 +180,11 @@ def test_summary_percentiles_goodput_rejections_errors():
   s = report.summarize(runner.RunResult(tuple(recs[:97] * 2)[:99] + (recs[99],), 2.0, 0.0, 0),
                        slo)
   assert s["meets_slo_p99"] and s["p99_ttft_all_s"] == pytest.approx(0.1)  # 1 in 100 failed
+  # The same 100 sent, and 2 later turns never sent after a session's failed turn: 3 of 102
+  # failed, so p99 is a failure.
+  s = report.summarize(runner.RunResult(tuple(recs[:97] * 2)[:99] + (recs[99],), 2.0, 0.0, 2),
+                       slo)
+  assert s["turns_not_sent"] == 2 and not s["meets_slo_p99"]
 
 
 def _fake_measure(store: capacity.RateStore, capacity_rps: float, calls: list[float],

@@ -5,8 +5,8 @@ RESOURCE_EXHAUSTED / HTTP 429, errors = any other failure, each by status), p50 
 mean of TTFT, TPOT, e2e (client clock) and of the server's queue, prefill, TTFT, TPOT (where the
 API gives them) over the ok requests; throughput (ok requests/s, output tokens/s over the wall
 time), goodput (ok requests meeting both SLO targets, per second of wall time), and the SLO
-verdict at p99 over *all* sent requests, a failed one counting as infinitely late
-(``meets_slo_p99``). Percentiles are nearest-rank (the smallest value with at least q of the
+verdict at p99 over *all* sent requests and the turns never sent (a session stops at its first
+failed turn), a failed or unsent one counting as infinitely late (``meets_slo_p99``). Percentiles are nearest-rank (the smallest value with at least q of the
 values at or below it). ``offered_sessions_per_s`` is the schedule's own arrival rate (sessions
 - 1 over the first to last arrival: a short run's sample differs from the nominal rate).
 ``write_run(out_dir, result, summary)`` writes the three files, each
@@ -49,8 +49,10 @@ def summarize(result: RunResult, slo: Slo) -> dict:
   ok = [r for r in recs if r.status == "ok"]
   failed = collections.Counter(r.status for r in recs if r.status != "ok")
   inf = math.inf
-  ttft_all = [r.ttft_s if r.ttft_s is not None else inf for r in recs]
-  tpot_all = [inf if r.status != "ok" else (r.tpot_s or 0.0) for r in recs]
+  # Turns a session never sent (its earlier turn failed) are failures too: infinitely late.
+  lost = [inf] * result.turns_not_sent
+  ttft_all = [r.ttft_s if r.ttft_s is not None else inf for r in recs] + lost
+  tpot_all = [inf if r.status != "ok" else (r.tpot_s or 0.0) for r in recs] + lost
   p99_ttft, p99_tpot = percentile(ttft_all, 0.99), percentile(tpot_all, 0.99)
   good = sum(r.meets_slo for r in recs)
   wall = result.wall_s
