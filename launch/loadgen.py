@@ -93,6 +93,9 @@ def config():
     raise CliError("--rates: every rate must be > 0")
   if not _TRACE.value and not _NUM.value and not _DURATION.value:
     raise CliError("bound the run: --num_requests or --duration_s")
+  if _FIND.value and not rates and _RATE.value > _MAX_RATE.value:
+    raise CliError(f"--rate {_RATE.value:g} is above --max_rate {_MAX_RATE.value:g}: the capacity "
+                   "search starts at --rate and never goes past --max_rate")
   return app.LoadgenConfig(
       driver=drivers.DriverConfig(_API.value, _TARGET.value, _MODEL.value, _API_KEY.value,
                                   _TIMEOUT.value, _IGNORE_EOS.value, _SLO_CLASS.value),

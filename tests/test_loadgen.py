@@ -230,6 +230,9 @@ def test_capacity_search_doubles_bisects_and_resumes_without_redoing(tmp_path):
   res = capacity.find_capacity(capacity.Search(50.0, 123.45678, 2), store,
                                _fake_measure(store, 1e9, top))
   assert top == [50.0, 100.0, 123.5] and res["best_rate_per_s"] == 123.5
+  # a start past the bound is refused: it would be measured and could be reported as capacity
+  with pytest.raises(ValueError, match="max rate"):
+    capacity.find_capacity(capacity.Search(100.0, 64.0, 2), store, _fake_measure(store, 1e9, []))
 
 
 # ----- the OpenAI path against a fake OpenAI-compatible SSE server -----

@@ -3,7 +3,8 @@
 Contract: ``find_capacity(search, store, measure)`` evaluates rates (requests/s): the explicit
 ``search.rates`` in order, or a search: ``start_rate``, doubled while it passes (up to
 ``max_rate``), then ``steps`` bisections between the best pass and the first fail (if the start
-fails, halvings down to ``start_rate / 2^steps`` first find a pass). A rate is rounded to 4
+fails, halvings down to ``start_rate / 2^steps`` first find a pass; ``ValueError`` when
+``start_rate > max_rate``). A rate is rounded to 4
 significant digits. Each evaluation is ``store.get(rate)`` (a finished rate of an earlier run of
 the same fingerprint: reused, not redone) or ``measure(rate)``, whose summary ``store.put``s
 before the next rate starts. The search depends only on the summaries' ``meets_slo_p99``, so a
@@ -82,6 +83,9 @@ def find_capacity(search: Search, store: RateStore,
   if search.rates:
     for r in search.rates:
       passes(r)
+  elif search.start_rate > search.max_rate:
+    raise ValueError(f"start rate {search.start_rate:g} > max rate {search.max_rate:g}: the "
+                     "search would measure (and could report) a rate past its bound")
   else:
     lo, hi, r = None, None, round_rate(search.start_rate)
     top = round_rate(search.max_rate)  # rounded as the rates are, or the doubling never ends
