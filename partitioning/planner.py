@@ -12,7 +12,8 @@ first (meshes with identical predicted cost for the same layouts, e.g. y <-> z s
 the most cubic one; ws_1d's cost depends only on the chip count, so its meshes collapse the same
 way) and the dropped combinations.
 
-With ``meshes`` only those mesh shapes are considered (a deployment whose mesh is already
+With ``layouts`` only those FFN layouts are considered (e.g. the ones sharing a resident params
+copy with the other phase's). With ``meshes`` only those mesh shapes are considered (a deployment whose mesh is already
 built: the choice must be valid, and costed, on the mesh that runs it).
 
 With ``calibration`` (``partitioning.calibration``) every candidate's cost is the calibrated one
@@ -157,7 +158,8 @@ def _sort_key(objective: Objective,
 def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch: int,
          context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
          latency_bound_s: float | None = None, calibration: Calibration | None = None,
-         meshes: "Sequence[Mesh] | None" = None) -> Plan:
+         meshes: "Sequence[Mesh] | None" = None,
+         layouts: "Sequence[FfnLayout] | None" = None) -> Plan:
   """Best layout for the workload; see the module docstring."""
   if chips < 1:
     raise ValueError(f"chips must be >= 1, got {chips}")
@@ -177,7 +179,8 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
     shapes = mesh_shapes(n) if meshes is None else [
         tuple(m) for m in meshes if m[0] * m[1] * m[2] == n]
     for mesh in shapes:
-      for layout in FFN_LAYOUTS:
+      for layout in (FFN_LAYOUTS if layouts is None else
+                     [name for name in FFN_LAYOUTS if name in layouts]):
         for attention in ATTENTION_LAYOUTS:
           if (cost_model.structural_reason(layout, attention, mesh)
               or cost_model.canonical_attention(layout, attention, mesh) != attention):

@@ -64,18 +64,25 @@ class Steps:
 
 
 def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
-            batch: int, context: int, quantized: bool, hardware: str
-            ) -> tuple[tuple[str, str], str]:
+            batch: int, context: int, quantized: bool, hardware: str,
+            family: str | None = None) -> tuple[tuple[str, str], str]:
   """The given layout, or the planner's best on ``mesh``, the shape that will run it (another
-  ordering of the same chips could make the pair invalid there, or cost it differently)."""
+  ordering of the same chips could make the pair invalid there, or cost it differently); with
+  ``family`` (an FFN layout), only the layouts storing the weights as it does, so one resident
+  params copy serves both phases and the pair that runs is the pair that was costed."""
   if given is not None:
     ffn, attn = given.split(":")
     return (ffn, attn), "given"
   from partitioning.hardware import get_hardware
   from partitioning.planner import plan
   chips = mesh[0] * mesh[1] * mesh[2]
+  ffns = None
+  if family is not None:
+    from partitioning.layouts import FFN_LAYOUTS, get_ffn_layout
+    stored = get_ffn_layout(family).stored
+    ffns = [name for name, lay in FFN_LAYOUTS.items() if lay.stored == stored]
   best = plan(cfg, get_hardware(hardware), chips, phase, batch, context,  # type: ignore[arg-type]
-              weights="int8" if quantized else "bf16", meshes=[mesh]).best
+              weights="int8" if quantized else "bf16", meshes=[mesh], layouts=ffns).best
   return (best.layout, best.attention), (
       f"planner ({hardware}): {best.layout}+{best.attention}, predicted "
       f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
@@ -113,10 +120,12 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   from partitioning.multihost import agree
 
   def choose() -> list[object]:
-    return [_choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
-                    max_chunk, quantized, deployment.hardware),
-            _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh), max_slots,
-                    max_context, quantized, deployment.hardware)]
+    pre = _choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
+                  max_chunk, quantized, deployment.hardware)
+    # One mesh: decode shares prefill's resident params, so it is chosen in that family.
+    family = pre[0][0] if deployment.mode == "interleaved" else None
+    return [pre, _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh),
+                         max_slots, max_context, quantized, deployment.hardware, family)]
 
   # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)

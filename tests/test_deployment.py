@@ -23,6 +23,27 @@ def test_interleaved_choice_is_valid_and_costed_on_the_live_mesh():
   dec = steps.decode.step if steps.decode else steps.step
   mesh = mesh_shape(dec.mesh)
   assert cost_model.check_layout(dec.ffn.name, dec.attn.name, mesh, 64) is None
-  want = plan(cfg, get_hardware("h100"), 6, "decode", 64, 2048, meshes=[mesh]).best
+  # One mesh, one resident params copy: decode is chosen among the layouts storing the weights
+  # as prefill's ws_1d does (only ws_1d), so the pair that runs is the one the planner costed.
+  want = plan(cfg, get_hardware("h100"), 6, "decode", 64, 2048, meshes=[mesh],
+              layouts=["ws_1d"]).best
   assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
   assert f"{want.latency_s * 1e3:.3f} ms" in steps.description["decode_choice"]
+
+
+def test_interleaved_decode_is_chosen_in_the_prefill_layouts_family():
+  """Prefill given as ws_2d (weights E_x F_yz): decode is planned among ws_2d and the
+  weight-gathered layouts, which store the weights the same way, so no layout is swapped for
+  another after planning and one params copy serves both phases."""
+  cfg = get_preset("small")
+  steps = make_steps(cfg, Deployment("interleaved", prefill_layout="ws_2d:heads",
+                                     hardware="h100"),
+                     max_slots=64, max_chunk=256, max_context=2048, quantized=False,
+                     devices=jax.devices()[:8])
+  dec = steps.decode.step if steps.decode else steps.step
+  assert dec.ffn.name in ("ws_2d", "wg_x", "wg_xy", "wg_xyz")
+  assert steps.description["param_copies"] == 1
+  assert not any("kept in the prefill layout's family" in n for n in steps.description["notes"])
+  want = plan(cfg, get_hardware("h100"), 8, "decode", 64, 2048, meshes=[mesh_shape(dec.mesh)],
+              layouts=["ws_2d", "wg_x", "wg_xy", "wg_xyz"]).best
+  assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
