@@ -12,20 +12,27 @@ from partitioning.planner import plan
 from serving.deployment import Deployment, make_steps
 
 
+CFG = get_preset("small")
+
+
+def _interleaved(prefill_layout: str, devices: int):
+  """(steps, the decode step) of an interleaved deployment of ``small`` on H100 presets."""
+  steps = make_steps(CFG, Deployment("interleaved", prefill_layout=prefill_layout,
+                                     hardware="h100"),
+                     max_slots=64, max_chunk=256, max_context=2048, quantized=False,
+                     devices=jax.devices()[:devices])
+  return steps, steps.decode.step if steps.decode else steps.step
+
+
 def test_interleaved_choice_is_valid_and_costed_on_the_live_mesh():
   # 6 devices: make_mesh builds (1, 2, 3); the planner's unrestricted decode pick, ws_1d+batch_z
   # on (1, 3, 2), would need batch 64 split over z = 3 there.
-  cfg = get_preset("small")
-  steps = make_steps(cfg, Deployment("interleaved", prefill_layout="ws_1d:heads",
-                                     hardware="h100"),
-                     max_slots=64, max_chunk=256, max_context=2048, quantized=False,
-                     devices=jax.devices()[:6])
-  dec = steps.decode.step if steps.decode else steps.step
+  steps, dec = _interleaved("ws_1d:heads", 6)
   mesh = mesh_shape(dec.mesh)
   assert cost_model.check_layout(dec.ffn.name, dec.attn.name, mesh, 64) is None
   # One mesh, one resident params copy: decode is chosen among the layouts storing the weights
   # as prefill's ws_1d does (only ws_1d), so the pair that runs is the one the planner costed.
-  want = plan(cfg, get_hardware("h100"), 6, "decode", 64, 2048, meshes=[mesh],
+  want = plan(CFG, get_hardware("h100"), 6, "decode", 64, 2048, meshes=[mesh],
               layouts=["ws_1d"]).best
   assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
   assert f"{want.latency_s * 1e3:.3f} ms" in steps.description["decode_choice"]
@@ -35,15 +42,10 @@ def test_interleaved_decode_is_chosen_in_the_prefill_layouts_family():
   """Prefill given as ws_2d (weights E_x F_yz): decode is planned among ws_2d and the
   weight-gathered layouts, which store the weights the same way, so no layout is swapped for
   another after planning and one params copy serves both phases."""
-  cfg = get_preset("small")
-  steps = make_steps(cfg, Deployment("interleaved", prefill_layout="ws_2d:heads",
-                                     hardware="h100"),
-                     max_slots=64, max_chunk=256, max_context=2048, quantized=False,
-                     devices=jax.devices()[:8])
-  dec = steps.decode.step if steps.decode else steps.step
+  steps, dec = _interleaved("ws_2d:heads", 8)
   assert dec.ffn.name in ("ws_2d", "wg_x", "wg_xy", "wg_xyz")
   assert steps.description["param_copies"] == 1
   assert not any("kept in the prefill layout's family" in n for n in steps.description["notes"])
-  want = plan(cfg, get_hardware("h100"), 8, "decode", 64, 2048, meshes=[mesh_shape(dec.mesh)],
+  want = plan(CFG, get_hardware("h100"), 8, "decode", 64, 2048, meshes=[mesh_shape(dec.mesh)],
               layouts=["ws_2d", "wg_x", "wg_xy", "wg_xyz"]).best
   assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
