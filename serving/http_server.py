@@ -299,7 +299,7 @@ class _Api:
     app.add_routes([web.post("/v1/completions", self.completions),
                     web.post("/v1/chat/completions", self.chat_completions),
                     web.get("/v1/models", self.models),
-                    web.get("/v1/models/{name}", self.model),
+                    web.get("/v1/models/{name:.+}", self.model),  # ids may hold "/"
                     web.get("/health", self.health), web.get("/ready", self.ready),
                     web.get("/metrics", self.metrics)])
     return app

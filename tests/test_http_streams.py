@@ -1,5 +1,6 @@
-"""serving.http_server's streams over the FakeEngine, in process: a live stream holds no thread,
-so more live SSE streams than bridge threads all finish, none cut off as a slow consumer."""
+"""serving.http_server over the FakeEngine, in process: a live stream holds no thread, so more
+live SSE streams than bridge threads all finish, none cut off as a slow consumer; a served
+model id with a slash (Hugging Face's ``org/name``) is found by ``GET /v1/models/...``."""
 
 from __future__ import annotations
 
@@ -56,6 +57,29 @@ def test_more_live_streams_than_bridge_threads_all_finish():
     while fe.live and time.monotonic() < deadline:
       time.sleep(0.02)
     assert fe.live == 0 and fe.loop.scheduler.pool.pages_used == 0
+  finally:
+    server.stop(2)
+    fe.loop.stop(timeout=5)
+
+
+def test_a_model_id_with_a_slash_is_found():
+  """Hugging Face style ids (``org/name``) as the served model: ``GET /v1/models/org/name``."""
+  fe = _frontend()
+  server = http_server.serve(fe, ApiKeys.none(), prom.CollectorRegistry(),
+                             http_server.HttpOptions("org/name", max_context=64))
+  try:
+    for path, status in (("/v1/models/org/name", 200), ("/v1/models/org%2Fname", 200),
+                         ("/v1/models/org/other", 404)):
+      conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+      try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+      finally:
+        conn.close()
+      assert resp.status == status, (path, body)
+      if status == 200:
+        assert body["id"] == "org/name"
   finally:
     server.stop(2)
     fe.loop.stop(timeout=5)
