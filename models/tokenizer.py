@@ -224,7 +224,7 @@ class TokenizersTokenizer(Tokenizer):
     piece = self._tok.id_to_token(token_id)
     if piece is None:
       return b""
-    if self._byte_level():
+    if self._byte_level:
       back = _byte_level_decoder()
       if all(ch in back for ch in piece):
         return bytes(back[ch] for ch in piece)
@@ -235,12 +235,12 @@ class TokenizersTokenizer(Tokenizer):
         pass
     return piece.replace("\u2581", " ").encode("utf-8")
 
+  @functools.cached_property
   def _byte_level(self) -> bool:
-    if not hasattr(self, "_is_byte_level"):
-      decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-      kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
-      self._is_byte_level = "ByteLevel" in kinds
-    return self._is_byte_level
+    """Whether the decoder is (or chains) GPT-2's ByteLevel: pieces spell bytes."""
+    decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
+    return "ByteLevel" in kinds
 
   @property
   def vocab_size(self) -> int:

@@ -207,15 +207,16 @@ class PagePool:
   def refcount(self, page: int) -> int:
     return int(self._ref[page])
 
-  def retained(self, page: int) -> int:
-    """References to ``page`` held outside any sequence (``retain``)."""
-    return int(self._retained[page])
+  def retained_only(self, page: int) -> bool:
+    """``page`` is held, and only by ``retain``ed references (no sequence): dropping them
+    frees it (what ``usage`` counts as ``cached``)."""
+    return bool(0 < self._ref[page] == self._retained[page])
 
   def usage(self) -> tuple[ShardUsage, ...]:
     """Per sub-pool: ``used`` pages (held by a sequence), ``cached`` (held only by retained
     references: reclaimable), ``free``."""
     n = self.budget.pages_per_shard
-    only = (self._ref > 0) & (self._ref == self._retained)
+    only = (self._ref > 0) & (self._ref == self._retained)  # retained_only, for every page
     out = []
     for s, f in enumerate(self._free):
       cached = int(only[s * n:(s + 1) * n].sum())

@@ -26,7 +26,8 @@ Contract:
     cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
     end at once. An exception from the scheduler or the loop itself does the same on the
     background thread (``failed`` says so), so no stream waits forever. ``step_started`` is
-    the clock time the current engine call began (None between calls), for a watchdog. An ``on_output`` callback that raises is dropped, never the loop.
+    the clock time the current engine call began (None between calls), for a watchdog. An
+    ``on_output`` callback that raises is dropped, never the loop.
   * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
     and composition (prefill tokens, decode rows), for admission predictions.
 """

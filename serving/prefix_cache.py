@@ -15,7 +15,8 @@ Contract:
     Returns the pages newly cached.
   * ``lock(match)`` / ``unlock(match)``: a running sequence locks the path it reuses; eviction
     only ever removes unlocked leaves held by nothing but the cache, least recently used first
-    (``evict(shard, n)`` frees up to ``n`` pages, returns how many). ``clear()`` drops every node (after an engine fault: pages
+    (``evict(shard, n)`` frees up to ``n`` pages, returns how many). ``clear()`` drops every
+    node (after an engine fault: pages
     written by a failed step must not be reused).
   * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): a page evicted from the device goes
     to host memory instead of being forgotten, while the tier has room (its own LRU: the
@@ -135,10 +136,11 @@ class PrefixCache:
     """Pages of ``shard`` that ``evict`` could free now: on the device, unlocked, and held by
     nothing but the cache (a session's pin or a running sequence's match locks a path; a page a
     running sequence still holds frees nothing when dropped)."""
-    pool = self.pool
-    return sum(1 for x in self._walk(self._roots[shard])
-               if x.page is not None and not x.locks
-               and pool.refcount(x.page) == pool.retained(x.page))
+    return sum(1 for x in self._walk(self._roots[shard]) if self._droppable(x))
+
+  def _droppable(self, x: _Node) -> bool:
+    """On the device, unlocked, and dropping it frees its page (no sequence holds it)."""
+    return x.page is not None and not x.locks and self.pool.retained_only(x.page)
 
   def promote(self, node: _Node, page: int) -> PageLoad:
     """Host node -> device ``page`` (a page the caller holds; the cache retains it too)."""
@@ -205,9 +207,7 @@ class PrefixCache:
     whose page a running sequence still holds is kept: dropping it would free nothing now and
     lose the prefix (and, with a host tier, copy out a page that is still in use)."""
     root = self._roots[shard]
-    pool = self.pool
-    device_leaf = lambda x: (x.page is not None and not x.locks and
-                             pool.refcount(x.page) == pool.retained(x.page) and
+    device_leaf = lambda x: (self._droppable(x) and
                              all(c.page is None for c in x.children.values()))
     leaves = [(x.used, id(x), x) for x in self._walk(root) if device_leaf(x)]
     heapq.heapify(leaves)

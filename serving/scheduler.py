@@ -373,7 +373,8 @@ class Scheduler:
     if hit is not None:
       shard = hit.shard
     else:  # the sub-pool with the most free or reclaimable pages
-      shard = max(range(pool.budget.num_shards), key=lambda s: (self._room(s), -s))
+      usage = pool.usage()
+      shard = max(range(len(usage)), key=lambda s: (self._room(s, usage), -s))
     prefix = hit.pages if hit is not None else ()
     if cache is not None:
       if hit is not None:
@@ -396,10 +397,10 @@ class Scheduler:
         return self._allocate_copy(seq, budget, hit) or self._allocate(seq, budget, None)
     return False
 
-  def _room(self, shard: int) -> int:
-    """Pages ``shard`` could give a new sequence now: free, or cached and reclaimable (not the
-    pages a session pins or a running sequence's match locks)."""
-    free = self.pool.usage()[shard].free
+  def _room(self, shard: int, usage) -> int:
+    """Pages ``shard`` could give a new sequence now (``usage``: ``pool.usage()``): free, or
+    cached and reclaimable (not the pages a session pins or a running sequence's match locks)."""
+    free = usage[shard].free
     return free + (self.prefix_cache.reclaimable(shard) if self.prefix_cache is not None else 0)
 
   def _allocate_copy(self, seq: _Seq, budget: int, hit: Match) -> bool:
@@ -413,7 +414,7 @@ class Scheduler:
     others = [s for s in range(len(usage)) if s != hit.shard]
     if not others:
       return False
-    shard = max(others, key=lambda s: (self._room(s), -s))
+    shard = max(others, key=lambda s: (self._room(s, usage), -s))
     device = Match(hit.shard, hit.nodes)  # a host part stays behind: recomputed
     start = device.tokens(pool.page_size)
     total = start + min(budget, self.max_chunk, len(seq.tokens) - start)
