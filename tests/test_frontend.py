@@ -283,8 +283,11 @@ def test_a_finished_stream_read_late_is_not_a_slow_consumer(tmp_path):
     ids, finals = _collect(stream)
     assert stream.status is Status.OK and finals[0].finish_reason is FinishReason.LENGTH
     assert ids[0] == reference([1, 2], 1, 2, VOCAB)
-    record = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
-    assert record["status"] == "ok"
+    usage = tmp_path / "usage.jsonl"
+    deadline = time.monotonic() + 10  # the record is written just after the stream ends
+    while not (usage.exists() and usage.read_text().strip()) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert json.loads(usage.read_text().splitlines()[-1])["status"] == "ok"
   finally:
     fe.loop.stop(timeout=5)
 
