@@ -12,7 +12,10 @@ same for the uncalibrated model. ``--published tpu-v4``: the paper's published r
 Sec. 4.4 for PaLM 540B, the fit set; Table 3 for PaLM 62B, held out): the achieved FLOP/s, HBM
 and link fractions are fitted on the 540B runs only, and per run (fit and held out) the report
 gives the paper's layout and time beside the planner's choice and prediction, uncalibrated and
-calibrated, with the issue's criteria (layout agreement; predicted time within 25%). Writes the calibration to ``--out`` and prints a JSON report. Bad flags exit 2.
+calibrated, with the issue's criteria (layout agreement; predicted time within 25%), and
+``overlap_sensitivity``: the same fit and validation with the communication / compute overlap
+held at each of ``published.OVERLAPS`` or fitted, with each variant's leave-one-out error on the
+540B runs. Writes the calibration to ``--out`` and prints a JSON report. Bad flags exit 2.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def _from_published(noise: float) -> tuple[object, dict]:
             "fit": fit_rows, "held_out": held,
             "fit_summary": {t: verdict(fit_rows, t) for t in ("uncalibrated", "calibrated")},
             "held_out_summary": {t: verdict(held, t) for t in ("uncalibrated", "calibrated")},
+            "overlap_sensitivity": published.overlap_sensitivity(),
             "sources": sorted({p.source for p in published.PALM_540B_TPU_V4
                                + published.PALM_62B_TPU_V4})}
   return fitted, report

@@ -3,20 +3,23 @@
 The cost model (``partitioning.cost_model``) is an optimistic bound: peak FLOP/s, peak HBM and
 link bandwidth, no fixed costs. A ``Calibration`` rescales its terms:
 
-  latency = max(compute_s / flops_fraction, (weight_mem_s + kv_mem_s) / hbm_fraction)
-            + (comm_s - collective_floor_s) / link_fraction
-            + collective_floor_s * hop_scale
-            + num_layers * layer_overhead_s
+  roofline = max(compute_s / flops_fraction, (weight_mem_s + kv_mem_s) / hbm_fraction)
+  comm     = (comm_s - collective_floor_s) / link_fraction + collective_floor_s * hop_scale
+  latency  = roofline + comm - overlap * min(roofline, comm) + num_layers * layer_overhead_s
 
-(``hop_scale``: the per-collective hop latency relative to the hardware preset's). MFU and cost
-per token follow from the calibrated latency; the other fields are the uncalibrated ones.
+(``hop_scale``: the per-collective hop latency relative to the hardware preset's; ``overlap``:
+the fraction of the communication hidden behind compute and HBM traffic, as the paper's Looped
+CollectiveEinsum does (Sec. 3.5): 0 adds them (the uncalibrated model's assumption), 1 gives
+max(roofline, comm)). MFU and cost per token follow from the calibrated latency; the other fields
+are the uncalibrated ones.
 
 Contract:
   * ``Calibration(...).apply(cost, num_layers) -> StepCost``; ``IDENTITY`` changes nothing.
   * ``Sample(cost, num_layers, measured_s, label)``: one measured step with its uncalibrated cost.
-  * ``fit(samples, hardware, free=FREE, source=) -> Calibration``: least squares on
-    log(calibrated / measured) over the ``free`` parameters (the others stay at identity), each
-    within ``BOUNDS``; raises ``ValueError`` with fewer samples than free parameters.
+  * ``fit(samples, hardware, free=FREE, source=, fixed=) -> Calibration``: least squares on
+    log(calibrated / measured) over the ``free`` parameters (the others stay at identity, or at
+    the values ``fixed`` gives), each within ``BOUNDS``; raises ``ValueError`` with fewer samples
+    than free parameters. ``FREE`` leaves ``overlap`` out (opt in by naming it).
   * ``errors(calibration, samples) -> list[float]``: calibrated / measured per sample.
   * ``save(calibration, path)`` / ``load(path)``: JSON. The planner (``planner.plan(...,
     calibration=)``), ``launch.sweep_frontier --calibration`` and ``launch.plan --calibration``
@@ -28,18 +31,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from partitioning.cost_model import StepCost
 
-PARAMS = ("flops_fraction", "hbm_fraction", "link_fraction", "hop_scale", "layer_overhead_s")
-FREE = PARAMS
+PARAMS = ("flops_fraction", "hbm_fraction", "link_fraction", "hop_scale", "layer_overhead_s",
+          "overlap")
+FREE = PARAMS[:5]
 # (low, high) of each parameter in the fit.
 BOUNDS = {"flops_fraction": (0.01, 1.0), "hbm_fraction": (0.01, 1.0),
           "link_fraction": (0.01, 1.0), "hop_scale": (0.0, 1000.0),
-          "layer_overhead_s": (0.0, 0.05)}
+          "layer_overhead_s": (0.0, 0.05), "overlap": (0.0, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +54,17 @@ class Calibration:
   link_fraction: float = 1.0  # achieved / peak collective bandwidth
   hop_scale: float = 1.0  # per-collective hop latency / the preset's
   layer_overhead_s: float = 0.0  # fixed seconds per layer and step (norms, kernels, launches)
+  overlap: float = 0.0  # fraction of the communication hidden behind compute / HBM traffic
   source: str = ""  # what it was fitted on
 
   def apply(self, c: StepCost, num_layers: int) -> StepCost:
     compute = c.compute_s / self.flops_fraction
     mem = (c.weight_mem_s + c.kv_mem_s) / self.hbm_fraction
-    comm_bw = max(0.0, c.comm_s - c.collective_floor_s) / self.link_fraction
-    floor = c.collective_floor_s * self.hop_scale
-    latency = max(compute, mem) + comm_bw + floor + num_layers * self.layer_overhead_s
+    roofline = max(compute, mem)
+    comm = (max(0.0, c.comm_s - c.collective_floor_s) / self.link_fraction
+            + c.collective_floor_s * self.hop_scale)
+    latency = (roofline + comm - self.overlap * min(roofline, comm)
+               + num_layers * self.layer_overhead_s)
     return dataclasses.replace(
         c, latency_s=latency, mfu=c.mfu * c.latency_s / latency,
         cost_chip_s_per_token=latency * c.n_chips / c.tokens)
@@ -74,15 +81,20 @@ class Sample:
   label: str = ""
 
 
-def _with(values: Sequence[float], free: Sequence[str], hardware: str, source: str
-          ) -> Calibration:
-  return Calibration(hardware=hardware, source=source, **dict(zip(free, values)))
+def _with(values: Sequence[float], free: Sequence[str], hardware: str, source: str,
+          fixed: Mapping[str, float]) -> Calibration:
+  return Calibration(hardware=hardware, source=source, **fixed, **dict(zip(free, values)))
 
 
 def fit(samples: Sequence[Sample], hardware: str, free: Sequence[str] = FREE,
-        source: str = "") -> Calibration:
+        source: str = "", fixed: Mapping[str, float] | None = None) -> Calibration:
   from scipy.optimize import least_squares
   free = tuple(free)
+  fixed = dict(fixed or {})
+  unknown = (set(free) | set(fixed)) - set(PARAMS)
+  if unknown or set(free) & set(fixed):
+    raise ValueError(f"unknown or both free and fixed parameters: "
+                     f"{sorted(unknown or set(free) & set(fixed))}")
   if len(samples) < len(free):
     raise ValueError(f"{len(samples)} samples cannot fit {len(free)} parameters")
   lo = np.asarray([BOUNDS[p][0] for p in free])
@@ -91,7 +103,7 @@ def fit(samples: Sequence[Sample], hardware: str, free: Sequence[str] = FREE,
   x0 = np.where(x0 >= hi, lo + 0.5 * (hi - lo), x0)  # start inside the box
 
   def residuals(x):
-    cal = _with(x, free, hardware, source)
+    cal = _with(x, free, hardware, source, fixed)
     return [math.log(cal.apply(s.cost, s.num_layers).latency_s / s.measured_s)
             for s in samples]
 
@@ -100,7 +112,7 @@ def fit(samples: Sequence[Sample], hardware: str, free: Sequence[str] = FREE,
     r = least_squares(residuals, np.clip(start, lo, hi), bounds=(lo, hi), x_scale="jac")
     if best is None or r.cost < best.cost:
       best = r
-  return _with(best.x.tolist(), free, hardware, source)
+  return _with(best.x.tolist(), free, hardware, source, fixed)
 
 
 def errors(cal: Calibration, samples: Sequence[Sample]) -> list[float]:
