@@ -103,8 +103,9 @@ def _from_published(noise: float) -> tuple[object, dict]:
 
   def verdict(rows: list[dict], tag: str) -> dict:
     ratios = [r[tag]["ratio"] for r in rows]
-    return {"paper_layout_within_25pct": sum(0.75 <= x <= 1.25 for x in ratios),
-            "pick_within_25pct": sum(0.75 <= r[tag]["pick_ratio"] <= 1.25 for r in rows),
+    ok = published.within_time_tolerance
+    return {"paper_layout_within_25pct": sum(ok(x) for x in ratios),
+            "pick_within_25pct": sum(ok(r[tag]["pick_ratio"]) for r in rows),
             "layout_agrees": sum(bool(r[tag]["layout_agrees"]) for r in rows),
             "of": len(rows), "summary": _summary(ratios)}
 
