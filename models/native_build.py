@@ -4,6 +4,7 @@
 Contract:
   * ``cpu_flags() -> frozenset[str]``: the ``flags`` line of ``/proc/cpuinfo`` (empty if
     unreadable), read once per process.
+  * ``source(name) -> str``: the C++ source ``models/native/<name>.cc`` (package data).
   * ``build(name, source, flags) -> path``: compiles C++ ``source`` (with ``c++`` / ``g++``,
     ``-O3 -std=c++17 -shared -fPIC`` plus ``flags``, against ``jax.ffi.include_dir()``) into
     ``<cache dir>/<name>_<key>.so`` and returns its path; ``key`` hashes the source, the jax
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.resources
 import os
 import shutil
 import subprocess
@@ -35,6 +37,10 @@ def cpu_flags() -> frozenset[str]:
   except OSError:
     pass
   return frozenset()
+
+
+def source(name: str) -> str:
+  return importlib.resources.files("models").joinpath("native", f"{name}.cc").read_text()
 
 
 def build(name: str, source: str, flags: list[str]) -> str:
