@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import cpu_kernels, json_cache
+from models import cpu_kernels, json_cache, native_build
 
 VERSION = 4
 CACHE_FILE = "cpu_lowering.json"
@@ -173,7 +173,7 @@ def cpu_model() -> str:
 
 def cache_key() -> str:
   import jaxlib
-  kernels = hashlib.sha256(cpu_kernels._SOURCE.encode()).hexdigest()[:12]
+  kernels = hashlib.sha256(native_build.source("matmul_kernels").encode()).hexdigest()[:12]
   parts = [cpu_model(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
            f"kernels {kernels}", f"native {cpu_kernels.available()}", f"v{VERSION}"]
   return " | ".join(parts)
