@@ -6,8 +6,8 @@ Contract:
     CPU, the CPU has AVX-512 BW + VBMI + VNNI, ``PHASESERVE_NATIVE_KERNELS`` is not ``0``, and the
     C++ source ``models/native/matmul_kernels.cc`` compiled (``c++`` / ``g++``) against
     ``jax.ffi.include_dir()`` and registered as the XLA FFI targets ``phaseserve_int8_matmul``,
-    ``phaseserve_w8a8_matmul``, ``phaseserve_w8a8_nk_matmul``, ``phaseserve_float_matmul`` and
-    ``phaseserve_float_nk_matmul``. The shared library is cached under
+    ``phaseserve_w8a8_matmul``, ``phaseserve_w8a8_nk_matmul``, ``phaseserve_float_matmul``,
+    ``phaseserve_float_nk_matmul`` and the two ``*_group`` targets below. The shared library is cached under
     ``$PHASESERVE_CACHE_DIR`` (default ``~/.cache/phaseserve``), keyed by the source, jax version
     and compiler flags; any failure means ``False`` (callers fall back to XLA's own dot) and is
     logged once.
@@ -19,10 +19,17 @@ Contract:
   * ``matmul_w8a8_nk(x_MK, w_NK, w_scale_N)``: the same for a weight laid out ``[N, K]`` (the
     tied ``[V, D]`` embedding as the unembedding, contracted on its trailing axis), bit-identical
     to XLA's int8 dot contracting ``w``'s axis 1.
-  * ``matmul_float(x_MK, w_KN)``: f32 ``x`` times an f32 or bf16 ``w``, f32 products and f32
-    accumulation (what XLA computes for ``preferred_element_type=f32``; bf16 x bf16 products are
-    exact in f32), up to summation order.
-  Callers: ``models.quant.einsum`` (for at most the ``models.cpu_lowering`` policy's
+  * ``matmul_float(x_MK, w_KN)``: f32 ``x`` times an f32, bf16 or int8 (raw values) ``w``, f32
+    products and f32 accumulation (what XLA computes for ``preferred_element_type=f32``; bf16 x
+    bf16 products are exact in f32), up to summation order. ``matmul_float_nk``: the same for
+    ``[N, K]``.
+  * ``matmul_float_group(x_MK, ws_KN)`` / ``matmul_w8a8_group(x_MK, ws_KN, w_scales_N)``: the
+    list of ``matmul_float`` / ``matmul_w8a8`` products of one activation with several weights
+    (one dtype), in ONE call (targets ``phaseserve_float_matmul_group`` /
+    ``phaseserve_w8a8_matmul_group``, variadic operands): one task per thread streams its K
+    share of every weight in turn, so a group pays one fan-out and one join instead of one per
+    weight (W8A8: x is quantized once; bit-identical to separate calls).
+  Callers: ``models.quant.einsum`` / ``einsums`` (for at most the ``models.cpu_lowering`` policy's
   ``*_native_max_rows`` rows) and the measurements of ``models.cpu_lowering``.
 
 Why: XLA:CPU reads decode-shaped (few-row) weights at a fraction of memory bandwidth except for
@@ -51,6 +58,7 @@ import ctypes
 import logging
 import os
 import threading
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +71,8 @@ _FLOAT_TARGET = "phaseserve_float_matmul"
 _FLOAT_NK_TARGET = "phaseserve_float_nk_matmul"
 _W8A8_TARGET = "phaseserve_w8a8_matmul"
 _W8A8_NK_TARGET = "phaseserve_w8a8_nk_matmul"
+_FLOAT_GROUP_TARGET = "phaseserve_float_matmul_group"
+_W8A8_GROUP_TARGET = "phaseserve_w8a8_matmul_group"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -97,6 +107,12 @@ def available() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(_W8A8_NK_TARGET,
                                     jax.ffi.pycapsule(lib.PhaseserveW8A8NKMatmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_FLOAT_GROUP_TARGET,
+                                    jax.ffi.pycapsule(lib.PhaseserveFloatMatmulGroup),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_W8A8_GROUP_TARGET,
+                                    jax.ffi.pycapsule(lib.PhaseserveW8A8MatmulGroup),
                                     platform="cpu")
         _state["lib"] = lib
         _state["ok"] = True
@@ -135,6 +151,24 @@ def matmul_float(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
   return call(x_MK, w_KN)
 
 
+def matmul_float_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Array]:
+  """``[matmul_float(x_MK, w) for w in ws_KN]`` in one native call (weights of one dtype): one
+  task per thread streams its share of every weight, instead of a fan-out and a join per
+  weight. Same products and f32 sums; only the split of K over threads (the summation order)
+  may differ from separate calls."""
+  m, k = x_MK.shape
+  dtype = ws_KN[0].dtype if ws_KN else None
+  if (not ws_KN or x_MK.dtype != jnp.float32 or dtype not in FLOAT_WEIGHT_DTYPES
+      or any(w.ndim != 2 or w.shape[0] != k or w.dtype != dtype for w in ws_KN)):
+    raise ValueError(f"matmul_float_group wants f32 [M, K] and f32|bf16|int8 [K, N] weights of "
+                     f"one dtype, got {x_MK.shape} {x_MK.dtype} and "
+                     f"{[(w.shape, str(w.dtype)) for w in ws_KN]}")
+  call = jax.ffi.ffi_call(_FLOAT_GROUP_TARGET,
+                          [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
+                          vmap_method="sequential")
+  return list(call(x_MK, *ws_KN))
+
+
 def matmul_float_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
   """``matmul_float`` for a weight laid out ``[N, K]`` (contracted on its trailing axis, e.g. a
   tied ``[V, D]`` unembedding): f32 ``x_MK @ w_NK.T``."""
@@ -164,6 +198,27 @@ def matmul_w8a8(x_MK: jax.Array, w_KN: jax.Array, w_scale_N: jax.Array,
   call = jax.ffi.ffi_call(_W8A8_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_KN, w_scale_N, prefetch_l1=np.int32(1 if prefetch_l1 else 0))
+
+
+def matmul_w8a8_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array],
+                      w_scales_N: Sequence[jax.Array], prefetch_l1: bool = False
+                      ) -> list[jax.Array]:
+  """``[matmul_w8a8(x_MK, w, s) for w, s in zip(ws_KN, w_scales_N)]`` in one native call: ``x``
+  is quantized once and every weight streamed by one task per thread. Bit-identical to the
+  separate calls (exact int32 sums, the same scaling)."""
+  m, k = x_MK.shape
+  if (not ws_KN or len(ws_KN) != len(w_scales_N) or x_MK.dtype != jnp.float32
+      or any(w.ndim != 2 or w.shape[0] != k or w.dtype != jnp.int8 for w in ws_KN)
+      or any(s.shape != (w.shape[1],) or s.dtype != jnp.float32
+             for w, s in zip(ws_KN, w_scales_N))):
+    raise ValueError(f"matmul_w8a8_group wants f32 [M, K], int8 [K, N] weights and f32 [N] "
+                     f"scales, got {x_MK.shape} {x_MK.dtype}, "
+                     f"{[(w.shape, str(w.dtype)) for w in ws_KN]}, "
+                     f"{[(s.shape, str(s.dtype)) for s in w_scales_N]}")
+  call = jax.ffi.ffi_call(_W8A8_GROUP_TARGET,
+                          [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
+                          vmap_method="sequential")
+  return list(call(x_MK, *ws_KN, *w_scales_N, prefetch_l1=np.int32(1 if prefetch_l1 else 0)))
 
 
 def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> jax.Array:

@@ -68,7 +68,6 @@ def glu(gate: jax.Array, up: jax.Array, activation: str, dtype) -> jax.Array:
 
 
 def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
-  gate_BTF = quant.einsum("btd,df->btf", x_BTD, layer["gate"])
-  up_BTF = quant.einsum("btd,df->btf", x_BTD, layer["up"])
+  gate_BTF, up_BTF = quant.einsums(("btd,df->btf",) * 2, x_BTD, (layer["gate"], layer["up"]))
   h_BTF = glu(gate_BTF, up_BTF, cfg.activation, x_BTD.dtype)
   return quant.einsum("btf,fd->btd", h_BTF, layer["down"])

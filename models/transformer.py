@@ -61,11 +61,11 @@ def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
 def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q: Rotation,
            cfg: ModelConfig, attend_len: int) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
-  q_BTNH = rotate(quant.einsum("btd,dnh->btnh", h_BTD, layer["q"]), rot_q)
-  k_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["k"])
+  q_BTNH, k_BTKH, v_BTKH = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"),
+                                         h_BTD, (layer["q"], layer["k"], layer["v"]))
+  q_BTNH = rotate(q_BTNH, rot_q)
   if not cache.raw_keys:  # a raw-key store rotates keys by their in-cache position itself
     k_BTKH = rotate(k_BTKH, rot)
-  v_BTKH = quant.einsum("btd,dkh->btkh", h_BTD, layer["v"])
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
   attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])

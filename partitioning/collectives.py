@@ -116,9 +116,9 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotatio
                plan: StepPlan,
                cfg: ModelConfig, attend_len: int):
   # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
-  q = quant.einsum("btd,dnh->btnh", h, layer["q"])  # [B.rb, T, N.wh, H]{we}
-  k = quant.einsum("btd,dkh->btkh", h, layer["k"])  # [B.rb, T, K, H]{we}
-  v = quant.einsum("btd,dkh->btkh", h, layer["v"])
+  # q [B.rb, T, N.wh, H]{we}; k, v [B.rb, T, K, H]{we}
+  q, k, v = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), h,
+                          (layer["q"], layer["k"], layer["v"]))
   q = comm.reduce(q, 2, plan.we, plan.wh, plan.wh + plan.q_scatter)  # [B.rb, T, N.wh+qs, H]
   ids = comm.slice_chunk(ids, 0, plan.q_scatter)
   k, v = comm.psum(k, plan.we), comm.psum(v, plan.we)  # [B.rb, T, K, H], same on head shards
@@ -150,8 +150,8 @@ def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
   """[B.rb, T, E.we] -> [B.rb, T, E.we]{wf}."""
   if not plan.we:  # E is whole on every chip: models.layers.mlp on the F shard as is.
     return mlp(h, layer, cfg)
-  gate = quant.einsum("btd,df->btf", h, layer["gate"])  # [B.rb, T, F.wf]{we}
-  up = quant.einsum("btd,df->btf", h, layer["up"])
+  # [B.rb, T, F.wf]{we} each
+  gate, up = quant.einsums(("btd,df->btf",) * 2, h, (layer["gate"], layer["up"]))
   fs = plan.wf + plan.f_scatter
   gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
   up = comm.reduce(up, 2, plan.we, plan.wf, fs)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
 
@@ -109,35 +110,49 @@ void partial(const int32_t* xp, int64_t kp, const int8_t* w, int64_t M, int64_t 
   }
 }
 
-struct Job {
-  const int32_t* xp; const int8_t* w; int64_t M, K, N, nv, kp, parts; bool l1;
-  std::vector<int32_t*> out;  // per part: [M, N] (part 0 = the result buffer)
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+// One weight of a group: several weights that share the activation (q / k / v, gate / up) are
+// multiplied in one call, so one task per thread and one synchronisation cover them all.
+template <typename W, typename Y>
+struct Part {
+  const W* w; int64_t N, nv;
+  Y* y;                     // the result [M, N]
+  std::vector<Y*> out;      // per K part: [M, N] partial sums (part 0 = the result buffer)
 };
 
-void work(const std::shared_ptr<Job>& j) {
-  while (true) {
-    const int64_t p = j->next.fetch_add(1);
-    if (p >= j->parts) return;
-    // Split K into `parts` ranges aligned to kBlockK.
-    const int64_t blocks = (j->K + kBlockK - 1) / kBlockK;
-    const int64_t k0 = kBlockK * (blocks * p / j->parts);
-    const int64_t k1 = std::min(j->K, kBlockK * (blocks * (p + 1) / j->parts));
-    if (k1 > k0) {
-      partial(j->xp, j->kp, j->w, j->M, j->N, j->nv, k0, k1, j->out[p], j->l1);
-    } else {
-      for (int64_t m = 0; m < j->M; ++m) std::memset(j->out[p] + m * j->N, 0, j->nv * 4);
-    }
-    j->done.fetch_add(1, std::memory_order_release);
-  }
+// Splits [0, K) into `parts` ranges aligned to `block`; part p is [k0, k1).
+inline void k_range(int64_t K, int64_t block, int64_t parts, int64_t p, int64_t* k0,
+                    int64_t* k1) {
+  const int64_t blocks = (K + block - 1) / block;
+  *k0 = block * (blocks * p / parts);
+  *k1 = std::min(K, block * (blocks * (p + 1) / parts));
 }
 
-// ys[M, N] = xs[M, K] . ws[K, N] in int32.
-void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int32_t* ys,
-                 int64_t M, int64_t K, int64_t N, bool l1 = false) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) { std::memset(ys, 0, M * N * 4); return; }
+// Runs `fn(p)` for p in [0, parts) on the pool (this thread takes a share) and waits.
+template <typename Fn>
+void run_parts(ffi::ThreadPool& pool, int64_t parts, Fn fn) {
+  struct Sync { std::atomic<int64_t> next{0}; std::atomic<int64_t> done{0}; };
+  auto sync = std::make_shared<Sync>();
+  auto body = [sync, parts, fn] {
+    while (true) {
+      const int64_t p = sync->next.fetch_add(1);
+      if (p >= parts) return;
+      fn(p);
+      sync->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([body] { body(); });
+  body();
+  while (sync->done.load(std::memory_order_acquire) < parts) _mm_pause();
+}
+
+// ys[g][M, N_g] = xs[M, K] . ws[g][K, N_g] in int32, for every weight g of the group.
+void int8_matmul_group(ffi::ThreadPool& pool, const int8_t* xs, std::vector<Part<int8_t, int32_t>>& g,
+                       int64_t M, int64_t K, bool l1 = false) {
+  if (M == 0) return;
+  if (K == 0) {
+    for (auto& w : g) std::memset(w.y, 0, M * w.N * 4);
+    return;
+  }
   // x as quads of int8 (x[k..k+3], zero beyond K) in one int32: [M, ceil(K / 4)]; and the
   // 128 * sum(x) excess that the unsigned (w + 128) weights add to every column.
   const int64_t kp = (K + 3) / 4;
@@ -149,37 +164,59 @@ void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int3
     for (int64_t k = 0; k < K; ++k) sum += xs[m * K + k];
     excess[m] = 128 * sum;
   }
-  const int64_t nv = (N / kTileN) * kTileN;
-  for (int64_t n = nv; n < N; ++n)  // scalar tail columns
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += int32_t(xs[m * K + k]) * int32_t(ws[k * N + n]);
-      ys[m * N + n] = s;
-    }
-  if (nv == 0) return;
+  int64_t bytes = 0;
+  for (auto& w : g) {
+    w.nv = (w.N / kTileN) * kTileN;
+    bytes += K * w.nv;
+    for (int64_t n = w.nv; n < w.N; ++n)  // scalar tail columns
+      for (int64_t m = 0; m < M; ++m) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < K; ++k) s += int32_t(xs[m * K + k]) * int32_t(w.w[k * w.N + n]);
+        w.y[m * w.N + n] = s;
+      }
+  }
+  if (bytes == 0) return;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Split K over threads only when each part streams enough weight bytes to pay for a task.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (K * nv) / (128 * 1024)));
-  auto job = std::make_shared<Job>();
-  job->xp = xp.data(); job->w = ws; job->M = M; job->K = K; job->N = N; job->nv = nv;
-  job->kp = kp; job->parts = parts; job->l1 = l1;
-  std::vector<int32_t> scratch((parts - 1) * M * N);
-  job->out.push_back(ys);
-  for (int64_t p = 1; p < parts; ++p) job->out.push_back(scratch.data() + (p - 1) * M * N);
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { work(job); });
-  work(job);
-  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t* dst = ys + m * N;
-    for (int64_t p = 1; p < parts; ++p) {
-      const int32_t* src = job->out[p] + m * N;
-      for (int64_t n = 0; n < nv; ++n) dst[n] += src[n];
-    }
-    for (int64_t n = 0; n < nv; ++n) dst[n] -= excess[m];
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (128 * 1024)));
+  std::vector<std::vector<int32_t>> scratch(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    auto& w = g[i];
+    scratch[i].resize((parts - 1) * M * w.N);
+    w.out.assign(1, w.y);
+    for (int64_t p = 1; p < parts; ++p) w.out.push_back(scratch[i].data() + (p - 1) * M * w.N);
   }
+  run_parts(pool, parts, [&](int64_t p) {
+    int64_t k0, k1;
+    k_range(K, kBlockK, parts, p, &k0, &k1);
+    for (auto& w : g) {
+      if (w.nv == 0) continue;
+      if (k1 > k0) {
+        partial(xp.data(), kp, w.w, M, w.N, w.nv, k0, k1, w.out[p], l1);
+      } else {
+        for (int64_t m = 0; m < M; ++m) std::memset(w.out[p] + m * w.N, 0, w.nv * 4);
+      }
+    }
+  });
+  for (auto& w : g)
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t* dst = w.y + m * w.N;
+      for (int64_t p = 1; p < parts; ++p) {
+        const int32_t* src = w.out[p] + m * w.N;
+        for (int64_t n = 0; n < w.nv; ++n) dst[n] += src[n];
+      }
+      for (int64_t n = 0; n < w.nv; ++n) dst[n] -= excess[m];
+    }
 }
 
-
+// ys[M, N] = xs[M, K] . ws[K, N] in int32.
+void int8_matmul(ffi::ThreadPool& pool, const int8_t* xs, const int8_t* ws, int32_t* ys,
+                 int64_t M, int64_t K, int64_t N, bool l1 = false) {
+  if (N == 0) return;
+  std::vector<Part<int8_t, int32_t>> g(1);
+  g[0].w = ws; g[0].N = N; g[0].y = ys;
+  int8_matmul_group(pool, xs, g, M, K, l1);
+}
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                           ffi::ResultBuffer<ffi::S32> y) {
@@ -212,6 +249,29 @@ void quantize_rows(const float* xs, int64_t M, int64_t K, int8_t* xq, float* row
 // W8A8 with the activation quantization fused in, exactly as models/quant.py writes it in XLA:
 // per row, scale = amax / 127 (1 where amax == 0), q = clip(round_half_even(x / scale), +-127);
 // y = float(q . w) * scale * w_scale[n].
+struct W8A8Weight { const int8_t* w; const float* scale; float* y; int64_t N; };
+
+// The W8A8 formula for every weight of a group sharing x: x quantized once.
+void w8a8_group(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K,
+                const std::vector<W8A8Weight>& ws, bool l1) {
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> row_scale(M);
+  quantize_rows(x, M, K, xq.data(), row_scale.data());
+  std::vector<std::vector<int32_t>> acc(ws.size());
+  std::vector<Part<int8_t, int32_t>> g(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    acc[i].resize(M * ws[i].N);
+    g[i].w = ws[i].w; g[i].N = ws[i].N; g[i].y = acc[i].data();
+  }
+  int8_matmul_group(pool, xq.data(), g, M, K, l1);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const int64_t N = ws[i].N;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n)
+        ws[i].y[m * N + n] = float(acc[i][m * N + n]) * row_scale[m] * ws[i].scale[n];
+  }
+}
+
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                           ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y,
                           int32_t prefetch_l1) {
@@ -220,17 +280,36 @@ ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || w_scale.element_count() != wd[1])
     return ffi::Error::InvalidArgument(
         "phaseserve_w8a8_matmul: want x [M, K], w [K, N], w_scale [N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> row_scale(M);
-  quantize_rows(x.typed_data(), M, K, xq.data(), row_scale.data());
-  std::vector<int32_t> acc(M * N);
-  int8_matmul(pool, xq.data(), w.typed_data(), acc.data(), M, K, N, prefetch_l1 != 0);
-  const float* ws = w_scale.typed_data();
-  float* ys = y->typed_data();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n)
-      ys[m * N + n] = float(acc[m * N + n]) * row_scale[m] * ws[n];
+  w8a8_group(pool, x.typed_data(), xd[0], xd[1],
+             {{w.typed_data(), w_scale.typed_data(), y->typed_data(), wd[1]}}, prefetch_l1 != 0);
+  return ffi::Error::Success();
+}
+
+// Operands: x [M, K] f32, then G int8 weights [K, N_g], then their G f32 scales [N_g]; results:
+// G f32 [M, N_g].
+ffi::Error W8A8MatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::RemainingArgs args, ffi::RemainingRets rets,
+                               int32_t prefetch_l1) {
+  constexpr const char* kWant =
+      "phaseserve_w8a8_matmul_group: want x [M, K], G int8 w [K, N], G f32 scales [N], G f32 "
+      "results [M, N]";
+  auto xd = x.dimensions();
+  const size_t G = rets.size();
+  if (xd.size() != 2 || G == 0 || args.size() != 2 * G) return ffi::Error::InvalidArgument(kWant);
+  std::vector<W8A8Weight> ws;
+  for (size_t i = 0; i < G; ++i) {
+    auto w = args.get<ffi::Buffer<ffi::S8>>(i);
+    auto sc = args.get<ffi::Buffer<ffi::F32>>(G + i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !sc.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kWant);
+    auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != xd[1] || sc->element_count() != wd[1] ||
+        (*y)->element_count() != xd[0] * wd[1])
+      return ffi::Error::InvalidArgument(kWant);
+    ws.push_back({w->typed_data(), sc->typed_data(), (*y)->typed_data(), wd[1]});
+  }
+  w8a8_group(pool, x.typed_data(), xd[0], xd[1], ws, prefetch_l1 != 0);
   return ffi::Error::Success();
 }
 
@@ -309,26 +388,6 @@ void nk_rows(const int8_t* __restrict xq, const int32_t* excess, const float* ro
   }
 }
 
-struct NKJob {
-  const int8_t* xq; const int32_t* excess; const float* row_scale; const int8_t* w;
-  const float* ws; float* y; int64_t M, K, N, parts;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void nk_work(const std::shared_ptr<NKJob>& j) {
-  while (true) {
-    const int64_t p = j->next.fetch_add(1);
-    if (p >= j->parts) return;
-    const int64_t blocks = (j->N + kNKBlock - 1) / kNKBlock;
-    const int64_t n0 = kNKBlock * (blocks * p / j->parts);
-    const int64_t n1 = std::min(j->N, kNKBlock * (blocks * (p + 1) / j->parts));
-    if (n1 > n0)
-      nk_rows(j->xq, j->excess, j->row_scale, j->w, j->ws, j->M, j->K, j->N, n0, n1, j->y);
-    j->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error W8A8NKMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
                             ffi::ResultBuffer<ffi::F32> y) {
@@ -350,13 +409,14 @@ ffi::Error W8A8NKMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, (N * K) / (128 * 1024)));
-  auto job = std::make_shared<NKJob>();
-  job->xq = xq.data(); job->excess = excess.data(); job->row_scale = row_scale.data();
-  job->w = w.typed_data(); job->ws = w_scale.typed_data(); job->y = y->typed_data();
-  job->M = M; job->K = K; job->N = N; job->parts = parts;
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { nk_work(job); });
-  nk_work(job);
-  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  const float* ws = w_scale.typed_data();
+  float* ys = y->typed_data();
+  run_parts(pool, parts, [&](int64_t p) {
+    int64_t n0, n1;
+    k_range(N, kNKBlock, parts, p, &n0, &n1);
+    if (n1 > n0)
+      nk_rows(xq.data(), excess.data(), row_scale.data(), w.typed_data(), ws, M, K, N, n0, n1, ys);
+  });
   return ffi::Error::Success();
 }
 
@@ -443,64 +503,80 @@ void fpartial(const float* x, const W* w, int64_t M, int64_t K, int64_t N, int64
   }
 }
 
+// y_g[M, N_g] = x[M, K] . w_g[K, N_g] for every weight g of the group (one dtype W).
 template <typename W>
-struct FJob {
-  const float* x; const W* w; int64_t M, K, N, nv, parts;
-  std::vector<float*> out;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename W>
-void fwork(const std::shared_ptr<FJob<W>>& j) {
-  while (true) {
-    const int64_t p = j->next.fetch_add(1);
-    if (p >= j->parts) return;
-    const int64_t blocks = (j->K + kFBlockK - 1) / kFBlockK;
-    const int64_t k0 = kFBlockK * (blocks * p / j->parts);
-    const int64_t k1 = std::min(j->K, kFBlockK * (blocks * (p + 1) / j->parts));
-    if (k1 > k0) {
-      fpartial<W>(j->x, j->w, j->M, j->K, j->N, j->nv, k0, k1, j->out[p]);
-    } else {
-      for (int64_t m = 0; m < j->M; ++m) std::memset(j->out[p] + m * j->N, 0, j->nv * 4);
-    }
-    j->done.fetch_add(1, std::memory_order_release);
+void float_matmul_group(ffi::ThreadPool& pool, const float* xs, std::vector<Part<W, float>>& g,
+                        int64_t M, int64_t K) {
+  if (M == 0) return;
+  int64_t bytes = 0;
+  for (auto& w : g) {
+    w.nv = (w.N / kTileN) * kTileN;
+    bytes += K * w.nv * int64_t(sizeof(W));
+    for (int64_t n = w.nv; n < w.N; ++n)  // scalar tail columns
+      for (int64_t m = 0; m < M; ++m) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += xs[m * K + k] * scalar(w.w[k * w.N + n]);
+        w.y[m * w.N + n] = s;
+      }
+    if (K == 0)
+      for (int64_t m = 0; m < M; ++m) std::memset(w.y + m * w.N, 0, w.nv * 4);
   }
+  if (bytes == 0) return;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
+  std::vector<std::vector<float>> scratch(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    auto& w = g[i];
+    scratch[i].resize((parts - 1) * M * w.N);
+    w.out.assign(1, w.y);
+    for (int64_t p = 1; p < parts; ++p) w.out.push_back(scratch[i].data() + (p - 1) * M * w.N);
+  }
+  run_parts(pool, parts, [&](int64_t p) {
+    int64_t k0, k1;
+    k_range(K, kFBlockK, parts, p, &k0, &k1);
+    for (auto& w : g) {
+      if (w.nv == 0) continue;
+      if (k1 > k0) {
+        fpartial<W>(xs, w.w, M, K, w.N, w.nv, k0, k1, w.out[p]);
+      } else {
+        for (int64_t m = 0; m < M; ++m) std::memset(w.out[p] + m * w.N, 0, w.nv * 4);
+      }
+    }
+  });
+  for (auto& w : g)
+    for (int64_t p = 1; p < parts; ++p)
+      for (int64_t m = 0; m < M; ++m) {
+        float* dst = w.y + m * w.N;
+        const float* src = w.out[p] + m * w.N;
+        for (int64_t n = 0; n < w.nv; ++n) dst[n] += src[n];
+      }
 }
 
+// Decodes the weights of a float group (all f32, all bf16 or all int8) and runs it.
 template <typename W>
-void float_matmul(ffi::ThreadPool& pool, const float* xs, const W* ws, float* ys, int64_t M,
-                  int64_t K, int64_t N) {
-  const int64_t nv = (N / kTileN) * kTileN;
-  for (int64_t n = nv; n < N; ++n)  // scalar tail columns
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += xs[m * K + k] * scalar(ws[k * N + n]);
-      ys[m * N + n] = s;
-    }
-  if (nv == 0) return;
-  if (K == 0) {
-    for (int64_t m = 0; m < M; ++m) std::memset(ys + m * N, 0, nv * 4);
-    return;
+ffi::Error float_group_typed(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K,
+                             const std::vector<ffi::AnyBuffer>& ws, const std::vector<float*>& ys) {
+  std::vector<Part<W, float>> g(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    g[i].w = reinterpret_cast<const W*>(ws[i].untyped_data());
+    g[i].N = ws[i].dimensions()[1];
+    g[i].y = ys[i];
   }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t bytes = K * nv * int64_t(sizeof(W));
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
-  auto job = std::make_shared<FJob<W>>();
-  job->x = xs; job->w = ws; job->M = M; job->K = K; job->N = N; job->nv = nv;
-  job->parts = parts;
-  std::vector<float> scratch((parts - 1) * M * N);
-  job->out.push_back(ys);
-  for (int64_t p = 1; p < parts; ++p) job->out.push_back(scratch.data() + (p - 1) * M * N);
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { fwork<W>(job); });
-  fwork<W>(job);
-  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
-  for (int64_t p = 1; p < parts; ++p)
-    for (int64_t m = 0; m < M; ++m) {
-      float* dst = ys + m * N;
-      const float* src = job->out[p] + m * N;
-      for (int64_t n = 0; n < nv; ++n) dst[n] += src[n];
-    }
+  float_matmul_group<W>(pool, x, g, M, K);
+  return ffi::Error::Success();
+}
+
+ffi::Error float_group(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K,
+                       const std::vector<ffi::AnyBuffer>& ws, const std::vector<float*>& ys,
+                       const char* name) {
+  const auto t = ws[0].element_type();
+  for (const auto& w : ws)
+    if (w.element_type() != t)
+      return ffi::Error::InvalidArgument(std::string(name) + ": weights of one dtype");
+  if (t == ffi::F32) return float_group_typed<float>(pool, x, M, K, ws, ys);
+  if (t == ffi::BF16) return float_group_typed<uint16_t>(pool, x, M, K, ws, ys);
+  if (t == ffi::S8) return float_group_typed<int8_t>(pool, x, M, K, ws, ys);
+  return ffi::Error::InvalidArgument(std::string(name) + ": w must be f32, bf16 or int8");
 }
 
 ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -509,21 +585,32 @@ ffi::Error FloatMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("phaseserve_float_matmul: want x [M, K], w [K, N]");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (w.element_type() == ffi::F32) {
-    float_matmul<float>(pool, x.typed_data(), w.typed_data<float>(), y->typed_data(), M, K, N);
-  } else if (w.element_type() == ffi::BF16) {
-    float_matmul<uint16_t>(pool, x.typed_data(),
-                           reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(),
-                           M, K, N);
-  } else if (w.element_type() == ffi::S8) {
-    float_matmul<int8_t>(pool, x.typed_data(), reinterpret_cast<const int8_t*>(w.untyped_data()),
-                         y->typed_data(), M, K, N);
-  } else {
-    return ffi::Error::InvalidArgument("phaseserve_float_matmul: w must be f32, bf16 or int8");
+  return float_group(pool, x.typed_data(), xd[0], xd[1], {w}, {y->typed_data()},
+                     "phaseserve_float_matmul");
+}
+
+// Operands: x [M, K] f32, then G weights [K, N_g] of one dtype (f32, bf16 or int8); results:
+// G f32 [M, N_g].
+ffi::Error FloatMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  constexpr const char* kWant =
+      "phaseserve_float_matmul_group: want x [M, K], G w [K, N], G f32 results [M, N]";
+  auto xd = x.dimensions();
+  const size_t G = rets.size();
+  if (xd.size() != 2 || G == 0 || args.size() != G) return ffi::Error::InvalidArgument(kWant);
+  std::vector<ffi::AnyBuffer> ws;
+  std::vector<float*> ys;
+  for (size_t i = 0; i < G; ++i) {
+    auto w = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWant);
+    auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != xd[1] || (*y)->element_count() != xd[0] * wd[1])
+      return ffi::Error::InvalidArgument(kWant);
+    ws.push_back(*w);
+    ys.push_back((*y)->typed_data());
   }
-  return ffi::Error::Success();
+  return float_group(pool, x.typed_data(), xd[0], xd[1], ws, ys, "phaseserve_float_matmul_group");
 }
 
 // ---- float x [N, K] weights: y[M, N] = x[M, K] . w[N, K]^T (tied unembedding), f32 ---------
@@ -569,44 +656,23 @@ const NKFBlockFn<W> kNKF[kMaxM + 1] = {nullptr, nkf_block<1, W>, nkf_block<2, W>
 constexpr int kNKFBlock = 8;  // output rows per unit of work (a multiple of every kNKRows)
 
 template <typename W>
-struct NKFJob {
-  const float* x; const W* w; float* y; int64_t M, K, N, parts;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename W>
-void nkf_work(const std::shared_ptr<NKFJob<W>>& j) {
-  static constexpr int kRows[kMaxM + 1] = {0, kNKRows<1>, kNKRows<2>, kNKRows<3>, kNKRows<4>,
-                                           kNKRows<5>, kNKRows<6>, kNKRows<7>, kNKRows<8>};
-  while (true) {
-    const int64_t p = j->next.fetch_add(1);
-    if (p >= j->parts) return;
-    const int64_t blocks = (j->N + kNKFBlock - 1) / kNKFBlock;
-    const int64_t n0 = kNKFBlock * (blocks * p / j->parts);
-    const int64_t n1 = std::min(j->N, kNKFBlock * (blocks * (p + 1) / j->parts));
-    for (int64_t m0 = 0; m0 < j->M; m0 += kMaxM) {
-      const int64_t mb = std::min<int64_t>(kMaxM, j->M - m0);
-      const int64_t r = kRows[mb];
-      for (int64_t n = n0; n < n1; n += r)
-        kNKF<W>[mb](j->x + m0 * j->K, j->K, j->w, n, std::min<int64_t>(r, n1 - n),
-                    j->y + m0 * j->N, j->N);
-    }
-    j->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-template <typename W>
 void float_nk_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t M,
                      int64_t K, int64_t N) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t bytes = N * K * int64_t(sizeof(W));
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
-  auto job = std::make_shared<NKFJob<W>>();
-  job->x = x; job->w = w; job->y = y; job->M = M; job->K = K; job->N = N; job->parts = parts;
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([job] { nkf_work<W>(job); });
-  nkf_work<W>(job);
-  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  static constexpr int kRows[kMaxM + 1] = {0, kNKRows<1>, kNKRows<2>, kNKRows<3>, kNKRows<4>,
+                                           kNKRows<5>, kNKRows<6>, kNKRows<7>, kNKRows<8>};
+  run_parts(pool, parts, [&](int64_t p) {
+    int64_t n0, n1;
+    k_range(N, kNKFBlock, parts, p, &n0, &n1);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const int64_t mb = std::min<int64_t>(kMaxM, M - m0);
+      const int64_t r = kRows[mb];
+      for (int64_t n = n0; n < n1; n += r)
+        kNKF<W>[mb](x + m0 * K, K, w, n, std::min<int64_t>(r, n1 - n), y + m0 * N, N);
+    }
+  });
 }
 
 ffi::Error FloatNKMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -665,6 +731,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatMatmul, FloatMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatMatmulGroup, FloatMatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveW8A8MatmulGroup, W8A8MatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("prefetch_l1"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveFloatNKMatmul, FloatNKMatmulImpl,
                               ffi::Ffi::Bind()
