@@ -7,10 +7,10 @@ Contract:
     C++ source ``models/native/matmul_kernels.cc`` compiled (``c++`` / ``g++``) against
     ``jax.ffi.include_dir()`` and registered as the XLA FFI targets ``phaseserve_int8_matmul``,
     ``phaseserve_w8a8_matmul``, ``phaseserve_w8a8_nk_matmul``, ``phaseserve_float_matmul``,
-    ``phaseserve_float_nk_matmul`` and the two ``*_group`` targets below. The shared library is cached under
-    ``$PHASESERVE_CACHE_DIR`` (default ``~/.cache/phaseserve``), keyed by the source, jax version
-    and compiler flags; any failure means ``False`` (callers fall back to XLA's own dot) and is
-    logged once.
+    ``phaseserve_float_nk_matmul`` and the two ``*_group`` targets below. The shared library is
+    cached under ``$PHASESERVE_CACHE_DIR`` (default ``~/.cache/phaseserve``), keyed by the
+    source, jax version and compiler flags; any failure means ``False`` (callers fall back to
+    XLA's own dot) and is logged once.
   * ``matmul_s8(x_MK, w_KN)`` returns ``x @ w`` as int32 ``[M, N]``: exact integer arithmetic,
     bit-identical to ``lax.dot_general(..., preferred_element_type=jnp.int32)``.
   * ``matmul_w8a8(x_MK, w_KN, w_scale_N)``: f32 ``[M, N]``, bit-identical to the W8A8 formula of
@@ -95,7 +95,8 @@ def available() -> bool:
         missing = need - native_build.cpu_flags()
         if missing:
           raise RuntimeError(f"CPU lacks {sorted(missing)}")
-        lib = ctypes.cdll.LoadLibrary(native_build.build("matmul_kernels", native_build.source("matmul_kernels"), _FLAGS))
+        lib = ctypes.cdll.LoadLibrary(native_build.build(
+            "matmul_kernels", native_build.source("matmul_kernels"), _FLAGS))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseserveInt8Matmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_FLOAT_TARGET, jax.ffi.pycapsule(lib.PhaseserveFloatMatmul),

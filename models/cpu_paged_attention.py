@@ -2,9 +2,9 @@
 
 Contract:
   * ``available() -> bool``: the default backend is CPU, the CPU has AVX-512 F, the environment
-    does not say ``PHASESERVE_NATIVE_KERNELS=0``, and the C++ in ``models/native/paged_attention.cc`` compiled
-    (``models.native_build``) and registered as the XLA FFI target
-    ``phaseserve_paged_decode_attention``. Any failure means ``False`` (logged once); the caller
+    does not say ``PHASESERVE_NATIVE_KERNELS=0``, and the C++ in
+    ``models/native/paged_attention.cc`` compiled (``models.native_build``) and registered as
+    the XLA FFI target ``phaseserve_paged_decode_attention``. Any failure means ``False`` (logged once); the caller
     then uses the gather + ``models.attention.attend`` path.
   * ``supported(n_heads, kv_heads, head_dim, dtype) -> bool``: shapes and dtypes the kernel takes
     (``head_dim % 16 == 0``, at most 16 query heads per kv head, pages f32, bf16 or int8).
@@ -18,6 +18,11 @@ Contract:
     key ``s`` read at page ``table_BM[b, s // Z]``, offset ``s % Z``. A table entry outside
     ``[0, P)`` reads as zeros (the null page of ``models.paged_kv``). A row with no visible key
     gives zeros. Only the visible keys are touched: nothing is gathered or materialised.
+  * ``attend_decode(q_BTNH, k_pages, v_pages, table_BM, pos_BT, layer, attend_len)``:
+    ``decode_attention`` as ``models.attention.attend`` is called (``[B, 1, N, H]`` in q's
+    dtype; q scaled and rounded as ``attend`` does). Callers: ``models.paged_kv.PagedKV`` and
+    ``models.kv_cache.KVCache`` (a contiguous cache ``[L, B, K, S, H]`` is a pool of one page
+    of ``S`` positions per row: table ``[[0], [1], ...]``).
   * Numerics: f32 products and accumulation, an online softmax over pages (as FlashAttention)
     with a polynomial ``exp`` (relative error below 1e-6); equal to the gather path up to
     summation order (and, for bf16 pages, up to the gather path's rounding of the probabilities
@@ -61,7 +66,6 @@ _state: dict[str, object] = {}
 MAX_GROUP = 16
 
 
-
 def available() -> bool:
   """True when the kernel may be used (see the module contract); builds on first call."""
   if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0":
@@ -73,7 +77,8 @@ def available() -> bool:
       try:
         if "avx512f" not in native_build.cpu_flags():
           raise RuntimeError("CPU lacks avx512f")
-        lib = ctypes.cdll.LoadLibrary(native_build.build("paged_attention", native_build.source("paged_attention"), _FLAGS))
+        lib = ctypes.cdll.LoadLibrary(native_build.build(
+            "paged_attention", native_build.source("paged_attention"), _FLAGS))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseservePagedDecodeAttention),
                                     platform="cpu")
         _state["ok"] = True
@@ -114,6 +119,17 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
               bf16_dot=np.int32(1 if _dot_path(q_BNH.dtype, k_pages.dtype) else 0))
 
 
+def attend_decode(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
+                  pos_BT: jax.Array, layer: int | jax.Array, attend_len: int) -> jax.Array:
+  """``models.attention.attend`` of one query per row (``T == 1``) over a pool read through
+  ``table_BM``: q scaled by ``H ** -0.5`` and rounded to its dtype as ``attend`` does, the
+  result ``[B, 1, N, H]`` in q's dtype (call only when ``available()`` and ``supported``)."""
+  h = q_BTNH.shape[-1]
+  q_BNH = (q_BTNH[:, 0].astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
+  out_BNH = decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_BT[:, 0], layer, attend_len)
+  return out_BNH[:, None].astype(q_BTNH.dtype)
+
+
 def _dot_path(q_dtype, pages_dtype) -> bool:
   """The BF16 dot-product loops round q to bf16: exact for a bf16 query, so bf16 pools take them
   only then (an f32 query over bf16 pages takes the f32 loops, equal to the gather path); int8
@@ -131,4 +147,4 @@ def bf16_dot() -> bool:
           and "avx512_bf16" in native_build.cpu_flags())
 
 
-__all__ = ["available", "supported", "decode_attention", "MAX_GROUP"]
+__all__ = ["available", "supported", "decode_attention", "attend_decode", "MAX_GROUP"]

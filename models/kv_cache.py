@@ -15,7 +15,8 @@ Contract:
     k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
     with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
     (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
-    layer ``layer``; a store may compute it without ``read``, as ``PagedKV`` does for decode),
+    layer ``layer``; a store may compute it without ``read``: both stores do for decode on
+    XLA:CPU, with ``models.cpu_paged_attention``),
     and ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
     ``t`` tokens per row (absolute positions, write positions with padding routed to ``PAD_POS``,
@@ -31,7 +32,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models import attention
+from models import attention, cpu_paged_attention
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -96,6 +97,16 @@ class KVCache:
 
   def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
              ) -> jax.Array:
+    b, t, n, h = q_BTNH.shape
+    if (t == 1 and self.k.dtype in (jnp.float32, jnp.bfloat16)
+        and cpu_paged_attention.available()
+        and cpu_paged_attention.supported(n, self.k.shape[2], h, self.k.dtype)):
+      # Decode on XLA:CPU: [L, B, K, S, H] is a page pool of one S-position page per row, read
+      # in place by the native attention (XLA's two small dots per layer cost more to dispatch
+      # than to compute).
+      table_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+      return cpu_paged_attention.attend_decode(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
+                                               min(attend_len, self.max_len))
     return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 

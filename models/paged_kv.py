@@ -216,11 +216,8 @@ class PagedKV:
                                           pages_dtype(self.k_pages))):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
-      q_BNH = (q_BTNH[:, 0].astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
-      out_BNH = cpu_paged_attention.decode_attention(q_BNH, self.k_pages, self.v_pages,
-                                                     self.page_table, pos_BT[:, 0], layer,
-                                                     attend_len)
-      return out_BNH[:, None].astype(q_BTNH.dtype)
+      return cpu_paged_attention.attend_decode(q_BTNH, self.k_pages, self.v_pages,
+                                               self.page_table, pos_BT, layer, attend_len)
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
     seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
     return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)

@@ -2,7 +2,8 @@
 path (``PagedKV.read`` + ``models.attention.attend``) for f32, bf16 and int8 pages (values
 and per-token, per-head scales), both bf16 code paths (AVX-512 BF16 dot products, and f32
 FMAs), null table entries, rows of every length from 1 key to the full table, ``max_keys``
-below the table's capacity, multiquery and grouped heads; ``PagedKV.attend`` picks it for decode and the model's decode logits agree with the gather path.
+below the table's capacity, multiquery and grouped heads; ``PagedKV.attend`` and the contiguous
+``KVCache.attend`` pick it for decode and the model's decode logits agree with the gather path.
 
 Tolerances, relative to the reference's magnitude ``max(1, max|ref|)``: f32 pages 1e-5 (the
 same products, summed in another order); bf16 pages 2e-2 (both paths round q and the
@@ -23,6 +24,7 @@ import pytest
 from models import attention, cpu_paged_attention as cpa, native_build, paged_kv as PK, quant
 from models import transformer as T
 from models.config import get_preset
+from models.kv_cache import init_cache
 from models.weights import init_params
 
 needs_kernel = pytest.mark.skipif(not cpa.available(),
@@ -130,18 +132,24 @@ def test_bad_shapes_are_refused():
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_model_decode_through_the_kernel_equals_the_gather_path(dtype, monkeypatch):
+@pytest.mark.parametrize("store,dtype", [("paged", "float32"), ("paged", "bfloat16"),
+                                         ("paged", "int8"), ("contiguous", "float32"),
+                                         ("contiguous", "bfloat16")])
+def test_model_decode_through_the_kernel_equals_the_gather_path(store, dtype, monkeypatch):
   """``small``-shaped heads (multiquery, 64-wide) on a two-layer model: decode logits with the
   kernel equal those with it switched off, at the model's own tolerance for the dtype (int8:
-  an int8 pool under f32 params)."""
+  an int8 pool under f32 params). ``contiguous``: ``KVCache`` read in place as one page per
+  row."""
   cfg = get_preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=32)
   dt = jnp.dtype(dtype)
   params = init_params(cfg, jax.random.key(1), jnp.float32 if dtype == "int8" else dt)
   rng = np.random.default_rng(3)
   z, m, b = 16, 4, 3
   table = jnp.asarray(rng.permutation(b * m + 2)[:b * m].reshape(b, m), jnp.int32)
-  kv = PK.init_paged(cfg, b, b * m + 2, z, m, dt).replace(page_table=table)
+  if store == "paged":
+    kv = PK.init_paged(cfg, b, b * m + 2, z, m, dt).replace(page_table=table)
+  else:
+    kv = init_cache(cfg, b, z * m, dt)
   lens = jnp.asarray([37, 9, 50], jnp.int32)
   toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 64)), jnp.int32)
   _, kv = T.prefill(params, toks, kv, None, lens, cfg=cfg, attend_len=64)
