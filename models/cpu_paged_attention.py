@@ -4,8 +4,8 @@ Contract:
   * ``available() -> bool``: the default backend is CPU, the CPU has AVX-512 F, the environment
     does not say ``PHASESERVE_NATIVE_KERNELS=0``, and the C++ in
     ``models/native/paged_attention.cc`` compiled (``models.native_build``) and registered as
-    the XLA FFI target ``phaseserve_paged_decode_attention``. Any failure means ``False`` (logged once); the caller
-    then uses the gather + ``models.attention.attend`` path.
+    the XLA FFI target ``phaseserve_paged_decode_attention``. Any failure means ``False``
+    (logged once); the caller then uses the gather + ``models.attention.attend`` path.
   * ``supported(n_heads, kv_heads, head_dim, dtype) -> bool``: shapes and dtypes the kernel takes
     (``head_dim % 16 == 0``, at most 16 query heads per kv head, pages f32, bf16 or int8).
   * ``decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B, layer, max_keys) -> [B, N, H]``
