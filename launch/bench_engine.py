@@ -116,10 +116,12 @@ def _decode_section(cfg, params, tok, rng) -> dict:
     cache = cache.replace(lengths=jnp.full((b,), ctx, jnp.int32))
     toks = jnp.zeros((b,), jnp.int32)
 
-    @jax.jit
-    def direct(params, toks, cache):
+    def direct_step(params, toks, cache):
       logits, cache = decode_step(params, toks, cache, cfg=cfg, attend_len=attend)
       return argmax(logits), cache
+
+    # The cache donated, as the engine donates its pages: otherwise every step copies it.
+    direct = jax.jit(direct_step, donate_argnums=(2,))
 
     toks, cache = direct(params, toks, cache)
     np.asarray(toks)
