@@ -40,12 +40,13 @@ def _targets(fn, *args) -> list[str]:
           for _ in range(hlo.count(t))]
 
 
-# Shapes: SmolLM2's q / k / v (576 -> 576, 192, 192), a scalar-tail width (33), a K that is no
-# multiple of any block (100), and rows across the 8-row register block (9).
+# Shapes: SmolLM2's q / k / v (576 -> 576, 192, 192: K split over two threads), a scalar-tail
+# width (33), a K that is no multiple of any block (100), rows across the 8-row register block
+# (9), and a K of one block under wide weights (two parts, the second with no rows).
 @needs_kernel
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("m,k,ns", [(1, 576, (576, 192, 192)), (3, 100, (96, 33)),
-                                    (9, 64, (64, 160, 32, 31))])
+                                    (9, 64, (64, 160, 32, 31)), (2, 8, (40000, 20000))])
 def test_float_group_equals_the_products(wdtype, m, k, ns):
   rng = np.random.default_rng(m + k)
   x = rng.standard_normal((m, k)).astype(np.float32)
@@ -60,7 +61,7 @@ def test_float_group_equals_the_products(wdtype, m, k, ns):
 
 @needs_kernel
 @pytest.mark.parametrize("m,k,ns", [(1, 576, (1536, 1536)), (6, 96, (64, 33, 17)),
-                                    (16, 130, (48, 32))])
+                                    (16, 130, (48, 32)), (2, 16, (20000, 33))])
 def test_w8a8_group_is_the_separate_calls_bit_for_bit(m, k, ns):
   rng = np.random.default_rng(m * 7 + k)
   x = rng.standard_normal((m, k)).astype(np.float32) * 3

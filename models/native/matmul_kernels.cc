@@ -145,6 +145,43 @@ void run_parts(ffi::ThreadPool& pool, int64_t parts, Fn fn) {
   while (sync->done.load(std::memory_order_acquire) < parts) _mm_pause();
 }
 
+// The K split of a group: ``parts`` (at most one per thread, each streaming at least
+// ``min_part_bytes`` of the group's ``bytes``) K ranges aligned to ``block``; part p computes its
+// rows of every weight with ``partial(w, k0, k1, out)`` into its own [M, N] partial sums (part
+// 0 into the result), which are then added in part order. Columns [0, nv) only.
+template <typename W, typename Y, typename Fn>
+void split_k(ffi::ThreadPool& pool, std::vector<Part<W, Y>>& g, int64_t M, int64_t K,
+             int64_t block, int64_t bytes, int64_t min_part_bytes, Fn partial) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / min_part_bytes));
+  std::vector<std::vector<Y>> scratch(g.size());
+  for (size_t i = 0; i < g.size(); ++i) {
+    auto& w = g[i];
+    scratch[i].resize((parts - 1) * M * w.N);
+    w.out.assign(1, w.y);
+    for (int64_t p = 1; p < parts; ++p) w.out.push_back(scratch[i].data() + (p - 1) * M * w.N);
+  }
+  run_parts(pool, parts, [&](int64_t p) {
+    int64_t k0, k1;
+    k_range(K, block, parts, p, &k0, &k1);
+    for (auto& w : g) {
+      if (w.nv == 0) continue;
+      if (k1 > k0) {
+        partial(w, k0, k1, w.out[p]);
+      } else {
+        for (int64_t m = 0; m < M; ++m) std::memset(w.out[p] + m * w.N, 0, w.nv * sizeof(Y));
+      }
+    }
+  });
+  for (auto& w : g)
+    for (int64_t p = 1; p < parts; ++p)
+      for (int64_t m = 0; m < M; ++m) {
+        Y* dst = w.y + m * w.N;
+        const Y* src = w.out[p] + m * w.N;
+        for (int64_t n = 0; n < w.nv; ++n) dst[n] += src[n];
+      }
+}
+
 // ys[g][M, N_g] = xs[M, K] . ws[g][K, N_g] in int32, for every weight g of the group.
 void int8_matmul_group(ffi::ThreadPool& pool, const int8_t* xs, std::vector<Part<int8_t, int32_t>>& g,
                        int64_t M, int64_t K, bool l1 = false) {
@@ -176,37 +213,14 @@ void int8_matmul_group(ffi::ThreadPool& pool, const int8_t* xs, std::vector<Part
       }
   }
   if (bytes == 0) return;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Split K over threads only when each part streams enough weight bytes to pay for a task.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (128 * 1024)));
-  std::vector<std::vector<int32_t>> scratch(g.size());
-  for (size_t i = 0; i < g.size(); ++i) {
-    auto& w = g[i];
-    scratch[i].resize((parts - 1) * M * w.N);
-    w.out.assign(1, w.y);
-    for (int64_t p = 1; p < parts; ++p) w.out.push_back(scratch[i].data() + (p - 1) * M * w.N);
-  }
-  run_parts(pool, parts, [&](int64_t p) {
-    int64_t k0, k1;
-    k_range(K, kBlockK, parts, p, &k0, &k1);
-    for (auto& w : g) {
-      if (w.nv == 0) continue;
-      if (k1 > k0) {
-        partial(xp.data(), kp, w.w, M, w.N, w.nv, k0, k1, w.out[p], l1);
-      } else {
-        for (int64_t m = 0; m < M; ++m) std::memset(w.out[p] + m * w.N, 0, w.nv * 4);
-      }
-    }
-  });
+  split_k(pool, g, M, K, kBlockK, bytes, 128 * 1024,
+          [&](const Part<int8_t, int32_t>& w, int64_t k0, int64_t k1, int32_t* out) {
+            partial(xp.data(), kp, w.w, M, w.N, w.nv, k0, k1, out, l1);
+          });
   for (auto& w : g)
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t* dst = w.y + m * w.N;
-      for (int64_t p = 1; p < parts; ++p) {
-        const int32_t* src = w.out[p] + m * w.N;
-        for (int64_t n = 0; n < w.nv; ++n) dst[n] += src[n];
-      }
-      for (int64_t n = 0; n < w.nv; ++n) dst[n] -= excess[m];
-    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.nv; ++n) w.y[m * w.N + n] -= excess[m];
 }
 
 // ys[M, N] = xs[M, K] . ws[K, N] in int32.
@@ -522,34 +536,10 @@ void float_matmul_group(ffi::ThreadPool& pool, const float* xs, std::vector<Part
       for (int64_t m = 0; m < M; ++m) std::memset(w.y + m * w.N, 0, w.nv * 4);
   }
   if (bytes == 0) return;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, bytes / (256 * 1024)));
-  std::vector<std::vector<float>> scratch(g.size());
-  for (size_t i = 0; i < g.size(); ++i) {
-    auto& w = g[i];
-    scratch[i].resize((parts - 1) * M * w.N);
-    w.out.assign(1, w.y);
-    for (int64_t p = 1; p < parts; ++p) w.out.push_back(scratch[i].data() + (p - 1) * M * w.N);
-  }
-  run_parts(pool, parts, [&](int64_t p) {
-    int64_t k0, k1;
-    k_range(K, kFBlockK, parts, p, &k0, &k1);
-    for (auto& w : g) {
-      if (w.nv == 0) continue;
-      if (k1 > k0) {
-        fpartial<W>(xs, w.w, M, K, w.N, w.nv, k0, k1, w.out[p]);
-      } else {
-        for (int64_t m = 0; m < M; ++m) std::memset(w.out[p] + m * w.N, 0, w.nv * 4);
-      }
-    }
-  });
-  for (auto& w : g)
-    for (int64_t p = 1; p < parts; ++p)
-      for (int64_t m = 0; m < M; ++m) {
-        float* dst = w.y + m * w.N;
-        const float* src = w.out[p] + m * w.N;
-        for (int64_t n = 0; n < w.nv; ++n) dst[n] += src[n];
-      }
+  split_k(pool, g, M, K, kFBlockK, bytes, 256 * 1024,
+          [&](const Part<W, float>& w, int64_t k0, int64_t k1, float* out) {
+            fpartial<W>(xs, w.w, M, K, w.N, w.nv, k0, k1, out);
+          });
 }
 
 // Decodes the weights of a float group (all f32, all bf16 or all int8) and runs it.
