@@ -4,7 +4,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
-``--max_prefill_chunks``, ``--max_context``, ``--prefix_cache``, ``--session_idle_s``,
+``--max_prefill_chunks``, ``--tpot_target_ms``, ``--min_prefill_tokens``, ``--max_context``,
+``--prefix_cache``, ``--session_idle_s``,
 ``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``,
 ``--scan_layers``, ``--compile_cache_dir``) for ``launch.serve_offline`` and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
@@ -58,6 +59,13 @@ MAX_CHUNK = flags.DEFINE_integer("max_chunk", 256, "longest prefill chunk", lowe
 PREFILL_CHUNKS = flags.DEFINE_integer("max_prefill_chunks", 4,
                                       "prefill chunks per step (more: bigger prefill batches, "
                                       "more programs to warm up)", lower_bound=1)
+TPOT_TARGET = flags.DEFINE_float("tpot_target_ms", 0.0,
+                                 "TPOT-aware prefill budget: a step that decodes carries only "
+                                 "the prefill tokens the measured step cost keeps within this "
+                                 "(0: off; e.g. 30 for a 40 ms TPOT SLO at p99)", lower_bound=0.0)
+MIN_PREFILL = flags.DEFINE_integer("min_prefill_tokens", 32,
+                                   "prefill tokens a decoding step may always carry under "
+                                   "--tpot_target_ms", lower_bound=1)
 PREFIX_CACHE = flags.DEFINE_bool("prefix_cache", True, "reuse the KV pages of cached prefixes")
 SESSION_IDLE = flags.DEFINE_float("session_idle_s", 300.0, "a paused session's KV stays pinned "
                                   "this long", lower_bound=0.001)
@@ -121,7 +129,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         session_idle_s=SESSION_IDLE.value, session_pages=SESSION_PAGES.value,
         host_tier_bytes=HOST_TIER.value,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
-        attention_sinks=SINKS.value)
+        attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
+        min_prefill_tokens=MIN_PREFILL.value)
     deployment = Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value)
     check_multiprocess(deployment, HOST_TIER.value)

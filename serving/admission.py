@@ -7,7 +7,9 @@ server). ``parse_classes("name:ttft_s:tpot_s,...")`` reads a flag. ``StepCostMod
 engine's measured step time, ``a + b * prefill_tokens + c * decode_rows`` (seconds), fitted online
 by least squares with exponential forgetting (``forget`` per step), so it follows the machine
 as it runs; ``observe(prefill_tokens, decode_rows, seconds)`` after each busy step,
-``cost(prefill_tokens, decode_rows)`` predicts one. ``predict(load) ->
+``cost(prefill_tokens, decode_rows)`` predicts one, ``prefill_room(decode_rows, seconds)``
+inverts it. ``tpot_prefill_limit(model, tpot_s, floor)`` is the scheduler's TPOT-aware
+prefill budget built on it (``ServingConfig.tpot_target_ms``). ``predict(load) ->
 Prediction`` estimates a new request's TTFT and TPOT from the measured step time and the
 prefill backlog: the backlog (prompt tokens admitted but not yet prefilled) plus this
 request's prompts drain at ``max_step_tokens - decoding rows`` tokens per step, plus one step for
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -83,6 +86,31 @@ class StepCostModel:
   def cost(self, prefill_tokens: int, decode_rows: int) -> float:
     a, b, c = self._coef
     return max(0.0, float(a + b * prefill_tokens + c * decode_rows))
+
+  def prefill_room(self, decode_rows: int, seconds: float) -> int | None:
+    """The most prefill tokens a step with ``decode_rows`` decodes can carry and still take at
+    most ``seconds`` by the fit (0 when the decodes alone take longer); None before the fit is
+    ``ready`` or when it gives prefill tokens no positive cost."""
+    a, b, c = self._coef
+    if not self.ready or b <= 0:
+      return None
+    return max(0, int((seconds - a - c * decode_rows) / b))
+
+
+def tpot_prefill_limit(model: StepCostModel, tpot_s: float, floor: int
+                       ) -> Callable[[int], int | None]:
+  """``Scheduler.prefill_limit`` for a TPOT target: a step that decodes carries only the
+  prefill tokens that keep it within ``tpot_s`` by ``model`` (the step time is the decodes'
+  TPOT), but at least ``floor`` so that prompts still advance when decode alone is slower;
+  no limit while ``model`` is not fitted."""
+  if tpot_s <= 0 or floor < 1:
+    raise ValueError(f"want tpot_s > 0 and floor >= 1, got {tpot_s}, {floor}")
+
+  def limit(decode_rows: int) -> int | None:
+    room = model.prefill_room(decode_rows, tpot_s)
+    return None if room is None else max(floor, room)
+
+  return limit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,9 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
   * ``schedule() -> StepPlan``: every running, decoding sequence gets one token (decode first:
     their TPOT is the step time, which the token budget bounds); the rest of
     ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each, at most
-    ``max_prefill_chunks`` per step): sequences in
+    ``max_prefill_chunks`` per step; when the step decodes and ``prefill_limit`` is set, at
+    most ``prefill_limit(decode rows)`` prefill tokens in all, None meaning no limit: the
+    TPOT-aware budget of ``serving.admission.tpot_prefill_limit``): sequences in
     the middle of their prompt first, then waiting requests by priority, FCFS within one, while a
     slot (a row of the decode batch; the lowest free one, so active slots stay compact) is free.
     Pages come from the ``PagePool`` before the step that writes them. When a decode cannot get a
@@ -176,7 +178,8 @@ class Scheduler:
                max_step_tokens: int, max_chunk: int, max_waiting: int = 1024,
                max_context: int | None = None, max_prefill_chunks: int | None = None,
                prefix_cache: PrefixCache | None = None, cache_generated: bool = True,
-               sessions: Sessions | None = None, sinks: bool = False):
+               sessions: Sessions | None = None, sinks: bool = False,
+               prefill_limit: Callable[[int], int | None] | None = None):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     self.pool = pool
@@ -194,6 +197,7 @@ class Scheduler:
       raise ValueError("sessions pin pages of the scheduler's own prefix cache")
     self.sessions = sessions
     self.sinks = sinks
+    self.prefill_limit = prefill_limit
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -309,6 +313,10 @@ class Scheduler:
       seq.computed += 1
       seq.inflight += 1
       budget -= 1
+    if decode and self.prefill_limit is not None:
+      limit = self.prefill_limit(len(decode))
+      if limit is not None:
+        budget = min(budget, limit)
     for seq in sorted(self._running, key=lambda s: s.key):
       if budget < 1 or len(prefill) >= self.max_prefill_chunks:
         break

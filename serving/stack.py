@@ -7,7 +7,8 @@ meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split i
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
 so they always agree. The prefix cache (and with it session pinning) is on unless
 ``ServingConfig.prefix_cache`` is False; ``host_tier_bytes`` gives it a host-memory tier of
-that many bytes (whole pages) for the pages it evicts.
+that many bytes (whole pages) for the pages it evicts. ``tpot_target_ms`` > 0 gives the
+scheduler a TPOT-aware prefill budget fitted to the loop's measured step times.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import prometheus_client as prom
 from models.step import Step
 from models.tokenizer import Tokenizer
 from models.weights import Params
+from serving.admission import tpot_prefill_limit
 from serving.engine import Engine, EngineConfig, PhaseDecode
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
@@ -47,6 +49,11 @@ class ServingConfig:
   session_pages: int | None = None  # pinned-session page budget (default: a quarter of the pool)
   host_tier_bytes: int = 0  # host-memory tier for evicted prefix pages (0: none)
   attention_sinks: bool = False  # a raw-key pool: requests may ask for sinks + a window
+  # TPOT-aware prefill budget (0: off): a step that decodes carries only the prefill tokens
+  # the loop's fitted step-cost model says keep it within this many ms, but at least
+  # min_prefill_tokens (serving.admission.tpot_prefill_limit).
+  tpot_target_ms: float = 0.0
+  min_prefill_tokens: int = 32
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -78,8 +85,12 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=config.lag, sinks=config.attention_sinks), decode=decode, host_store=store)
-  return ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
+  loop = ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
                      max_traces=max_traces)
+  if config.tpot_target_ms > 0:
+    sched.prefill_limit = tpot_prefill_limit(loop.cost_model, config.tpot_target_ms / 1e3,
+                                             config.min_prefill_tokens)
+  return loop
 
 
 def warmup(loop: ServingLoop) -> int:
