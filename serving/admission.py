@@ -101,14 +101,18 @@ def tpot_prefill_limit(model: StepCostModel, tpot_s: float, floor: int
                        ) -> Callable[[int], int | None]:
   """``Scheduler.prefill_limit`` for a TPOT target: a step that decodes carries only the
   prefill tokens that keep it within ``tpot_s`` by ``model`` (the step time is the decodes'
-  TPOT), but at least ``floor`` so that prompts still advance when decode alone is slower;
-  no limit while ``model`` is not fitted."""
+  TPOT), rounded down to a power of two, but at least ``floor`` so that prompts still advance
+  when decode alone is slower; no limit while ``model`` is not fitted."""
   if tpot_s <= 0 or floor < 1:
     raise ValueError(f"want tpot_s > 0 and floor >= 1, got {tpot_s}, {floor}")
 
   def limit(decode_rows: int) -> int | None:
     room = model.prefill_room(decode_rows, tpot_s)
-    return None if room is None else max(floor, room)
+    if room is None:
+      return None
+    # The engine pads a chunk to a power-of-two length: a budget between two powers would run
+    # (and cost) as the larger one.
+    return max(floor, 1 << (room.bit_length() - 1) if room else 0)
 
   return limit
 

@@ -29,7 +29,9 @@ Contract:
     the clock time the current engine call began (None between calls), for a watchdog. An
     ``on_output`` callback that raises is dropped, never the loop.
   * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
-    and composition (prefill tokens, decode rows), for admission predictions.
+    and composition (prefill tokens, decode rows), for admission predictions and the TPOT-aware
+    prefill budget; a call during which the engine compiled a program (its ``programs`` count
+    grew) is not a sample.
 """
 
 from __future__ import annotations
@@ -185,6 +187,7 @@ class ServingLoop:
       self.traces[c.request_id].record("prefill_start",
                                        f"{c.start}-{c.start + len(c.token_ids)}")
     t0 = self.step_started = self.clock()
+    programs = getattr(self.engine, "programs", 0)  # fake engines may not count
     try:
       if self.fault_hook is not None:
         self.fault_hook(plan)
@@ -204,7 +207,10 @@ class ServingLoop:
       # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
       self._timed.append((sum(len(c.token_ids) for c in plan.prefill), len(plan.decode)))
       if len(self._timed) > int(getattr(getattr(self.engine, "config", self.engine), "lag", 0)):
-        self.cost_model.observe(*self._timed.popleft(), dt)
+        timed = self._timed.popleft()
+        # A call that compiled a program timed the compiler, not a step: not a sample.
+        if getattr(self.engine, "programs", 0) == programs:
+          self.cost_model.observe(*timed, dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")

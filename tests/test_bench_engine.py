@@ -17,7 +17,7 @@ def test_bench_engine_smoke():
        "--decode_batches", "1,2", "--trace_requests", "6", "--prompt_range", "8,24",
        "--output_mean", "4", "--output_cap", "8", "--slots", "2", "--long_prompt", "48",
        "--long_count", "1", "--chunk", "16", "--paged_context", "128", "--steps", "2",
-       "--rounds", "1", "--json"],
+       "--rounds", "1", "--tpot_target_ms", "50", "--json"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -26,7 +26,10 @@ def test_bench_engine_smoke():
   assert out["paged"]["paged"][0]["page_size"] == 64
   c = out["continuous"]
   assert c["generated_tokens"] > 0 and c["x_static"] > 0
-  assert set(out["chunked"]) >= {"quiet", "chunked", "unchunked", "chunked_x_quiet"}
+  assert set(out["chunked"]) >= {"quiet", "chunked", "unchunked", "chunked_x_quiet",
+                                 "tpot_budget", "tpot_budget_x_quiet"}
+  assert out["chunked"]["tpot_budget"]["long_ttft_ms_max"] > 0
+  assert out["chunked"]["quiet"]["long_ttft_ms_max"] is None
   assert out["machine"]["cpu"]
 
 

@@ -40,7 +40,8 @@ def test_prefill_room_inverts_the_fit():
   assert m.prefill_room(100, 0.040) == 0  # the decodes alone take 54 ms
   assert StepCostModel().prefill_room(4, 0.040) is None  # not fitted yet
   limit = tpot_prefill_limit(m, 0.040, floor=32)
-  assert abs(limit(4) - 170) <= 1 and limit(100) == 32
+  assert limit(4) == 128 and limit(100) == 32  # 170 rounded down to a power of two; the floor
+  assert tpot_prefill_limit(m, 0.040, floor=200)(4) == 200
   assert tpot_prefill_limit(StepCostModel(), 0.040, 32)(4) is None
   with pytest.raises(ValueError):
     tpot_prefill_limit(m, 0.0, 32)
