@@ -7,19 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dataclasses
-
 from models import cpu_kernels, cpu_lowering, native_build, quant
 from models.quant import quantize_array
-
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
-                                  reason="native CPU kernels unavailable here (CPU / compiler)")
-
-# Policies with every native path on (up to 16 rows) / off, whatever this machine measured.
-NATIVE = cpu_lowering.DEFAULT
-XLA_ONLY = dataclasses.replace(cpu_lowering.DEFAULT, float_native_max_rows=0,
-                               f32_native_max_rows=0, int8_native_max_rows=0,
-                               int8_nk_native_max_rows=0)
+from tests.cpu_policies import NATIVE, XLA_ONLY, needs_kernel
 
 
 @pytest.fixture(autouse=True)

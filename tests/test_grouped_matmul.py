@@ -4,8 +4,6 @@ one of them: equal to the separate products (W8A8 bit for bit, float up to summa
 one native call where they group, the separate einsums where they do not, and bad groups
 refused."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,12 +11,7 @@ import pytest
 
 from models import cpu_kernels, cpu_lowering, quant
 from models.quant import quantize_array
-
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
-                                  reason="native CPU kernels unavailable here (CPU / compiler)")
-XLA_ONLY = dataclasses.replace(cpu_lowering.DEFAULT, float_native_max_rows=0,
-                               f32_native_max_rows=0, int8_native_max_rows=0,
-                               int8_nk_native_max_rows=0)
+from tests.cpu_policies import XLA_ONLY, needs_kernel
 
 
 @pytest.fixture(autouse=True)
