@@ -50,8 +50,10 @@ inline __mmask16 lanes(int64_t n) {
 // One page of the online softmax: sg[0, nz) <- exp(sg - m_new), zeros on [nz, span); updates the
 // running max and sum; returns the factor the accumulators are to be scaled by.
 inline float softmax_page(float* sg, int64_t nz, int64_t span, float& mrun, float& lrun) {
-  float mx = sg[0];
-  for (int64_t z = 1; z < nz; ++z) mx = std::max(mx, sg[z]);
+  __m512 mxv = _mm512_set1_ps(-INFINITY);
+  for (int64_t z = 0; z < nz; z += 16)
+    mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, lanes(nz - z), sg + z));
+  const float mx = _mm512_reduce_max_ps(mxv);
   const float mnew = std::max(mrun, mx);
   const float corr = std::isinf(mrun) ? 0.f : std::exp(mrun - mnew);
   const __m512 mv = _mm512_set1_ps(mnew);
@@ -363,8 +365,14 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
         for (int64_t z = 0; z < Z; z += 16)
           _mm512_storeu_ps(sg + z, _mm512_mul_ps(_mm512_loadu_ps(sg + z),
                                                  _mm512_loadu_ps(vsp + z)));
-      for (int64_t z2 = 0; z2 < Z2; ++z2)
-        pp[g * Z2 + z2] = uint32_t(to_bf16(sg[2 * z2])) | (uint32_t(to_bf16(sg[2 * z2 + 1])) << 16);
+      // The pairs (p[2 i], p[2 i + 1]) are the probabilities as a bf16 array: 32 at a time by
+      // vcvtne2ps2bf16 (round to nearest even, as to_bf16; the probabilities are normal or 0).
+      uint16_t* pb16 = reinterpret_cast<uint16_t*>(pp + g * Z2);
+      int64_t z = 0;
+      for (; z + 32 <= Z; z += 32)
+        _mm512_storeu_si512(pb16 + z, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + z + 16),
+                                                                    _mm512_loadu_ps(sg + z)));
+      for (; z < Z; ++z) pb16[z] = to_bf16(sg[z]);
       if (corr != 1.f) scale_row(acc + g * H, corr, H);
     }
     const int64_t npair = (nz + 1) / 2;  // an odd tail pairs with a zero probability
