@@ -163,6 +163,17 @@ class Metrics:
                                       registry=registry)
     self.finished = prom.Counter("phaseserve_requests_finished", "finished requests by reason",
                                  ["reason"], registry=registry)
+    # Steps: what prefill puts beside the decodes (TPOT is the step time of a decoding row).
+    self.step_seconds = hist("phaseserve_step_seconds",
+                             "wall time of one busy engine call (a step's device time)")
+    self.step_prefill_tokens = prom.Gauge("phaseserve_step_prefill_tokens",
+                                          "prefill tokens of the last planned step",
+                                          registry=registry)
+    self.step_decode_rows = prom.Gauge("phaseserve_step_decode_rows",
+                                       "decode rows of the last planned step", registry=registry)
+    self.prefill_limit = prom.Gauge("phaseserve_prefill_limit_tokens",
+                                    "the TPOT-aware prefill budget of the last decoding step "
+                                    "(-1: none applied)", registry=registry)
 
   def observe(self, trace: RequestTrace) -> None:
     t = trace.timings()

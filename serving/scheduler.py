@@ -11,7 +11,8 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each, at most
     ``max_prefill_chunks`` per step; when the step decodes and ``prefill_limit`` is set, at
     most ``prefill_limit(decode rows)`` prefill tokens in all, None meaning no limit: the
-    TPOT-aware budget of ``serving.admission.tpot_prefill_limit``): sequences in
+    TPOT-aware budget of ``serving.admission.tpot_prefill_limit``; ``last_prefill_limit`` is
+    what it said for the last plan): sequences in
     the middle of their prompt first, then waiting requests by priority, FCFS within one, while a
     slot (a row of the decode batch; the lowest free one, so active slots stay compact) is free.
     Pages come from the ``PagePool`` before the step that writes them. When a decode cannot get a
@@ -198,6 +199,7 @@ class Scheduler:
     self.sessions = sessions
     self.sinks = sinks
     self.prefill_limit = prefill_limit
+    self.last_prefill_limit: int | None = None  # what prefill_limit said for the last plan
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
     self._running: list[_Seq] = []
@@ -313,8 +315,9 @@ class Scheduler:
       seq.computed += 1
       seq.inflight += 1
       budget -= 1
+    self.last_prefill_limit = None
     if decode and self.prefill_limit is not None:
-      limit = self.prefill_limit(len(decode))
+      limit = self.last_prefill_limit = self.prefill_limit(len(decode))
       if limit is not None:
         budget = min(budget, limit)
     for seq in sorted(self._running, key=lambda s: s.key):

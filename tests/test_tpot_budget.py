@@ -2,18 +2,20 @@
 ``Scheduler.prefill_limit``, ``ServingConfig.tpot_target_ms``): the fitted step-cost model
 inverted, the scheduler's prefill tokens capped only in steps that decode, and, on a simulated
 engine whose step time is a + b * prefill tokens + c * decode rows, decode steps kept within
-the target once the model is fitted (they are not without it) with every request's ids intact.
+the target once the model is fitted (they are not without it) with every request's ids intact;
+the step metrics (``phaseserve_step_*``, ``phaseserve_prefill_limit_tokens``) report them.
 """
 
 from __future__ import annotations
 
+import prometheus_client as prom
 import pytest
 
 from models.tokenizer import ByteTokenizer
 from serving.admission import StepCostModel, tpot_prefill_limit
 from serving.fake_engine import FakeEngine, reference
 from serving.kv_pages import PageBudget, PagePool
-from serving.lifecycle import RequestTrace
+from serving.lifecycle import Metrics, RequestTrace
 from serving.loop import ServingLoop
 from serving.request import Request
 from serving.sampling import SamplingParams
@@ -103,7 +105,8 @@ def _serve(tpot_ms: float) -> tuple[list, dict, dict]:
   clock, steps = _SimClock(), []
   pool = PagePool(PageBudget(16, 512), max_seq_tokens=1024)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=8, max_step_tokens=512, max_chunk=256)
-  loop = ServingLoop(sched, _TimedEngine(clock, steps), clock=clock)
+  reg = prom.CollectorRegistry()
+  loop = ServingLoop(sched, _TimedEngine(clock, steps), Metrics(reg), clock=clock)
   if tpot_ms:
     sched.prefill_limit = tpot_prefill_limit(loop.cost_model, tpot_ms / 1e3, floor=16)
   outs: dict[str, list[int]] = {}
@@ -118,6 +121,11 @@ def _serve(tpot_ms: float) -> tuple[list, dict, dict]:
   loop.run_until_idle()
   want = {r.request_id: reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
           for r in reqs}
+  # The step metrics: one sample per busy call, the last step's composition and budget.
+  assert reg.get_sample_value("phaseserve_step_seconds_count") == len(steps)
+  limit = reg.get_sample_value("phaseserve_prefill_limit_tokens")
+  assert limit == -1 if not tpot_ms else limit >= 16
+  assert reg.get_sample_value("phaseserve_step_decode_rows") >= 1
   return steps, outs, want
 
 
