@@ -325,21 +325,29 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
       vp = vbase + p * page_elems;
     }
     // prefetch the next page: this row's, or the first of the next item (kh of the next item)
-    int64_t pn = -1, kn = kh;
+    int64_t pn = -1, kn = kh, pkeys = 0;  // its page, kv head and visible keys
     if (m + 1 < pages) {
       pn = tab[m + 1];
+      pkeys = std::min<int64_t>(Z, nkeys - (m + 1) * Z);
     } else if (next_it < j.B * j.K) {
-      pn = j.table[(next_it / j.K) * j.M];
+      const int64_t nb = next_it / j.K;
+      pn = j.table[nb * j.M];
       kn = next_it % j.K;
+      pkeys = std::min<int64_t>({Z, int64_t(j.pos[nb]) + 1, j.max_keys});
     }
-    const bool pf = pn >= 0 && pn < j.P;
+    const bool pf = pn >= 0 && pn < j.P && pkeys > 0;
+    // Its visible keys' K and V lines, spread over this page's groups of 16 keys (a short last
+    // page must still fetch the whole of the next item's first page).
+    const int64_t pf_bytes = pkeys * H * int64_t(sizeof(T));
+    const int64_t groups = (nz + 15) / 16;
+    const int64_t pf_step = (pf_bytes / 64 + groups - 1) / groups * 64;
+    const int64_t pf_off = pf ? (kn - kh) * Z * H + pn * page_elems : 0;
+    const char* nk = reinterpret_cast<const char*>(kbase + pf_off);
+    const char* nv = reinterpret_cast<const char*>(vbase + pf_off);
     for (int64_t z0 = 0; z0 < nz; z0 += 16) {
       if (pf) {
-        const T* kb0 = kbase + (kn - kh) * Z * H;
-        const T* vb0 = vbase + (kn - kh) * Z * H;
-        const char* nk = reinterpret_cast<const char*>(kb0 + pn * page_elems + z0 * H);
-        const char* nv = reinterpret_cast<const char*>(vb0 + pn * page_elems + z0 * H);
-        for (int64_t c = 0; c < 16 * H * int64_t(sizeof(T)); c += 64) {
+        const int64_t c0 = (z0 / 16) * pf_step;
+        for (int64_t c = c0; c < std::min(pf_bytes, c0 + pf_step); c += 64) {
           _mm_prefetch(nk + c, _MM_HINT_T0);
           _mm_prefetch(nv + c, _MM_HINT_T0);
         }
