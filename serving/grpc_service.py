@@ -84,7 +84,7 @@ def parsed(request: object, context: grpc.ServicerContext):
   return request
 
 
-_DEADLINE_SLACK_S = 0.05
+_DEADLINE_SLACK_S = 0.25
 
 
 def watch(stream: Stream, context: grpc.ServicerContext) -> None:
@@ -92,9 +92,10 @@ def watch(stream: Stream, context: grpc.ServicerContext) -> None:
   def done():
     if not stream.ended:
       remaining = context.time_remaining()
-      # The callback of an RPC ended by its deadline can read a remaining time of a few ms
-      # (gRPC's timer against Python's clock; seen once under a loaded suite: the request was
-      # counted as cancelled): within _DEADLINE_SLACK_S of it, the deadline ended it.
+      # The client's deadline timer fires first and cancels the call, while the server's copy of
+      # the deadline began when the call arrived, later: on a loaded machine the server still
+      # reads some time remaining (seen once in a fresh-clone suite: counted as cancelled).
+      # Within _DEADLINE_SLACK_S of it, the deadline ended the RPC.
       if remaining is not None and remaining <= _DEADLINE_SLACK_S:
         stream.cancel(Status.DEADLINE_EXCEEDED, "the deadline expired")
       else:
