@@ -270,7 +270,11 @@ def einsum(spec: str, x: jax.Array, w: Weight) -> jax.Array:
 
   ``x`` is the activation (first operand), ``w`` the weight (second operand).
   """
-  mm = _as_matmul(spec, x, w)
+  return _einsum_as(spec, x, w, _as_matmul(spec, x, w))
+
+
+def _einsum_as(spec: str, x: jax.Array, w: Weight, mm: _Matmul | None) -> jax.Array:
+  """``einsum`` given its ``_as_matmul`` plan (None: not one matmul)."""
   if mm is None:
     return _einsum_generic(spec, x, w)
   pol = _policy()
@@ -310,7 +314,7 @@ def einsums(specs: Sequence[str], x: jax.Array, ws: Sequence[Weight]) -> list[ja
             x32, [_weight_2d(mm, w.quant) for mm, w in zip(mms, ws)],
             [w.scale.reshape(mm.n) for mm, w in zip(mms, ws)], prefetch_l1=pol.int8_prefetch_l1)
         return [_finish(mm, y2, x.dtype) for mm, y2 in zip(mms, y2s)]
-  return [einsum(spec, x, w) for spec, w in zip(specs, ws)]
+  return [_einsum_as(spec, x, w, mm) for spec, w, mm in zip(specs, ws, mms)]
 
 
 def _einsum_generic(spec: str, x: jax.Array, w: Weight) -> jax.Array:

@@ -203,15 +203,16 @@ class ServingLoop:
     if not plan.empty:
       dt = self.clock() - t0
       self.step_s = 0.9 * self.step_s + 0.1 * dt if self.step_s else dt
+      composition = (sum(len(c.token_ids) for c in plan.prefill), len(plan.decode))
       if self.metrics is not None:
         m, limit = self.metrics, self.scheduler.last_prefill_limit
         m.step_seconds.observe(dt)
-        m.step_prefill_tokens.set(sum(len(c.token_ids) for c in plan.prefill))
-        m.step_decode_rows.set(len(plan.decode))
+        m.step_prefill_tokens.set(composition[0])
+        m.step_decode_rows.set(composition[1])
         m.prefill_limit.set(-1 if limit is None else limit)
       # With lagged results, a call waits for the previous step's ids: its wall time is that
       # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
-      self._timed.append((sum(len(c.token_ids) for c in plan.prefill), len(plan.decode)))
+      self._timed.append(composition)
       if len(self._timed) > int(getattr(getattr(self.engine, "config", self.engine), "lag", 0)):
         timed = self._timed.popleft()
         # A call that compiled a program timed the compiler, not a step: not a sample.
