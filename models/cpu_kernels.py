@@ -237,3 +237,58 @@ def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> ja
   call = jax.ffi.ffi_call(_W8A8_NK_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_NK, w_scale_N)
+
+
+# ---- AMX (Intel Sapphire Rapids and later): bf16 tiles for decode batches of tens of rows ----
+
+_AMX_GROUP_TARGET = "phaseserve_amx_matmul_group"
+_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+              "-mamx-tile", "-mamx-bf16"]
+AMX_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+
+
+def amx_available() -> bool:
+  """True when the AMX kernel may be used: ``available()``'s conditions (backend, env switch),
+  the CPU lists ``amx_tile`` and ``amx_bf16``, Linux granted this process the AMX tile state
+  (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), and ``models/native/amx_matmul.cc`` compiled and
+  registered as ``phaseserve_amx_matmul_group``. Builds on first call; any failure is False
+  (logged once)."""
+  if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
+    return False
+  with _lock:
+    if "amx_ok" not in _state:
+      try:
+        missing = {"amx_tile", "amx_bf16", "avx512bw", "avx512vl"} - native_build.cpu_flags()
+        if missing:
+          raise RuntimeError(f"CPU lacks {sorted(missing)}")
+        lib = ctypes.cdll.LoadLibrary(native_build.build(
+            "amx_matmul", native_build.source("amx_matmul"), _AMX_FLAGS))
+        if lib.phaseserve_amx_init() != 0:
+          raise RuntimeError("the OS refused the AMX tile state (arch_prctl XCOMP_PERM)")
+        jax.ffi.register_ffi_target(_AMX_GROUP_TARGET,
+                                    jax.ffi.pycapsule(lib.PhaseserveAmxMatmulGroup),
+                                    platform="cpu")
+        _state["amx_lib"] = lib
+        _state["amx_ok"] = True
+      except Exception as e:  # noqa: BLE001 - any failure means "not this kernel"
+        logging.getLogger(__name__).info("AMX kernel unavailable: %s", e)
+        _state["amx_ok"] = False
+    return bool(_state["amx_ok"])
+
+
+def matmul_amx_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Array]:
+  """``[x_MK @ w for w in ws_KN]`` in f32 for a bf16 ``x`` and ``[K, N]`` weights of one dtype,
+  bf16 or int8 (raw values, exact in bf16; the caller applies the scales), on AMX tiles: bf16
+  products (exact in f32), f32 accumulation, so the result is XLA's bf16 dot with
+  ``preferred_element_type=f32`` up to summation order (call only when ``amx_available()``)."""
+  m, k = x_MK.shape
+  dtype = ws_KN[0].dtype if ws_KN else None
+  if (not ws_KN or x_MK.dtype != jnp.bfloat16 or dtype not in AMX_WEIGHT_DTYPES
+      or any(w.ndim != 2 or w.shape[0] != k or w.dtype != dtype for w in ws_KN)):
+    raise ValueError(f"matmul_amx_group wants bf16 [M, K] and bf16|int8 [K, N] weights of one "
+                     f"dtype, got {x_MK.shape} {x_MK.dtype} and "
+                     f"{[(w.shape, str(w.dtype)) for w in ws_KN]}")
+  call = jax.ffi.ffi_call(_AMX_GROUP_TARGET,
+                          [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
+                          vmap_method="sequential")
+  return list(call(x_MK, *ws_KN))

@@ -36,6 +36,12 @@ Contract:
       - ``int8_native_max_rows`` / ``int8_nk_native_max_rows``: W8A8 rows up to which the native
         kernel is used for ``[K, N]`` / ``[N, K]`` (tied unembedding) int8 weights.
       - ``int8_row_multiple``: XLA's W8A8 int8 dot pads rows to a multiple of this.
+      - ``amx_min_rows`` / ``amx_max_rows`` (bf16 weights) and ``amx_int8_min_rows`` /
+        ``amx_int8_max_rows`` (weight-only int8): bf16 activations with this many rows times a
+        ``[K, N]`` weight go to ``cpu_kernels.matmul_amx_group`` (AMX tiles; only where the
+        CPU has AMX). Measured at 8, 16, 32, 64, 128 rows against what that count would
+        otherwise use (the native float kernel or XLA's dot): the range is the first run of
+        counts where AMX is faster by ``MARGIN``; 0 / 0 (never) in ``DEFAULT``.
       - ``int8_prefetch_l1``: the native ``[K, N]`` W8A8 kernel prefetches the next weight block
         into L1 instead of L2: chosen when L1 is faster by ``MARGIN`` at 1 row and not slower
         by more than that at 8 (L2 was faster on Zen 4, L1 ~13% faster at 1 row on Zen 5).
@@ -67,7 +73,7 @@ from jax import lax
 
 from models import cpu_kernels, json_cache, native_build
 
-VERSION = 4
+VERSION = 5
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -85,6 +91,13 @@ class CpuPolicy:
   int8_nk_native_max_rows: int = 16
   int8_row_multiple: int = 8
   int8_prefetch_l1: bool = False  # the [K, N] W8A8 kernel prefetches into L1, not L2
+  # AMX (bf16 activations, [K, N] weights): rows in [min, max] go to cpu_kernels.matmul_amx_group;
+  # bf16 weights, then weight-only int8. 0 / 0: never (DEFAULT: the AMD EPYC it was tuned on
+  # has no AMX; measured where the CPU has it).
+  amx_min_rows: int = 0
+  amx_max_rows: int = 0
+  amx_int8_min_rows: int = 0
+  amx_int8_max_rows: int = 0
 
   def __post_init__(self) -> None:
     if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
@@ -173,9 +186,11 @@ def cpu_model() -> str:
 
 def cache_key() -> str:
   import jaxlib
-  kernels = hashlib.sha256(native_build.source("matmul_kernels").encode()).hexdigest()[:12]
+  kernels = hashlib.sha256((native_build.source("matmul_kernels")
+                            + native_build.source("amx_matmul")).encode()).hexdigest()[:12]
   parts = [cpu_model(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
-           f"kernels {kernels}", f"native {cpu_kernels.available()}", f"v{VERSION}"]
+           f"kernels {kernels}", f"native {cpu_kernels.available()}",
+           f"amx {cpu_kernels.amx_available()}", f"v{VERSION}"]
   return " | ".join(parts)
 
 
@@ -245,6 +260,7 @@ def report() -> dict:
     return {"policy": dataclasses.asdict(p), "source": _state.get("source"),
             "key": _state.get("key"), "cache_path": _state.get("path"),
             "native_kernels": cpu_kernels.available() if jax.default_backend() == "cpu" else False,
+            "amx_kernel": cpu_kernels.amx_available() if jax.default_backend() == "cpu" else False,
             "measurements": _state.get("measurements", {})}
 
 
@@ -294,6 +310,20 @@ def _crossover(native: dict[int, float], xla: dict[int, float], default_max: int
       break
     best = m
   return best
+
+
+def _amx_range(amx: dict[int, float], other: dict[int, float], margin: float = MARGIN
+               ) -> tuple[int, int]:
+  """The row counts for the AMX kernel: from the smallest measured count where it is faster
+  than the path it would replace by more than ``margin``, up to the last count of the run of
+  such wins that follows; (0, 0) when it never wins. No extrapolation past a measured count."""
+  lo = hi = 0
+  for m in sorted(amx):
+    if amx[m] * (1 + margin) < other[m]:
+      lo, hi = (lo or m), m
+    elif lo:
+      break
+  return lo, hi
 
 
 def _chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
@@ -420,6 +450,12 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
         int8_nk_max = _crossover(nat, xla, DEFAULT.int8_nk_native_max_rows)
       del wq
 
+  # AMX for decode batches: against what each row count would otherwise use.
+  amx_bf16 = amx_int8 = (0, 0)
+  if native and cpu_kernels.amx_available():
+    amx_bf16, amx_int8 = _measure_amx(meas, rounds, k, n, stream_bytes, float_prefill,
+                                      float_max, int8_max)
+
   # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
   wq1 = jax.random.randint(key, (k, n), -127, 128, jnp.int8)
   sc = jnp.full((n,), 0.01, jnp.float32)
@@ -439,5 +475,42 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
                 f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
                 bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
                 int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
-                int8_prefetch_l1=prefetch_l1)
+                int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
+                amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1])
   return p, meas, time.perf_counter() - t0
+
+
+def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
+                 float_max: int, int8_max: int, rows: tuple[int, ...] = (8, 16, 32, 64, 128)
+                 ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """AMX vs the incumbent at each of ``rows`` (bf16 activations; bf16 weights: the native
+  float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only
+  int8: the native float kernel on the int8 values up to ``int8_max``, else XLA's dot of the
+  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows of
+  each (``_amx_range``)."""
+  key = jax.random.key(0)
+  out = []
+  for name, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
+    if wdt == jnp.int8:
+      ws = _stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8), stream_bytes,
+                  k * n)
+    else:
+      ws = _stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
+    amx, other = {}, {}
+    for m in rows:
+      xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+      fa = jax.jit(lambda x, ws: _chain(lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0],
+                                        x, ws))
+      if m <= nat_max:
+        fo = jax.jit(lambda x, ws: _chain(
+            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
+      else:
+        method = float_prefill if wdt == jnp.bfloat16 else "xw"  # as models.quant lowers them
+        fo = jax.jit(lambda x, ws, method=method: _chain(
+            lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method), x, ws))
+      r = _race({"amx": lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
+      amx[m], other[m] = r["amx"], r["incumbent"]
+      meas[f"amx_{name}_{m}rows"] = r
+    out.append(_amx_range(amx, other))
+    del ws
+  return out[0], out[1]

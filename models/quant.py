@@ -45,6 +45,12 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     zeros to a multiple of the policy's ``int8_row_multiple``, since with few rows XLA:CPU picks
     a much slower int8 kernel. Both give the same int32 sums; padding rows quantize to zero and are
     sliced off.
+  * AMX (Intel Sapphire Rapids and later): bf16 activations times a ``[K, N]`` bf16 or
+    weight-only int8 weight, with a row count in the policy's ``amx_*_rows`` range (decode
+    batches of tens of rows, where the native kernels run out of FMA throughput and XLA's bf16
+    dot re-packs the weight on every call), go to ``cpu_kernels.matmul_amx_group`` (bf16
+    products, f32 accumulation: XLA's bf16 dot up to summation order). It takes precedence over
+    the native float kernel where both apply (the policy measured it faster there).
   * ``einsums``: where every product of the group would go to the same native ``[K, N]`` kernel
     (float, weight-only int8 or W8A8, one stored dtype, the same activation layout), one
     grouped native call computes them all; otherwise the separate ``einsum``s. Measured on the
@@ -199,6 +205,8 @@ def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy)
   (XLA's dot)."""
   if not _on_cpu():
     return None
+  if _amx_rows(mm, x_dtype, w, pol):
+    return "amx"
   layout = "" if mm.w_kn else "_nk"
   if isinstance(w, QuantArray):
     max_rows = pol.int8_native_max_rows if mm.w_kn else pol.int8_nk_native_max_rows
@@ -217,7 +225,33 @@ def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy)
   return None
 
 
+def _amx_rows(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy) -> bool:
+  """Whether the AMX kernel computes this product: bf16 activations, a ``[K, N]`` bf16 or
+  weight-only int8 weight, and a row count in the policy's range for that weight."""
+  if not mm.w_kn or x_dtype != jnp.bfloat16:
+    return False
+  if isinstance(w, QuantArray):
+    lo, hi = pol.amx_int8_min_rows, pol.amx_int8_max_rows
+    ok = not w.act_quant
+  else:
+    lo, hi = pol.amx_min_rows, pol.amx_max_rows
+    ok = w.dtype == jnp.dtype(jnp.bfloat16)
+  return ok and lo <= mm.m <= hi and hi > 0 and cpu_kernels.amx_available()
+
+
+def _amx_products(mms: Sequence[_Matmul], ws: Sequence[Weight]) -> list[jax.Array]:
+  """The f32 ``[M, N]`` products of one bf16 activation with ``[K, N]`` weights of one stored
+  dtype, in one AMX call; weight-only int8 scaled after."""
+  y2s = cpu_kernels.matmul_amx_group(
+      mms[0].x2, [_weight_2d(mm, w.quant if isinstance(w, QuantArray) else w)
+                  for mm, w in zip(mms, ws)])
+  return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, QuantArray) else y2
+          for y2, mm, w in zip(y2s, mms, ws)]
+
+
 def _native_product(kernel: str, mm: _Matmul, w: Weight, pol: cpu_lowering.CpuPolicy) -> jax.Array:
+  if kernel == "amx":
+    return _amx_products([mm], [w])[0]
   x32 = mm.x2.astype(jnp.float32)
   if kernel in ("float", "float_nk"):
     fn = cpu_kernels.matmul_float if mm.w_kn else cpu_kernels.matmul_float_nk
@@ -301,6 +335,8 @@ def einsums(specs: Sequence[str], x: jax.Array, ws: Sequence[Weight]) -> list[ja
     same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
     if len(kernels) == 1 and len(quant) == 1 and len(stored) == 1 and same_x:
       kernel = kernels.pop()
+      if kernel == "amx":
+        return [_finish(mm, y2, x.dtype) for mm, y2 in zip(mms, _amx_products(mms, ws))]
       x32 = mms[0].x2.astype(jnp.float32)  # every einsum reads x's contracted axes alike
       if kernel == "float":
         y2s = cpu_kernels.matmul_float_group(
