@@ -242,7 +242,8 @@ def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> ja
 # ---- AMX (Intel Sapphire Rapids and later): bf16 tiles for decode batches of tens of rows ----
 
 _AMX_GROUP_TARGET = "phaseserve_amx_matmul_group"
-_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+_AMX_NK_TARGET = "phaseserve_amx_matmul_nk"
+_AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512fp16",
               "-mamx-tile", "-mamx-bf16"]
 AMX_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
@@ -251,14 +252,15 @@ def amx_available() -> bool:
   """True when the AMX kernel may be used: ``available()``'s conditions (backend, env switch),
   the CPU lists ``amx_tile`` and ``amx_bf16``, Linux granted this process the AMX tile state
   (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), and ``models/native/amx_matmul.cc`` compiled and
-  registered as ``phaseserve_amx_matmul_group``. Builds on first call; any failure is False
+  registered as ``phaseserve_amx_matmul_group`` / ``phaseserve_amx_matmul_nk``. Builds on first call; any failure is False
   (logged once)."""
   if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
     return False
   with _lock:
     if "amx_ok" not in _state:
       try:
-        missing = {"amx_tile", "amx_bf16", "avx512bw", "avx512vl"} - native_build.cpu_flags()
+        missing = ({"amx_tile", "amx_bf16", "avx512bw", "avx512vl", "avx512_fp16"}
+                   - native_build.cpu_flags())
         if missing:
           raise RuntimeError(f"CPU lacks {sorted(missing)}")
         lib = ctypes.cdll.LoadLibrary(native_build.build(
@@ -267,6 +269,8 @@ def amx_available() -> bool:
           raise RuntimeError("the OS refused the AMX tile state (arch_prctl XCOMP_PERM)")
         jax.ffi.register_ffi_target(_AMX_GROUP_TARGET,
                                     jax.ffi.pycapsule(lib.PhaseserveAmxMatmulGroup),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(_AMX_NK_TARGET, jax.ffi.pycapsule(lib.PhaseserveAmxMatmulNK),
                                     platform="cpu")
         _state["amx_lib"] = lib
         _state["amx_ok"] = True
@@ -292,3 +296,16 @@ def matmul_amx_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Ar
                           [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
                           vmap_method="sequential")
   return list(call(x_MK, *ws_KN))
+
+
+def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
+  """``matmul_amx_group`` for one weight laid out ``[N, K]`` (a tied ``[V, D]`` unembedding):
+  f32 ``x_MK @ w_NK.T`` (call only when ``amx_available()``)."""
+  m, k = x_MK.shape
+  if (x_MK.dtype != jnp.bfloat16 or w_NK.dtype not in AMX_WEIGHT_DTYPES or w_NK.ndim != 2
+      or w_NK.shape[1] != k):
+    raise ValueError(f"matmul_amx_nk wants bf16 [M, K] and a bf16|int8 [N, K] weight, got "
+                     f"{x_MK.shape} {x_MK.dtype} and {w_NK.shape} {w_NK.dtype}")
+  call = jax.ffi.ffi_call(_AMX_NK_TARGET, jax.ShapeDtypeStruct((m, w_NK.shape[0]), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_NK)

@@ -206,7 +206,7 @@ def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy)
   if not _on_cpu():
     return None
   if _amx_rows(mm, x_dtype, w, pol):
-    return "amx"
+    return "amx" if mm.w_kn else "amx_nk"
   layout = "" if mm.w_kn else "_nk"
   if isinstance(w, QuantArray):
     max_rows = pol.int8_native_max_rows if mm.w_kn else pol.int8_nk_native_max_rows
@@ -227,9 +227,16 @@ def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy)
 
 def _amx_rows(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy) -> bool:
   """Whether the AMX kernel computes this product: bf16 activations, a ``[K, N]`` bf16 or
-  weight-only int8 weight, and a row count in the policy's range for that weight."""
-  if not mm.w_kn or x_dtype != jnp.bfloat16:
+  weight-only int8 weight, and a row count in the policy's range for that weight. An ``[N, K]``
+  weight (the tied unembedding) only when weight-only int8 and past the native kernel's rows,
+  where the alternative converts the whole table for XLA's dot on every call (measured ~10x
+  slower than AMX on the Xeon; bf16 ``[N, K]`` tied with XLA's dot and stays there)."""
+  if x_dtype != jnp.bfloat16:
     return False
+  if not mm.w_kn:
+    return (isinstance(w, QuantArray) and not w.act_quant
+            and pol.int8_nk_native_max_rows < mm.m <= pol.amx_int8_max_rows
+            and cpu_kernels.amx_available())
   if isinstance(w, QuantArray):
     lo, hi = pol.amx_int8_min_rows, pol.amx_int8_max_rows
     ok = not w.act_quant
@@ -252,6 +259,8 @@ def _amx_products(mms: Sequence[_Matmul], ws: Sequence[Weight]) -> list[jax.Arra
 def _native_product(kernel: str, mm: _Matmul, w: Weight, pol: cpu_lowering.CpuPolicy) -> jax.Array:
   if kernel == "amx":
     return _amx_products([mm], [w])[0]
+  if kernel == "amx_nk":  # weight-only int8 [N, K]
+    return cpu_kernels.matmul_amx_nk(mm.x2, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
   x32 = mm.x2.astype(jnp.float32)
   if kernel in ("float", "float_nk"):
     fn = cpu_kernels.matmul_float if mm.w_kn else cpu_kernels.matmul_float_nk

@@ -52,6 +52,19 @@ def test_amx_group_equals_the_products(wdtype, m, k, ns):
 
 
 @needs_amx
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1000), (33, 100, 70), (64, 31, 33), (17, 64, 4097)])
+def test_amx_nk_equals_the_product(wdtype, m, k, n):
+  rng = np.random.default_rng(m * k + n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-127, 128, (n, k)) if wdtype == "int8"
+                  else rng.standard_normal((n, k)), wdtype)
+  got = jax.jit(cpu_kernels.matmul_amx_nk)(x, w)
+  ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+  assert got.shape == (m, n) and _rel_err(got, ref) < 1e-5
+
+
+@needs_amx
 def test_amx_group_refuses_bad_operands():
   x = jnp.ones((4, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match="matmul_amx_group"):
@@ -62,6 +75,8 @@ def test_amx_group_refuses_bad_operands():
     cpu_kernels.matmul_amx_group(x, [jnp.ones((8, 4), jnp.bfloat16), jnp.ones((8, 4), jnp.int8)])
   with pytest.raises(ValueError, match="matmul_amx_group"):
     cpu_kernels.matmul_amx_group(x, [jnp.ones((7, 4), jnp.bfloat16)])
+  with pytest.raises(ValueError, match="matmul_amx_nk"):
+    cpu_kernels.matmul_amx_nk(x, jnp.ones((4, 7), jnp.bfloat16))
 
 
 def _layer(rng, quantize: bool):
@@ -82,8 +97,13 @@ def test_einsums_on_amx_equal_xla(quantize, rows):
   h = jnp.asarray(rng.standard_normal((rows, 1, 96)), jnp.bfloat16)
   specs = ["BTD,DNH->BTNH"] * 3
 
+  table = jnp.asarray(rng.standard_normal((96, 64)) * 0.05, jnp.bfloat16)  # a tied [V, D]
+  if quantize:
+    table = quantize_array(table.astype(jnp.float32), (1,))
+
   def make():  # a new function per policy: jit's trace cache is not keyed on the policy
-    return lambda x, h: quant.einsums(specs, x, qkv) + [quant.einsum("BTF,FD->BTD", h, down)]
+    return lambda x, h: quant.einsums(specs, x, qkv) + [quant.einsum("BTF,FD->BTD", h, down),
+                                                         quant.einsum("BTD,VD->BTV", x, table)]
 
   with cpu_lowering.use_policy(XLA_ONLY):
     ref = jax.jit(make())(x, h)
@@ -114,6 +134,14 @@ def test_amx_routing_rules():
     assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_w8a8), x16) == 0
     assert _amx_calls(lambda x: quant.einsum("MK,NK->MN", x, w_bf16.T), x16) == 0
     assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16[:3]) == 0
+    # [N, K] (a tied unembedding): weight-only int8 past the native [N, K] kernel's rows only.
+    w_nk = quantize_array(w_bf16.T.astype(jnp.float32), (1,))
+    x24 = jnp.ones((24, 64), jnp.bfloat16)
+    nk = lambda x: quant.einsum("MK,NK->MN", x, w_nk)  # noqa: E731
+    assert AMX.int8_nk_native_max_rows < 24
+    assert jax.jit(nk).lower(x24).compile().as_text().count("phaseserve_amx_matmul_nk") == 1
+    assert jax.jit(nk).lower(x16[:AMX.int8_nk_native_max_rows]).compile().as_text().count(
+        "phaseserve_amx_matmul_nk") == 0
   with cpu_lowering.use_policy(dataclasses.replace(AMX, amx_max_rows=0)):
     assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16) == 0
     assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8), x16) == 1
@@ -124,3 +152,13 @@ def test_amx_range_is_the_first_run_of_wins():
   assert cpu_lowering._amx_range({8: 9.5, 16: 8.0, 32: 8.0, 64: 9.5, 128: 5.0}, other) == (16, 32)
   assert cpu_lowering._amx_range({8: 5.0, 16: 5.0, 32: 5.0, 64: 5.0, 128: 5.0}, other) == (8, 128)
   assert cpu_lowering._amx_range({m: 9.5 for m in other}, other) == (0, 0)  # within the margin
+
+
+@needs_amx
+def test_every_int8_value_is_exact():
+  """Each of the 256 int8 values (widened to bf16 inside the kernel) times one-hot rows of x:
+  the product must be the value itself."""
+  w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(8, 32)  # [K, N]
+  x = jnp.eye(8, dtype=jnp.bfloat16)  # row i picks weight row i
+  (y,) = jax.jit(cpu_kernels.matmul_amx_group)(x, [w])
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(w, np.float32))
