@@ -29,8 +29,14 @@ Contract:
     ``phaseserve_w8a8_matmul_group``, variadic operands): one task per thread streams its K
     share of every weight in turn, so a group pays one fan-out and one join instead of one per
     weight (W8A8: x is quantized once; bit-identical to separate calls).
+  * ``amx_available()`` / ``matmul_amx_group(x_MK, ws_KN)`` / ``matmul_amx_nk(x_MK, w_NK)``:
+    bf16 activations times bf16 or int8 (raw values) weights on Intel AMX tiles (separate library
+    ``models/native/amx_matmul.cc``, built with AMX flags, loaded only where the CPU lists
+    ``amx_tile`` / ``amx_bf16`` / ``avx512_fp16`` and the OS grants the tile state): f32 results,
+    bf16 products exact in f32, f32 accumulation, so XLA's bf16 dot up to summation order.
   Callers: ``models.quant.einsum`` / ``einsums`` (for at most the ``models.cpu_lowering`` policy's
-  ``*_native_max_rows`` rows) and the measurements of ``models.cpu_lowering``.
+  ``*_native_max_rows`` rows, or in its ``amx_*_rows`` ranges) and the measurements of
+  ``models.cpu_lowering``.
 
 Why: XLA:CPU reads decode-shaped (few-row) weights at a fraction of memory bandwidth except for
 f32 with exactly one row. Its int8 and bf16 dots (YNNPACK) repack the weight on every call (about
@@ -47,6 +53,11 @@ slab; partial sums are added at the end). ``[N, K]`` int8: per block of 16 conti
 rows, one accumulator per row (``vpdpbusd`` over 64-byte K steps) and a transpose-reduce of the
 16 accumulators into 16 sums; the N range is split over the pool. For many rows (prefill) XLA's
 dots are faster (the crossover is measured per machine by ``models.cpu_lowering``).
+AMX: with tens of rows the FMA kernels run out of compute (64 FLOPs per cycle per core) and
+XLA's bf16 dot re-packs each weight at ~8-10 GB/s; the AMX kernel streams the weight's rows in
+long runs, re-lays them into B tiles in L2 (int8 widened to bf16 through fp16 on the way) and
+multiplies at ~2 TFLOP/s per core (see amx_matmul.cc and BUILD_NOTES "AMX tiles for decode
+batches").
 Inside ``shard_map`` the kernels run on each shard's local block like any op; under automatic
 (GSPMD) partitioning a custom call is not partitioned, so sharded weights would be gathered: the
 ``partitioning`` layouts use ``shard_map``.
@@ -157,14 +168,23 @@ def matmul_float_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.
   task per thread streams its share of every weight, instead of a fan-out and a join per
   weight. Same products and f32 sums; only the split of K over threads (the summation order)
   may differ from separate calls."""
+  return _group_call(_FLOAT_GROUP_TARGET, "matmul_float_group", x_MK, ws_KN, jnp.float32,
+                     FLOAT_WEIGHT_DTYPES)
+
+
+def _group_call(target: str, name: str, x_MK: jax.Array, ws_KN: Sequence[jax.Array], x_dtype,
+                w_dtypes: tuple) -> list[jax.Array]:
+  """One call of a grouped FFI target: ``x_MK`` (of ``x_dtype``) times ``[K, N]`` weights of one
+  dtype among ``w_dtypes``; f32 ``[M, N]`` results. Bad operands raise ``ValueError``."""
   m, k = x_MK.shape
   dtype = ws_KN[0].dtype if ws_KN else None
-  if (not ws_KN or x_MK.dtype != jnp.float32 or dtype not in FLOAT_WEIGHT_DTYPES
+  if (not ws_KN or x_MK.dtype != x_dtype or dtype not in w_dtypes
       or any(w.ndim != 2 or w.shape[0] != k or w.dtype != dtype for w in ws_KN)):
-    raise ValueError(f"matmul_float_group wants f32 [M, K] and f32|bf16|int8 [K, N] weights of "
-                     f"one dtype, got {x_MK.shape} {x_MK.dtype} and "
+    raise ValueError(f"{name} wants {jnp.dtype(x_dtype).name} [M, K] and "
+                     f"{'|'.join(jnp.dtype(d).name for d in w_dtypes)} [K, N] weights of one "
+                     f"dtype, got {x_MK.shape} {x_MK.dtype} and "
                      f"{[(w.shape, str(w.dtype)) for w in ws_KN]}")
-  call = jax.ffi.ffi_call(_FLOAT_GROUP_TARGET,
+  call = jax.ffi.ffi_call(target,
                           [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
                           vmap_method="sequential")
   return list(call(x_MK, *ws_KN))
@@ -285,17 +305,8 @@ def matmul_amx_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Ar
   bf16 or int8 (raw values, exact in bf16; the caller applies the scales), on AMX tiles: bf16
   products (exact in f32), f32 accumulation, so the result is XLA's bf16 dot with
   ``preferred_element_type=f32`` up to summation order (call only when ``amx_available()``)."""
-  m, k = x_MK.shape
-  dtype = ws_KN[0].dtype if ws_KN else None
-  if (not ws_KN or x_MK.dtype != jnp.bfloat16 or dtype not in AMX_WEIGHT_DTYPES
-      or any(w.ndim != 2 or w.shape[0] != k or w.dtype != dtype for w in ws_KN)):
-    raise ValueError(f"matmul_amx_group wants bf16 [M, K] and bf16|int8 [K, N] weights of one "
-                     f"dtype, got {x_MK.shape} {x_MK.dtype} and "
-                     f"{[(w.shape, str(w.dtype)) for w in ws_KN]}")
-  call = jax.ffi.ffi_call(_AMX_GROUP_TARGET,
-                          [jax.ShapeDtypeStruct((m, w.shape[1]), jnp.float32) for w in ws_KN],
-                          vmap_method="sequential")
-  return list(call(x_MK, *ws_KN))
+  return _group_call(_AMX_GROUP_TARGET, "matmul_amx_group", x_MK, ws_KN, jnp.bfloat16,
+                     AMX_WEIGHT_DTYPES)
 
 
 def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:

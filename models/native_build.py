@@ -4,7 +4,9 @@
 Contract:
   * ``cpu_flags() -> frozenset[str]``: the ``flags`` line of ``/proc/cpuinfo`` (empty if
     unreadable), read once per process.
-  * ``source(name) -> str``: the C++ source ``models/native/<name>.cc`` (package data).
+  * ``source(name) -> str``: the C++ source ``models/native/<name>.cc`` (package data), with
+    each ``#include "<file>.h"`` line replaced by ``models/native/<file>.h`` (shared helpers), so
+    the text hashed into a library's cache key is everything compiled.
   * ``build(name, source, flags) -> path``: compiles C++ ``source`` (with ``c++`` / ``g++``,
     ``-O3 -std=c++17 -shared -fPIC`` plus ``flags``, against ``jax.ffi.include_dir()``) into
     ``<cache dir>/<name>_<key>.so`` and returns its path; ``key`` hashes the source, the jax
@@ -20,6 +22,7 @@ import functools
 import hashlib
 import importlib.resources
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,8 +42,13 @@ def cpu_flags() -> frozenset[str]:
   return frozenset()
 
 
+_INCLUDE = re.compile(r'^#include "(\w+\.h)"$', re.MULTILINE)
+
+
 def source(name: str) -> str:
-  return importlib.resources.files("models").joinpath("native", f"{name}.cc").read_text()
+  native = importlib.resources.files("models").joinpath("native")
+  return _INCLUDE.sub(lambda m: native.joinpath(m.group(1)).read_text(),
+                      native.joinpath(f"{name}.cc").read_text())
 
 
 def build(name: str, source: str, flags: list[str]) -> str:

@@ -50,7 +50,9 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     batches of tens of rows, where the native kernels run out of FMA throughput and XLA's bf16
     dot re-packs the weight on every call), go to ``cpu_kernels.matmul_amx_group`` (bf16
     products, f32 accumulation: XLA's bf16 dot up to summation order). It takes precedence over
-    the native float kernel where both apply (the policy measured it faster there).
+    the native float kernel where both apply (the policy measured it faster there). A weight-only
+    int8 ``[N, K]`` table (the tied unembedding) goes to ``cpu_kernels.matmul_amx_nk`` past the
+    native ``[N, K]`` kernel's rows, where XLA would convert the whole table on every call.
   * ``einsums``: where every product of the group would go to the same native ``[K, N]`` kernel
     (float, weight-only int8 or W8A8, one stored dtype, the same activation layout), one
     grouped native call computes them all; otherwise the separate ``einsum``s. Measured on the
@@ -201,8 +203,8 @@ def _weight_2d(mm: _Matmul, w: jax.Array) -> jax.Array:
 
 def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy) -> str | None:
   """Which ``models.cpu_kernels`` kernel computes this product on XLA:CPU under ``pol``:
-  ``float`` / ``float_nk`` (float or weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None
-  (XLA's dot)."""
+  ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``float`` / ``float_nk`` (float or
+  weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None (XLA's dot)."""
   if not _on_cpu():
     return None
   if _amx_rows(mm, x_dtype, w, pol):

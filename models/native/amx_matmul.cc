@@ -200,23 +200,7 @@ void run_chunk(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t S, 
     std::memcpy(wt.y + m * wt.N + c.c0, acc + m * c.cw, nv * sizeof(float));
 }
 
-// Runs `fn(p)` for p in [0, parts) on the pool (this thread takes a share) and waits.
-template <typename Fn>
-void run_parts(ffi::ThreadPool& pool, int64_t parts, Fn fn) {
-  struct Sync { std::atomic<int64_t> next{0}; std::atomic<int64_t> done{0}; };
-  auto sync = std::make_shared<Sync>();
-  auto body = [sync, parts, fn] {
-    while (true) {
-      const int64_t p = sync->next.fetch_add(1);
-      if (p >= parts) return;
-      fn(p);
-      sync->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([body] { body(); });
-  body();
-  while (sync->done.load(std::memory_order_acquire) < parts) _mm_pause();
-}
+#include "run_parts.h"
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }

@@ -127,23 +127,7 @@ inline void k_range(int64_t K, int64_t block, int64_t parts, int64_t p, int64_t*
   *k1 = std::min(K, block * (blocks * (p + 1) / parts));
 }
 
-// Runs `fn(p)` for p in [0, parts) on the pool (this thread takes a share) and waits.
-template <typename Fn>
-void run_parts(ffi::ThreadPool& pool, int64_t parts, Fn fn) {
-  struct Sync { std::atomic<int64_t> next{0}; std::atomic<int64_t> done{0}; };
-  auto sync = std::make_shared<Sync>();
-  auto body = [sync, parts, fn] {
-    while (true) {
-      const int64_t p = sync->next.fetch_add(1);
-      if (p >= parts) return;
-      fn(p);
-      sync->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 0; i + 1 < parts; ++i) pool.Schedule([body] { body(); });
-  body();
-  while (sync->done.load(std::memory_order_acquire) < parts) _mm_pause();
-}
+#include "run_parts.h"
 
 // The K split of a group: ``parts`` (at most one per thread, each streaming at least
 // ``min_part_bytes`` of the group's ``bytes``) K ranges aligned to ``block``; part p computes its
