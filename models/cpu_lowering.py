@@ -39,7 +39,8 @@ Contract:
       - ``amx_min_rows`` / ``amx_max_rows`` (bf16 weights) and ``amx_int8_min_rows`` /
         ``amx_int8_max_rows`` (weight-only int8): bf16 activations with this many rows times a
         ``[K, N]`` weight go to ``cpu_kernels.matmul_amx_group`` (AMX tiles; only where the
-        CPU has AMX). Measured at 8, 16, 32, 64, 128 rows against what that count would
+        CPU has AMX). Measured at 8, 16, 32, 64, 128, 256, 512 rows (decode batches and the prefill chunks of a
+        serving step) against what that count would
         otherwise use (the native float kernel or XLA's dot): the range is the first run of
         counts where AMX is faster by ``MARGIN``; 0 / 0 (never) in ``DEFAULT``.
       - ``int8_prefetch_l1``: the native ``[K, N]`` W8A8 kernel prefetches the next weight block
@@ -73,7 +74,7 @@ from jax import lax
 
 from models import cpu_kernels, json_cache, native_build
 
-VERSION = 5
+VERSION = 6
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -481,7 +482,8 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
 
 
 def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
-                 float_max: int, int8_max: int, rows: tuple[int, ...] = (8, 16, 32, 64, 128)
+                 float_max: int, int8_max: int,
+                 rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
                  ) -> tuple[tuple[int, int], tuple[int, int]]:
   """AMX vs the incumbent at each of ``rows`` (bf16 activations; bf16 weights: the native
   float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only

@@ -62,6 +62,14 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   if cpu_kernels.available():
     assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows", "float_decode_bfloat16_8rows",
             "int8_kn_prefetch_l1_1rows"} <= set(r["measurements"])
+  # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
+  amx = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
+  if cpu_kernels.available() and cpu_kernels.amx_available():
+    assert amx <= set(r["measurements"])
+    assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx)
+  else:
+    assert not amx & set(r["measurements"])
+    assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows) == (0,) * 4
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
     stored = json.load(f)[r["key"]]
