@@ -15,7 +15,8 @@ gives the paper's layout and time beside the planner's choice and prediction, un
 calibrated, with the issue's criteria (layout agreement; predicted time within 25%), and
 ``overlap_sensitivity``: the same fit and validation with the communication / compute overlap
 held at each of ``published.OVERLAPS`` or fitted, with each variant's leave-one-out error on the
-540B runs. Writes the calibration to ``--out`` and prints a JSON report. Bad flags exit 2.
+540B runs, and ``collective_sensitivity``: the same for each way of charging a collective
+(``published.COLLECTIVE_VARIANTS``; the one the 540B runs select is marked). Writes the calibration to ``--out`` and prints a JSON report. Bad flags exit 2.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _from_published(noise: float) -> tuple[object, dict]:
             "fit_summary": {t: verdict(fit_rows, t) for t in ("uncalibrated", "calibrated")},
             "held_out_summary": {t: verdict(held, t) for t in ("uncalibrated", "calibrated")},
             "overlap_sensitivity": published.overlap_sensitivity(),
+            "collective_sensitivity": published.collective_sensitivity(),
             "sources": sorted({p.source for p in published.PALM_540B_TPU_V4
                                + published.PALM_62B_TPU_V4})}
   return fitted, report

@@ -19,21 +19,31 @@ token each, attending to ``context`` cached tokens; T = batch; latency is one st
 Notation: E = embed_dim, F = mlp_dim, L = num_layers, N/K/H = query heads / kv heads / head dim,
 a = 2 bytes per activation (bf16), w = 2 (bf16) or 1 (int8) bytes per weight, W = the
 interconnect bandwidth ``hw.network_bandwidth`` (paper App. A.1: an all-gather or reduce-scatter
-whose result / input is D bytes takes D/W; an all-to-all of D bytes takes D/(4W) on a torus).
+whose result / input is D bytes takes D/W, here D*(g-1)/g / W over g chips, see below; an
+all-to-all of D bytes takes D/(4W) on a torus).
 
-Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2:
+Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2, with each collective's
+exact ring volume: an all-gather whose result is D bytes, or a reduce-scatter whose input is D
+bytes, over g chips moves D*(g-1)/g per chip (``Hardware.ring_fraction``; the paper's formulas
+drop the factor, which is close to 1 on its 64-chip meshes but 1/2 on a 2-chip axis). Every
+collective runs at W (``Hardware.collective_bandwidth``; ``axis_links`` would give a torus
+collective only its own axes' links, a variant the TPU v4 fit set rejects):
   ws_1d   weights sharded on F over all n chips; per layer one all-gather + one reduce-scatter of
-          the activations: 2*T*E*a / W  (does not shrink with n).
+          the activations: 2*T*E*a*(n-1)/n / W (does not shrink with n).
   ws_2d   weights E_x F_yz; all-gather(yz) + reduce-scatter(x) on the way in, all-gather(x) +
-          reduce-scatter(yz) on the way out: 2*T*a*(E/X + F/YZ) / W. With X*YZ = n the minimum is
-          at X = sqrt(n*E/F) (d/dX [E/X + F*X/n] = 0), giving 4*T*a*sqrt(E*F/n)/W, i.e.
-          8*T*E*a/(sqrt(n)*W) for F = 4E: it shrinks as 1/sqrt(n) (``optimal_2d_x``).
+          reduce-scatter(yz) on the way out: 2*T*a*(E/X*(YZ-1)/YZ + F/YZ*(X-1)/X) / W. Without
+          the ring factors and with X*YZ = n the minimum is at X = sqrt(n*E/F) (d/dX [E/X +
+          F*X/n] = 0), giving 4*T*a*sqrt(E*F/n)/W, i.e. 8*T*E*a/(sqrt(n)*W) for F = 4E: it
+          shrinks as 1/sqrt(n) (``optimal_2d_x``). With them, ws_1d and ws_2d move the same
+          bytes on 8 chips (X = 2, YZ = 4, F = 4E: 1.75*T*E*a each), where the factor-free
+          formulas charge ws_2d 1.5x more.
   wg_*    weights stored E_x F_yz as in ws_2d but all-gathered over the N chips of the named axes
           (wg_x: N = X, wg_xy: N = XY, wg_xyz: N = n) before use, with the batch sharded N ways:
-          gathering a layer's weights costs W_layer*N/n / W (int8 halves it); the remaining n/N
-          chips run ws_1d on T/N tokens: 2*(T/N)*E*a / W (zero when N = n). With W_layer = 2EFw
-          this is the paper's 2EFwN/(nW) + 2TEa/(NW), minimal at N = sqrt(T*n*a/(F*w))
-          (``optimal_wg_chips``): ~sqrt(T) instead of ~T, so it wins at large T (prefill).
+          gathering a layer's weights costs W_layer*N/n*(N-1)/N / W (int8 halves it); the
+          remaining n/N chips run ws_1d on T/N tokens: 2*(T/N)*E*a*(r-1)/r / W with r = n/N
+          (zero when N = n). Without the ring factors this is the paper's 2EFwN/(nW) + 2TEa/(NW),
+          minimal at N = sqrt(T*n*a/(F*w)) (``optimal_wg_chips``): ~sqrt(T) instead of ~T, so it
+          wins at large T (prefill).
   attention all-to-all: the attention batch axes are the FFN's batch axes (ws_*: none; wg_*:
           their gathered axes; never moved back to heads) plus the attention layout's named axes
           (``attention_batch_axes``, = ``StepPlan.ab = rb + move`` of ``layouts.make_plan``).
@@ -289,7 +299,6 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   e, f = model.embed_dim, model.mlp_dim
   w = WEIGHT_BYTES[weights]
   a = ACT_BYTES
-  bw = hw.network_bandwidth
   tokens = batch * context if phase == "prefill" else batch
   serial = 1 if model.parallel_block else 2  # serial blocks: attention has its own collectives
 
@@ -308,29 +317,37 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: At
   comm = 0.0  # bytes/W seconds
   steps = 0  # ring hops
   gathered = 1  # N, chips the weights are all-gathered over
-  if layout == "ws_1d":
-    if n > 1:  # a single chip communicates nothing
-      comm += serial * 2 * tokens * e * a / bw
+  ring = hw.ring_fraction
+
+  def wire(axes: str) -> float:  # bytes/s of a collective over these mesh axes
+    return hw.collective_bandwidth(len(_live(mesh, axes)))
+
+  if layout == "ws_1d":  # a single chip communicates nothing: ring(1) = 0
+    comm += serial * 2 * tokens * e * a * ring(n) / wire("xyz")
     steps += serial * 2 * hw.collective_steps(n)
   elif layout == "ws_2d":
-    comm += serial * 2 * tokens * a * (e / x + f / (y * z)) / bw
-    steps += serial * 2 * (hw.collective_steps(y * z) + hw.collective_steps(x))
+    yz = y * z
+    comm += serial * 2 * tokens * a * (e / x * ring(yz) / wire("yz") + f / yz * ring(x) / wire("x"))
+    steps += serial * 2 * (hw.collective_steps(yz) + hw.collective_steps(x))
   else:
     gathered = ffn_batch_chips(layout, mesh)
+    gathered_axes = _FFN_BATCH_AXES[layout]
     rest = n // gathered
-    comm += layer_weight_bytes * gathered / n / bw
+    comm += layer_weight_bytes * gathered / n * ring(gathered) / wire(gathered_axes)
     steps += serial * 2 * hw.collective_steps(gathered)
     if rest > 1:
-      comm += serial * 2 * (tokens / gathered) * e * a / bw
+      rest_axes = "".join(ax for ax in _AXES if ax not in gathered_axes)
+      comm += serial * 2 * (tokens / gathered) * e * a * ring(rest) / wire(rest_axes)
       steps += serial * 2 * hw.collective_steps(rest)
 
   # --- Attention all-to-all, per layer: Q heads -> batch and the output back over
   # all_to_all_axes (collectives._attention); K/V are sliced, not moved.
-  a2a_group = _axes_size(mesh, all_to_all_axes(layout, attention, mesh))
+  a2a_axes = all_to_all_axes(layout, attention, mesh)
+  a2a_group = _axes_size(mesh, a2a_axes)
   a2a = a2a_steps = 0.0
   if a2a_group > 1:
     qo = tokens * 2 * model.num_heads * model.head_dim * a
-    a2a = hw.all_to_all_time(qo * a2a_group / n, a2a_group)
+    a2a = hw.all_to_all_time(qo * a2a_group / n, a2a_group, len(a2a_axes))
     a2a_steps = 2 * hw.collective_steps(a2a_group)
 
   step_s = hw.collective_step_latency_s

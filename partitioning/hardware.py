@@ -55,6 +55,10 @@ class Hardware:
   torus_dims: int  # 3 = 3D torus, 2 = 2D torus, 0 = switched fabric (NVSwitch)
   collective_step_latency_s: float  # fixed cost of one collective step (one ring hop)
   max_chips: int  # largest slice / NVLink domain the interconnect model covers
+  # How collectives are charged (``ring_fraction``, ``collective_bandwidth``). The defaults are
+  # the ones the TPU v4 fit set selects (BUILD_NOTES "Collective volumes and links").
+  ring_volumes: bool = True  # a g-chip all-gather moves (g-1)/g of its tensor; False: all of it
+  axis_links: bool = False  # torus: a collective gets only its axes' links; False: W for every one
 
   def __post_init__(self):
     for field in ("peak_flops_bf16", "peak_flops_int8", "hbm_bandwidth", "hbm_bytes",
@@ -80,6 +84,22 @@ class Hardware:
       return self.ici_bandwidth
     return 2.0 * self.ici_bandwidth * self.torus_dims
 
+  def ring_fraction(self, group: int) -> float:
+    """Share of the full tensor each chip receives in an all-gather (sends in a reduce-scatter)
+    over ``group`` chips: (group-1)/group for a ring, exact on every group size; 1 with
+    ``ring_volumes=False`` (the paper's App. A.1 approximation, D/W); 0 for one chip."""
+    if group <= 1:
+      return 0.0
+    return (group - 1) / group if self.ring_volumes else 1.0
+
+  def collective_bandwidth(self, axes: int) -> float:
+    """Bytes/s of a collective over ``axes`` live mesh axes: ``network_bandwidth`` (the paper's
+    W for every collective), or with ``axis_links`` on a torus the links of those axes only,
+    ``axes / torus_dims`` of W (one axis: 2 * ici_bandwidth)."""
+    if not self.axis_links or self.torus_dims == 0:
+      return self.network_bandwidth
+    return self.network_bandwidth * min(max(axes, 1), self.torus_dims) / self.torus_dims
+
   def collective_steps(self, group: int) -> int:
     """Sequential steps (hops) of a collective over ``group`` chips; 0 when group <= 1.
 
@@ -98,8 +118,9 @@ class Hardware:
     lengths = [2 ** (bits // dims + (i < bits % dims)) for i in range(dims)]
     return sum(max(1, length // 2) for length in lengths)
 
-  def all_to_all_time(self, group_bytes: float, group: int) -> float:
-    """Seconds for an all-to-all of a tensor of ``group_bytes`` (total over the group).
+  def all_to_all_time(self, group_bytes: float, group: int, axes: int | None = None) -> float:
+    """Seconds for an all-to-all of a tensor of ``group_bytes`` (total over the group) spanning
+    ``axes`` live mesh axes (None: all of them; it matters only with ``axis_links``).
 
     Torus: a quarter of an all-gather of the same tensor (bidirectional ring, mean distance
     group/4) [book]. Switch: each chip ships its (group-1)/group share of its 1/group slice.
@@ -108,7 +129,8 @@ class Hardware:
       return 0.0
     if self.torus_dims == 0:
       return group_bytes * (group - 1) / group / group / self.network_bandwidth
-    return group_bytes / (4.0 * self.network_bandwidth)
+    bandwidth = self.collective_bandwidth(self.torus_dims if axes is None else axes)
+    return group_bytes / (4.0 * bandwidth)
 
 
 _GiB = float(2**30)

@@ -138,9 +138,11 @@ def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
   assert [h["run"] for h in rep["held_out"]] == [p.label for p in published.PALM_62B_TPU_V4]
   assert rep["held_out_summary"]["calibrated"]["paper_layout_within_25pct"] == 4
   assert rep["held_out_summary"]["uncalibrated"]["paper_layout_within_25pct"] == 1
-  assert rep["held_out_summary"]["calibrated"]["layout_agrees"] == 3
+  assert rep["held_out_summary"]["calibrated"]["layout_agrees"] == 4
   assert [v["variant"] for v in rep["overlap_sensitivity"]] == [
       f"overlap {o:g} (fixed)" for o in published.OVERLAPS] + ["overlap fitted"]
+  assert [v["variant"] for v in rep["collective_sensitivity"] if v["selected"]] == [
+      "ring volumes, W for all"]
 
 
 # --- TPU v4: the paper's published configurations (partitioning.published). -----------------
@@ -173,42 +175,70 @@ def test_tpu_v4_fit_uses_only_the_540b_runs():
 
 def test_62b_held_out_validation():
   """The issue's criteria on the held-out PaLM 62B runs (BUILD_NOTES "TPU v4 calibration from
-  the paper's tables"): times within 25% (met, calibrated; missed by 2x uncalibrated), layout
-  agreement (3 of 4 exactly: on 16 chips ws_1d and ws_2d move the same activations, and what
-  separates them is the k / v projections ws_1d holds, reads and computes whole on every chip:
-  decode, bound by weight reads, and prefill, bound by compute, both pick the paper's ws_2d; on
-  8 chips it picks ws_1d, predicting the paper's ws_2d 14% slower: the documented miss)."""
+  the paper's tables"): times within 25% (met, calibrated; missed by 2x uncalibrated) and layout
+  agreement, 4 of 4 exactly. On 16 chips ws_2d moves fewer activation bytes than ws_1d and
+  splits the k / v projections ws_1d holds, reads and computes whole on every chip. On 8 chips
+  (X = 2, YZ = 4) the two move exactly the same bytes once each collective is charged its ring
+  share (g-1)/g (tests/test_cost_model.py), so the k / v split alone puts the paper's ws_2d
+  ahead, by under 1%: the model calls them near-equal, and the paper's choice is its pick."""
   rows = published.judge(published.fit_tpu_v4(), published.PALM_62B_TPU_V4)
   pre1, dec32, pre512, dec512 = rows
   for r in rows:
     assert 0.75 <= r["calibrated"]["ratio"] <= 1.25, r["run"]
     assert 0.75 <= r["calibrated"]["pick_ratio"] <= 1.25, r["run"]
+    assert r["calibrated"]["layout_agrees"] and not r["calibrated"]["tie"], r["run"]
   assert sum(r["uncalibrated"]["ratio"] < 0.75 for r in rows) == 3  # the criterion can fail
-  # 16 chips: X=2, YZ=8 makes E/X + F/YZ = E, ws_1d's volume; the k / v terms decide.
-  assert pre1["calibrated"]["pick"] == "ws_2d+heads"  # the paper's layout exactly
+  assert pre1["calibrated"]["pick"] == "ws_2d+heads"  # the paper's layouts exactly
   assert dec32["calibrated"]["pick"] == "ws_2d+batch_xyz"
-  for r in (pre1, dec32):
-    assert not r["calibrated"]["tie"] and r["calibrated"]["layout_agrees"]
-  assert pre512["calibrated"]["pick"] == "wg_xyz+batch_xyz"  # the paper's layout exactly
-  assert not pre512["calibrated"]["tie"]
-  assert dec512["calibrated"]["pick"].startswith("ws_1d")
-  assert not dec512["calibrated"]["layout_agrees"]
-  assert 1.10 < dec512["calibrated"]["paper_layout_vs_pick"] < 1.20  # 1.14
-  assert dec512["calibrated"]["ratio"] == pytest.approx(1.0, abs=0.05)
+  assert pre512["calibrated"]["pick"] == "wg_xyz+batch_xyz"
+  assert dec512["calibrated"]["pick"] == "ws_2d+batch_xyz"
+  assert dec512["calibrated"]["pick_mesh"] == [2, 2, 2]
+  # The 8-chip margin: ws_1d's best program on the same 8 chips is within 1% of the pick.
+  m, hw = get_preset("palm-62b"), get_hardware("tpu-v4")
+  p = planner.plan(m, hw, 8, "decode", 512, 2048, "bf16", calibration=published.fit_tpu_v4())
+  one_d = min(c.latency_s for c in p.candidates if c.layout == "ws_1d")
+  assert 1.0 < one_d / p.best.latency_s < 1.01
+  # Uncalibrated the layouts agree too, but three of the four times are off by 2x (above).
+  assert all(r["uncalibrated"]["layout_agrees"] for r in rows)
+
+
+def test_collective_sensitivity_selects_the_hardware_defaults():
+  """How collectives are charged, chosen on the 540B fit set alone: each ring's exact (g-1)/g
+  share or the paper's App. A.1 D/W, and every collective at the paper's W or a torus
+  collective on its own axes' links only. Charging links per axis mispicks the paper's layout
+  for 2 of the 5 fitted 540B runs and fits them worse; of the rest, ring volumes have the
+  lower leave-one-out error, and they are the ``Hardware`` defaults. The held-out 62B layouts
+  then agree 4 / 4 (3 / 4 with the paper's volumes; 1-2 with per-axis links)."""
+  rows = {r["variant"]: r for r in published.collective_sensitivity()}
+  assert [n for n, r in rows.items() if r["selected"]] == ["ring volumes, W for all"]
+  defaults = get_hardware("tpu-v4")
+  assert defaults.ring_volumes and not defaults.axis_links
+  ring, paper = rows["ring volumes, W for all"], rows["paper volumes, W for all"]
+  assert rows["paper volumes, axis links"]["fit_layout_agrees"] < 5
+  for r in rows.values():
+    if r["axis_links"]:
+      assert r["leave_one_out_rms_log"] > 1.3 * ring["leave_one_out_rms_log"]
+  assert ring["leave_one_out_rms_log"] < paper["leave_one_out_rms_log"]
+  assert ring["fit_layout_agrees"] == paper["fit_layout_agrees"] == 5
+  assert ring["held_out_layout_agrees"] == 4 and paper["held_out_layout_agrees"] == 3
+  assert paper["eight_chip_pick"].startswith("ws_1d")
+  for r in rows.values():  # every variant meets the 25% time criterion held out
+    assert r["held_out_within_25pct"] == 4
 
 
 def test_overlap_sensitivity_of_the_tpu_v4_validation():
-  """The one communication / compute overlap that reproduces the paper's 8-chip ws_2d choice
-  (full overlap: 1D's smaller collectives are then hidden, and 2D's k / v split decides) is the
-  one the 540B fit set rejects: fitted freely the overlap goes to 0, and held at 1 each 540B run
-  left out is predicted more than twice as badly (RMS log error) as with no overlap. So the used
-  calibration keeps overlap 0 and the 8-chip miss stays (BUILD_NOTES)."""
+  """Overlapping communication with compute (the paper's Looped CollectiveEinsum, Sec. 3.5) is
+  rejected by the 540B fit set: fitted freely it goes to 0, and held at 1 each 540B run left
+  out is predicted more than twice as badly (RMS log error) as with none. With ring volumes the
+  held-out layouts agree 4 / 4 at every overlap, so this choice no longer decides them; with
+  overlap the held-out times would miss 25% once (BUILD_NOTES)."""
   rows = {r["variant"]: r for r in published.overlap_sensitivity()}
   none, full, free = rows["overlap 0 (fixed)"], rows["overlap 1 (fixed)"], rows["overlap fitted"]
   assert free["overlap"] < 0.05
-  assert none["eight_chip_pick"].startswith("ws_1d") and none["held_out_layout_agrees"] == 3
-  assert full["eight_chip_pick"].startswith("ws_2d") and full["held_out_layout_agrees"] == 4
   assert full["leave_one_out_rms_log"] > 2 * none["leave_one_out_rms_log"]
   assert full["fit_rms_log"] > 1.5 * none["fit_rms_log"]
-  for r in rows.values():  # every variant still meets the 25% time criterion held out
-    assert r["held_out_within_25pct"] == 4
+  for r in rows.values():  # the layouts agree at every overlap ...
+    assert r["held_out_layout_agrees"] == 4 and r["eight_chip_pick"].startswith("ws_2d")
+  # ... and the times only without it: with overlap the 16-chip prefill falls below 0.75.
+  assert none["held_out_within_25pct"] == free["held_out_within_25pct"] == 4
+  assert full["held_out_within_25pct"] == 3

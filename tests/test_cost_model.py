@@ -38,9 +38,10 @@ def test_decode_ws_1d_by_hand():
   # Each chip also repeats the k / v projections (whole under ws_1d): L*2*T*E*2*K*H = 256
   # FLOPs, half of them beyond its even share.
   assert c.compute_s == pytest.approx((3008 / 2 + 128) / 1e3)
-  # ws_1d: 2*T*E*a/W = 2*4*4*2/10 = 6.4 s per layer; 2 collectives x 1 step x 0.5 s per layer.
+  # ws_1d: 2*T*E*a*(n-1)/n/W = 2*4*4*2*(1/2)/10 = 3.2 s per layer (each chip sends and
+  # receives half of the gathered / reduced tensor); 2 collectives x 1 step x 0.5 s per layer.
   assert c.collective_floor_s == pytest.approx(2.0)
-  assert c.comm_s == pytest.approx(2 * 6.4 + 2.0)
+  assert c.comm_s == pytest.approx(2 * 3.2 + 2.0)
   # Weights: 340 params * 2 B over 2 chips, except the k / v projections (2*E*K*H = 16 params,
   # 32 B per layer), which ws_1d keeps whole on every chip (kv heads are never sharded, E is not
   # sharded by ws_1d): (680 - 2*32) / 2 + 2*32 = 372 B, all read each step.
@@ -49,7 +50,7 @@ def test_decode_ws_1d_by_hand():
   assert c.weight_mem_s == pytest.approx(3.72)
   assert c.kv_bytes_per_chip == 192
   assert c.kv_mem_s == pytest.approx(1.92)
-  latency = 3.72 + 1.92 + 14.8  # memory-bound, comms not overlapped
+  latency = 3.72 + 1.92 + 8.4  # memory-bound, comms not overlapped
   assert c.latency_s == pytest.approx(latency)
   assert c.mfu == pytest.approx(3008 / (latency * 2 * 1e3))
   assert c.cost_chip_s_per_token == pytest.approx(latency * 2 / 4)
@@ -59,18 +60,18 @@ def test_decode_ws_1d_by_hand():
 
 def test_decode_ws_2d_batch_sharded_by_hand():
   c = step_cost(TOY, TOY_HW, "ws_2d", "batch_yz", (2, 2, 1), "decode", batch=4, context=3)
-  # ws_2d: 2*T*a*(E/X + F/YZ)/W = 2*4*2*(2 + 4)/10 = 9.6 s per layer.
+  # ws_2d: 2*T*a*(E/X*(YZ-1)/YZ + F/YZ*(X-1)/X)/W = 2*4*2*(2/2 + 4/2)/10 = 4.8 s per layer.
   # all-to-all over yz (2 chips) of Q in and the output back (K/V are sliced, not moved):
   # T*2N*H*a = 64 B globally, 32 B per group; switch: 32 * (1/2) / 2 / 10 = 0.8 s per layer.
   # Steps per layer: 2*(1+1) + 2*1 = 6.
   assert c.collective_floor_s == pytest.approx(2 * 6 * 0.5)
-  assert c.comm_s == pytest.approx(2 * (9.6 + 0.8) + 6.0)
+  assert c.comm_s == pytest.approx(2 * (4.8 + 0.8) + 6.0)
   assert c.all_to_all_s == pytest.approx(2 * (0.8 + 2 * 0.5))
   assert c.kv_bytes_per_chip == 96  # split over the 2 batch shards
   # Weights read: everything over the 4 chips but the k / v projections (32 B per layer), split
   # over x = 2 only: 2*(264/4 + 32/2) + 88/4 = 186 B.
   assert c.weight_mem_s == pytest.approx(186 / 100)
-  assert c.latency_s == pytest.approx(1.86 + 0.96 + 26.8)
+  assert c.latency_s == pytest.approx(1.86 + 0.96 + 17.2)
 
 
 def test_prefill_weight_gathered_int8_by_hand():
@@ -78,13 +79,14 @@ def test_prefill_weight_gathered_int8_by_hand():
                 weights="int8")
   # 6 tokens, causal mean context (3+1)/2 = 2: attention 2*4*2*2*2 = 64 per token.
   assert c.flops == 6 * (656 + 64)
-  # Gather a 148-byte layer over N = 2 of 2 chips: 148*2/2/10 = 14.8 s per layer; no activation
-  # collective (N = n) and no all-to-all (both shard the batch over xyz).
-  assert c.comm_s == pytest.approx(2 * 14.8 + 2 * 2 * 1 * 0.5)
+  # Gather a 148-byte layer over N = 2 of 2 chips, receiving the other half: 148*2/2*(1/2)/10 =
+  # 7.4 s per layer; no activation collective (N = n) and no all-to-all (both shard the batch
+  # over xyz).
+  assert c.comm_s == pytest.approx(2 * 7.4 + 2 * 2 * 1 * 0.5)
   # Gathered weights read: (L*148*2 + 44 embedding/norm bytes)/2 = 318 B.
   assert c.weight_mem_s == pytest.approx(3.18)
   assert c.kv_bytes_per_chip == 48
-  assert c.latency_s == pytest.approx(3.18 + 0.48 + 31.6)
+  assert c.latency_s == pytest.approx(3.18 + 0.48 + 16.8)
   assert c.hbm_bytes_per_chip == pytest.approx(170 + 48 + 148 + 6 * 8 * 2 / 2)
 
 
@@ -102,15 +104,34 @@ def test_serial_block_doubles_activation_collectives():
 
 
 def test_paper_2d_formula_at_optimum():
-  """With F = 4E and X = sqrt(nE/F) = 0.5*sqrt(n): comm = 8*T*E*a/(sqrt(n)*W) per layer."""
+  """With F = 4E and X = sqrt(nE/F) = 0.5*sqrt(n) the paper's formula is 8*T*E*a/(sqrt(n)*W) per
+  layer; the model moves each collective's exact ring share (g-1)/g of it, per axis group."""
   hw = dataclasses.replace(V4, collective_step_latency_s=0.0)
   assert optimal_2d_x(PALM, 64) == pytest.approx(4.0)
   c = step_cost(PALM, hw, "ws_2d", "heads", (4, 4, 4), "decode", batch=512, context=2048)
-  e = PALM.embed_dim
-  expected = PALM.num_layers * 8 * 512 * e * 2 / (math.sqrt(64) * 270e9)
-  assert c.comm_s == pytest.approx(expected)
+  e, f, t, a, w = PALM.embed_dim, PALM.mlp_dim, 512, 2, 270e9
+  assert f == 4 * e
+  paper = 8 * t * e * a / (math.sqrt(64) * w)
+  # The two halves of the paper's sum: E/X over the 16 yz chips, F/YZ over the 4 x chips.
+  exact = 2 * t * a * (e / 4 * 15 / 16 + f / 16 * 3 / 4) / w
+  assert exact == pytest.approx(paper * (15 / 16 + 3 / 4) / 2)
+  assert c.comm_s == pytest.approx(PALM.num_layers * exact)
   one_d = step_cost(PALM, hw, "ws_1d", "heads", (64, 1, 1), "decode", batch=512, context=2048)
-  assert one_d.comm_s == pytest.approx(PALM.num_layers * 2 * 512 * e * 2 / 270e9)
+  assert one_d.comm_s == pytest.approx(PALM.num_layers * 2 * t * e * a * 63 / 64 / w)
+
+
+def test_ring_volumes_tie_1d_and_2d_on_eight_chips():
+  """On 8 chips (X = 2, YZ = 4, F = 4E) ws_1d and ws_2d move the same activation bytes:
+  2*T*E*a*7/8 = 2*T*a*(E/2*3/4 + E*1/2); the factor-free formulas would charge ws_2d 1.5x."""
+  hw = dataclasses.replace(V4, collective_step_latency_s=0.0)
+  m = get_preset("palm-62b")
+  assert m.mlp_dim == 4 * m.embed_dim
+  args = ("decode", 512, 2048)
+  one = step_cost(m, hw, "ws_1d", "batch_xyz", (2, 2, 2), *args)
+  two = step_cost(m, hw, "ws_2d", "batch_xyz", (2, 2, 2), *args)
+  assert one.all_to_all_s == pytest.approx(two.all_to_all_s)
+  assert one.comm_s - one.all_to_all_s == pytest.approx(two.comm_s - two.all_to_all_s)
+  assert V4.ring_fraction(1) == 0 and V4.ring_fraction(8) == 7 / 8
 
 
 def test_int8_halves_weight_memory_and_gather_time():
@@ -321,3 +342,25 @@ def test_repeated_kv_projection_flops_match_the_compiled_programs():
     want = modelled[ffn] - modelled["wg_xyz"]
     assert want > 0
     assert compiled[ffn] - compiled["wg_xyz"] == pytest.approx(want, rel=0.15), ffn
+
+
+def test_collective_bandwidth_and_ring_switches():
+  """The two ways of charging a collective the TPU v4 fit set chose between
+  (``published.collective_sensitivity``): ring shares on / off, per-axis links off / on."""
+  links = dataclasses.replace(V4, axis_links=True)
+  assert V4.collective_bandwidth(1) == V4.collective_bandwidth(3) == 270e9  # the paper's W
+  assert links.collective_bandwidth(1) == pytest.approx(90e9)  # one axis, both directions
+  assert links.collective_bandwidth(2) == pytest.approx(180e9)
+  assert links.collective_bandwidth(3) == pytest.approx(270e9)
+  assert dataclasses.replace(TOY_HW, axis_links=True).collective_bandwidth(1) == 10.0  # switch
+  paper = dataclasses.replace(V4, ring_volumes=False)
+  assert paper.ring_fraction(2) == 1.0 and V4.ring_fraction(2) == 0.5
+  assert paper.ring_fraction(1) == V4.ring_fraction(1) == 0.0
+  # ws_2d on 2x2x2 with per-axis links: the x collectives (one axis) at a third of W, the yz
+  # ones (two axes) at two thirds: E/2*(3/4)/(2W/3) + E*(1/2)/(W/3) against 0.375 E + 0.5 E at W.
+  hw0 = dataclasses.replace(links, collective_step_latency_s=0.0)
+  m = get_preset("palm-62b")
+  base = step_cost(m, dataclasses.replace(V4, collective_step_latency_s=0.0), "ws_2d", "heads",
+                   (2, 2, 2), "decode", 8, 128)
+  per_axis = step_cost(m, hw0, "ws_2d", "heads", (2, 2, 2), "decode", 8, 128)
+  assert per_axis.comm_s / base.comm_s == pytest.approx((0.375 * 1.5 + 0.5 * 3) / 0.875)
