@@ -7,8 +7,10 @@
 other cell, in the sweep's order, is held out); the five parameters of
 ``partitioning.calibration`` are fitted on the first half's timed programs and judged on the
 held-out half: the ratio calibrated / measured (median and worst of |log|), and per held-out
-cell whether the calibrated pick runs within ``--noise`` of the measured best, against the
-same for the uncalibrated model. ``--published tpu-v4``: the paper's published runs (``partitioning.published``: Table 2 and
+cell whether the calibrated pick runs within ``--noise`` of the measured best, and against the
+sweep's measured timing noise (``held_out_measured_noise``, ``launch.rank_agreement``: the pick
+unresolved from the best, and the pairs of programs the measurements resolve ordered the same
+way), against the same for the uncalibrated model. ``--published tpu-v4``: the paper's published runs (``partitioning.published``: Table 2 and
 Sec. 4.4 for PaLM 540B, the fit set; Table 3 for PaLM 62B, held out): the achieved FLOP/s, HBM
 and link fractions are fitted on the 540B runs only, and per run (fit and held out) the report
 gives the paper's layout and time beside the planner's choice and prediction, uncalibrated and
@@ -27,7 +29,7 @@ import statistics
 
 from absl import flags, logging
 
-from launch import cli
+from launch import cli, rank_agreement
 from launch.cli import CliError
 
 _SWEEP = flags.DEFINE_string("sweep", None, "a launch.sweep_partitioning output directory")
@@ -83,14 +85,33 @@ def _from_sweep(path: str, noise: float) -> tuple[object, dict]:
       agree += pick.measured_s <= best * (1 + noise)
     return agree / len(cells) if cells else float("nan")
 
+  def ranking(c) -> dict | None:
+    """The held-out cells judged against the sweep's measured noise (``launch.rank_agreement``;
+    None for a sweep written before every timed call was kept)."""
+    cells = [v for k, v in by_cell.items() if k in held]
+    if not cells or not all(r.get("reps_s") for v in cells for _, r in v):
+      return None
+    judged = [rank_agreement.judge([rank_agreement.Timed(
+        tuple(r["reps_s"]), c.apply(s.cost, s.num_layers).latency_s) for s, r in v])
+        for v in cells]
+    resolved = sum(j.resolved for j in judged)
+    return {"cells": len(judged),
+            "pick_within_measured_noise": sum(bool(j.pick_within_noise) for j in judged),
+            "pairs": sum(j.pairs for j in judged), "pairs_resolved": resolved,
+            "pairs_agree": sum(j.agree for j in judged),
+            "rank_agreement_resolved_pairs":
+                sum(j.agree for j in judged) / resolved if resolved else None}
+
   report = {"source": "sweep", "model": model.name, "mesh": list(mesh), "hardware": hw.name,
             "fit_samples": len(train), "held_out_samples": len(test),
             "uncalibrated": {"fit": _summary(cal.errors(cal.IDENTITY, train)),
                              "held_out": _summary(cal.errors(cal.IDENTITY, test)),
-                             "held_out_pick_within_noise": picks(cal.IDENTITY)},
+                             "held_out_pick_within_noise": picks(cal.IDENTITY),
+                             "held_out_measured_noise": ranking(cal.IDENTITY)},
             "calibrated": {"fit": _summary(cal.errors(fitted, train)),
                            "held_out": _summary(cal.errors(fitted, test)),
-                           "held_out_pick_within_noise": picks(fitted)},
+                           "held_out_pick_within_noise": picks(fitted),
+                           "held_out_measured_noise": ranking(fitted)},
             "noise": noise}
   return fitted, report
 

@@ -10,11 +10,15 @@ Contract:
     ``Sweep.resumed`` counts them). Per (cell, layout) row: measured and predicted step time,
     measured MFU (model FLOPs / (time x chips x peak)), measured bandwidth utilisation (the cost
     model's HBM time of the step / the measured time), whether it is the measured best and the
-    cost model's pick. A cell agrees when the cost model's pick runs the measured best program;
-    ``within`` is the pick's measured time over the best's (1 = agreement).
+    cost model's pick, and the program's timing noise (``rep_spread``: slowest / fastest timed
+    call - 1; the JSON rows keep every call in ``reps_s``). A cell agrees when the cost model's
+    pick runs the measured best program; ``within`` is the pick's measured time over the best's
+    (1 = agreement); judged against the measured noise (``launch.rank_agreement``): whether the
+    pick is unresolved from the best, and how many of the pairs of programs whose measured bands
+    (fastest to slowest call) do not overlap the cost model orders the same way.
   * ``write(sweep, out_dir)`` writes ``sweep.csv`` (``COLUMNS``), ``sweep.json`` (rows, cells,
-    summary: agreement rate, agreement within a noise band, median pick/best ratio, the
-    machine) and
+    summary: agreement rate, agreement within a fixed noise band and within the measured one,
+    rank agreement on the resolved pairs, median pick/best ratio, the machine) and
     ``measured_vs_predicted.png`` (log-log, one marker per FFN layout, the y = x line).
 """
 
@@ -30,6 +34,7 @@ from typing import Callable, Iterator, Sequence
 
 from jax.sharding import Mesh
 
+from launch import rank_agreement
 from models.config import ModelConfig
 from partitioning import autotune as at
 from partitioning import cost_model
@@ -37,7 +42,8 @@ from partitioning.hardware import Hardware
 from partitioning.mesh import mesh_shape
 
 COLUMNS = ("phase", "batch", "seq", "weights", "ffn", "attn", "measured_s", "predicted_s",
-           "measured_over_predicted", "mfu", "bandwidth_util", "same_as", "best", "pick", "note")
+           "measured_over_predicted", "mfu", "bandwidth_util", "rep_spread", "same_as", "best",
+           "pick", "note")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,10 @@ class Cell:
   best: str  # "ffn+attn" of the measured fastest program
   pick: str | None  # the cost model's fastest predicted pair (None: it predicted none)
   within: float | None  # the pick's measured time / the best's
+  # Judged against the measured timing noise (``launch.rank_agreement``):
+  within_measured_noise: bool | None = None  # the pick's measured band overlaps the best's
+  pairs_resolved: int = 0  # pairs of distinct programs whose measured bands do not overlap
+  pairs_agree: int = 0  # of those, ordered the same by the cost model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,10 +91,20 @@ class Sweep:
     judged = [c for c in self.cells if c.within is not None]
     agree = [c for c in judged if c.within == 1.0]
     near = [c for c in judged if c.within <= 1.0 + noise]
+    noisy = [c for c in judged if c.within_measured_noise is not None]
+    resolved = sum(c.pairs_resolved for c in judged)
+    spreads = [r["rep_spread"] for r in self.rows
+               if r.get("rep_spread") is not None and not r["same_as"]]
     return {"cells": len(self.cells), "resumed": self.resumed, "judged": len(judged),
             "agreement_rate": len(agree) / len(judged) if judged else None,
             "noise": noise,
             "agreement_within_noise": len(near) / len(judged) if judged else None,
+            "median_rep_spread": statistics.median(spreads) if spreads else None,
+            "agreement_within_measured_noise":
+                sum(c.within_measured_noise for c in noisy) / len(noisy) if noisy else None,
+            "pairs_resolved": resolved,
+            "rank_agreement_resolved_pairs":
+                sum(c.pairs_agree for c in judged) / resolved if resolved else None,
             "median_pick_over_best": statistics.median(c.within for c in judged)
             if judged else None}
 
@@ -110,8 +130,11 @@ def run(cfg: ModelConfig, mesh: Mesh, grid: Grid, hardware: Hardware, out_dir: s
     pick = min(predicted, key=lambda m: m.predicted_s) if predicted else None
     timed = {_program(m): m.measured_s for m in r.measurements}
     within = None if pick is None else timed[_program(pick)] / best.measured_s
+    ranking = rank_agreement.judge([rank_agreement.Timed(m.reps_s, m.predicted_s)
+                                    for m in r.measurements if m.same_as is None])
     cells.append(Cell(phase, batch, seq, w, _program(best),
-                      None if pick is None else f"{pick.ffn}+{pick.attn}", within))
+                      None if pick is None else f"{pick.ffn}+{pick.attn}", within,
+                      ranking.pick_within_noise, ranking.resolved, ranking.agree))
     flops = cost_model.step_flops(cfg, phase, batch, seq)  # type: ignore[arg-type]
     for m in r.measurements:
       mem_s = None
@@ -128,6 +151,7 @@ def run(cfg: ModelConfig, mesh: Mesh, grid: Grid, hardware: Hardware, out_dir: s
           "measured_over_predicted": t / m.predicted_s if t and m.predicted_s else None,
           "mfu": flops / (t * n * hardware.peak_flops_bf16) if t else None,
           "bandwidth_util": mem_s / t if t and mem_s is not None else None,
+          "rep_spread": m.spread, "reps_s": list(m.reps_s),
           "same_as": m.same_as or "", "best": _program(m) == _program(best),
           "pick": pick is not None and (m.ffn, m.attn) == (pick.ffn, pick.attn),
           "note": m.note})

@@ -10,7 +10,9 @@ Contract:
     and mesh shape, phase, batch, seq, weight dtype, candidates); a later call with the same key
     returns the stored result without compiling anything (``cache_hit=True``) unless
     ``refresh=True``.
-  * Measured: best wall time of ``reps`` calls after one compile + warm-up call. ``prefill``: one
+  * Measured: best wall time of ``reps`` calls after one compile + warm-up call (every call's
+    time is kept in ``Measurement.reps_s``: their spread is the measured noise that
+    ``launch.partition_sweep`` judges layout rankings against). ``prefill``: one
     chunk of ``seq`` tokens per row into an empty cache; ``decode``: one token per row attending to
     ``seq`` cached positions.
   * Predicted: ``partitioning.cost_model.step_cost(...).latency_s`` on ``hardware`` (``None``:
@@ -51,6 +53,16 @@ class Measurement:
   note: str = ""  # cost-model rejection, or the fallbacks the plan recorded
   same_as: str | None = None  # "ffn+attn" whose program this pair shares
   plan: str = ""
+  reps_s: tuple[float, ...] = ()  # every timed call (``measured_s`` is their minimum)
+
+  @property
+  def spread(self) -> float | None:
+    """Slowest / fastest timed call - 1: this program's measured timing noise, the width of the
+    band ``launch.rank_agreement`` judges against (None with fewer than two calls, or for a
+    cache entry written before calls were kept)."""
+    if len(self.reps_s) < 2:
+      return None
+    return max(self.reps_s) / min(self.reps_s) - 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +84,8 @@ class AutotuneResult:
 
   @classmethod
   def from_dict(cls, d: dict, cache_hit: bool) -> "AutotuneResult":
-    ms = tuple(Measurement(**m) for m in d["measurements"])
+    ms = tuple(Measurement(**{**m, "reps_s": tuple(m.get("reps_s", ()))})
+               for m in d["measurements"])
     fields = {k: d[k] for k in ("key", "phase", "batch", "seq", "best_ffn", "best_attn", "path")}
     return cls(measurements=ms, cache_hit=cache_hit, **fields)
 
@@ -123,32 +136,33 @@ def predict(cfg: ModelConfig, hardware, ffn: str, attn: str, mesh: Mesh, phase: 
   return cost.latency_s, ""
 
 
-def _time_one(step, params, cfg, mesh, ffn, attn, phase, batch, seq, reps, dtype) -> float:
+def _time_one(step, params, cfg, mesh, ffn, attn, phase, batch, seq, reps,
+              dtype) -> tuple[float, ...]:
+  """Wall time of each of ``reps`` calls, after one compile + warm-up call."""
   key = jax.random.key(1)
+  times = []
   if phase == "prefill":
     toks = jax.random.randint(key, (batch, seq), 0, cfg.vocab_size)
     start, lens = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), seq, jnp.int32)
-    best = float("inf")
     for i in range(reps + 1):  # call 0 compiles and warms up
       cache = collectives.init_sharded_cache(cfg, batch, seq, mesh, ffn, attn, dtype)
       jax.block_until_ready(cache)
       t0 = time.perf_counter()
       jax.block_until_ready(step(params, toks, cache, start, lens))
       if i:
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return tuple(times)
   toks = jax.random.randint(key, (batch,), 0, cfg.vocab_size)
   cache = collectives.init_sharded_cache(cfg, batch, seq + reps + 1, mesh, ffn, attn, dtype)
   cache = cache.replace(lengths=jnp.full_like(cache.lengths, seq))
-  best = float("inf")
   for i in range(reps + 1):
     jax.block_until_ready(cache)
     t0 = time.perf_counter()
     _, cache = step(params, toks, cache)
     jax.block_until_ready(cache)
     if i:
-      best = min(best, time.perf_counter() - t0)
-  return best
+      times.append(time.perf_counter() - t0)
+  return tuple(times)
 
 
 def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
@@ -178,7 +192,7 @@ def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
       params = quantize(params, cfg)
   dtype = params["final_norm"].dtype
   placed: dict[tuple, Params] = {}  # one resident copy per stored layout
-  programs: dict[tuple, tuple[str, float]] = {}  # plan key -> (name, seconds)
+  programs: dict[tuple, tuple[str, tuple[float, ...]]] = {}  # plan key -> (name, call times)
   results = []
   for ffn, attn in candidates:
     step = collectives.make_sharded_step(cfg, mesh, ffn, attn, phase)
@@ -187,17 +201,20 @@ def autotune(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, *,
     note = "; ".join(x for x in (note, *plan.reasons) if x)
     pkey = (layouts.get_ffn_layout(ffn).stored, layouts.get_ffn_layout(ffn).gathered, plan.key())
     if pkey in programs:
-      name, seconds = programs[pkey]
-      results.append(Measurement(ffn, attn, seconds, predicted, note, name, plan.describe()))
+      name, calls = programs[pkey]
+      results.append(Measurement(ffn, attn, min(calls), predicted, note, name, plan.describe(),
+                                 calls))
       continue
     skey = layouts.get_ffn_layout(ffn).stored
     if skey not in placed:
       placed[skey] = collectives.shard_params(params, cfg, mesh, ffn)
-    seconds = _time_one(step, placed[skey], cfg, mesh, ffn, attn, phase, batch, seq, reps, dtype)
-    programs[pkey] = (f"{ffn}+{attn}", seconds)
-    results.append(Measurement(ffn, attn, seconds, predicted, note, None, plan.describe()))
-  times = multihost.agree("autotune_times", lambda: [m.measured_s for m in results])
-  results = [dataclasses.replace(m, measured_s=t) for m, t in zip(results, times)]
+    calls = _time_one(step, placed[skey], cfg, mesh, ffn, attn, phase, batch, seq, reps, dtype)
+    programs[pkey] = (f"{ffn}+{attn}", calls)
+    results.append(Measurement(ffn, attn, min(calls), predicted, note, None, plan.describe(),
+                               calls))
+  times = multihost.agree("autotune_times", lambda: [list(m.reps_s) for m in results])
+  results = [dataclasses.replace(m, measured_s=min(t), reps_s=tuple(t))
+             for m, t in zip(results, times)]
   best = min((m for m in results if m.same_as is None), key=lambda m: m.measured_s)
   result = AutotuneResult(key=key, phase=phase, batch=batch, seq=seq, best_ffn=best.ffn,
                           best_attn=best.attn, measurements=tuple(results), cache_hit=False,

@@ -25,9 +25,10 @@ all-to-all of D bytes takes D/(4W) on a torus).
 Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2, with each collective's
 exact ring volume: an all-gather whose result is D bytes, or a reduce-scatter whose input is D
 bytes, over g chips moves D*(g-1)/g per chip (``Hardware.ring_fraction``; the paper's formulas
-drop the factor, which is close to 1 on its 64-chip meshes but 1/2 on a 2-chip axis). Every
+drop the factor: 1/2 on a 2-chip axis, 3/4 on a 4-chip one, 63/64 over 64 chips). Every
 collective runs at W (``Hardware.collective_bandwidth``; ``axis_links`` would give a torus
-collective only its own axes' links, a variant the TPU v4 fit set rejects):
+collective only the links of its mesh axes, taken as physical axes, a variant the TPU v4 fit set
+rejects; with it ws_1d's cost also depends on the mesh shape, not only on n):
   ws_1d   weights sharded on F over all n chips; per layer one all-gather + one reduce-scatter of
           the activations: 2*T*E*a*(n-1)/n / W (does not shrink with n).
   ws_2d   weights E_x F_yz; all-gather(yz) + reduce-scatter(x) on the way in, all-gather(x) +

@@ -95,7 +95,9 @@ class Hardware:
   def collective_bandwidth(self, axes: int) -> float:
     """Bytes/s of a collective over ``axes`` live mesh axes: ``network_bandwidth`` (the paper's
     W for every collective), or with ``axis_links`` on a torus the links of those axes only,
-    ``axes / torus_dims`` of W (one axis: 2 * ici_bandwidth)."""
+    ``axes / torus_dims`` of W (one axis: 2 * ici_bandwidth). Mesh axes are taken as the
+    torus's physical axes (a (1, 1, 8) mesh gets one axis' links, though an 8-chip slice is a
+    2x2x2 cube)."""
     if not self.axis_links or self.torus_dims == 0:
       return self.network_bandwidth
     return self.network_bandwidth * min(max(axes, 1), self.torus_dims) / self.torus_dims
@@ -122,8 +124,9 @@ class Hardware:
     """Seconds for an all-to-all of a tensor of ``group_bytes`` (total over the group) spanning
     ``axes`` live mesh axes (None: all of them; it matters only with ``axis_links``).
 
-    Torus: a quarter of an all-gather of the same tensor (bidirectional ring, mean distance
-    group/4) [book]. Switch: each chip ships its (group-1)/group share of its 1/group slice.
+    Torus: a quarter of the paper's D/W all-gather of the same tensor (bidirectional ring, mean
+    distance group/4) [book]; exact for a ring of any even size, so no ring factor applies.
+    Switch: each chip ships its (group-1)/group share of its 1/group slice.
     """
     if group <= 1:
       return 0.0

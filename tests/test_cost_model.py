@@ -364,3 +364,14 @@ def test_collective_bandwidth_and_ring_switches():
                    (2, 2, 2), "decode", 8, 128)
   per_axis = step_cost(m, hw0, "ws_2d", "heads", (2, 2, 2), "decode", 8, 128)
   assert per_axis.comm_s / base.comm_s == pytest.approx((0.375 * 1.5 + 0.5 * 3) / 0.875)
+
+
+def test_weight_gathered_remainder_collectives_use_ring_shares():
+  """wg_x on a 2x2x1 toy mesh: the layer's weights gathered over x (N = 2) and the activations'
+  all-gather + reduce-scatter over the remaining y (r = 2), each at its ring share 1/2."""
+  c = step_cost(TOY, TOY_HW, "wg_x", "heads", (2, 2, 1), "decode", batch=4, context=3)
+  gather = (148 * 2) * 2 / 4 * (1 / 2) / 10  # W_layer*N/n*(N-1)/N / W = 7.4 s per layer
+  rest = 2 * (4 / 2) * 4 * 2 * (1 / 2) / 10  # 2*(T/N)*E*a*(r-1)/r / W = 1.6 s per layer
+  # hops per layer: 2 for the gather (1 step over 2 chips each way) + 2 over y.
+  assert c.collective_floor_s == pytest.approx(2 * 4 * 0.5)
+  assert c.comm_s - c.all_to_all_s == pytest.approx(2 * (gather + rest) + 4.0)
