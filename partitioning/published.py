@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from models.config import get_preset
 from partitioning import cost_model, planner
@@ -172,6 +172,31 @@ def _rms_log(ratios: Sequence[float]) -> float:
   return math.sqrt(sum(math.log(r) ** 2 for r in ratios) / len(ratios))
 
 
+def _validation(c: Calibration, fit_samples: Sequence[Sample],
+                refit: Callable[[Sequence[Sample]], Calibration],
+                hw: Hardware | None = None) -> dict[str, object]:
+  """One sensitivity variant: calibration ``c`` fitted on ``fit_samples`` (the 540B runs costed
+  on ``hw``), judged on the fit set (ratios, RMS log error, leave-one-out through ``refit``,
+  layouts) and on the held-out 62B runs (ratios, the 25% criterion, layouts, the 8-chip pick)."""
+  ratios = errors(c, fit_samples)
+  loo = [errors(refit(list(fit_samples[:i]) + list(fit_samples[i + 1:])), [s])[0]
+         for i, s in enumerate(fit_samples)]
+  fitted_runs = judge(c, PALM_540B_TPU_V4, hw)
+  held = judge(c, PALM_62B_TPU_V4, hw)
+  eight = next(r for r in held if r["chips"] == 8)["calibrated"]
+  return {
+      **{p: getattr(c, p) for p in TPU_V4_FREE},
+      "fit_ratios": ratios, "fit_rms_log": _rms_log(ratios),
+      "leave_one_out_ratios": loo, "leave_one_out_rms_log": _rms_log(loo),
+      "fit_layout_agrees": sum(bool(r["calibrated"]["layout_agrees"]) for r in fitted_runs),
+      "held_out_ratios": [r["calibrated"]["ratio"] for r in held],
+      "held_out_within_25pct": sum(within_time_tolerance(r["calibrated"]["ratio"])
+                                   for r in held),
+      "held_out_layout_agrees": sum(bool(r["calibrated"]["layout_agrees"]) for r in held),
+      "eight_chip_pick": eight["pick"],
+      "eight_chip_paper_vs_pick": eight["paper_layout_vs_pick"]}
+
+
 def overlap_sensitivity() -> list[dict[str, object]]:
   """How the choice of overlap decides the TPU v4 validation: per ``OVERLAPS`` value (held
   fixed) and once with overlap fitted as a fourth parameter, what the 540B fit set alone says
@@ -190,22 +215,8 @@ def overlap_sensitivity() -> list[dict[str, object]]:
   for overlap in OVERLAPS + (None,):
     c = fitted(fit_samples, overlap)
     name = "overlap fitted" if overlap is None else f"overlap {overlap:g} (fixed)"
-    ratios = errors(c, fit_samples)
-    loo = [errors(fitted(fit_samples[:i] + fit_samples[i + 1:], overlap), [s])[0]
-           for i, s in enumerate(fit_samples)]
-    held = judge(c, PALM_62B_TPU_V4)
-    eight = next(r for r in held if r["chips"] == 8)["calibrated"]
-    out.append({
-        "variant": name, "overlap": c.overlap,
-        **{p: getattr(c, p) for p in TPU_V4_FREE},
-        "fit_ratios": ratios, "fit_rms_log": _rms_log(ratios),
-        "leave_one_out_ratios": loo, "leave_one_out_rms_log": _rms_log(loo),
-        "held_out_ratios": [r["calibrated"]["ratio"] for r in held],
-        "held_out_within_25pct": sum(within_time_tolerance(r["calibrated"]["ratio"])
-                                     for r in held),
-        "held_out_layout_agrees": sum(bool(r["calibrated"]["layout_agrees"]) for r in held),
-        "eight_chip_pick": eight["pick"],
-        "eight_chip_paper_vs_pick": eight["paper_layout_vs_pick"]})
+    out.append({"variant": name, "overlap": c.overlap,
+                **_validation(c, fit_samples, lambda sub: fitted(sub, overlap))})
   return out
 
 
@@ -235,24 +246,9 @@ def collective_sensitivity() -> list[dict[str, object]]:
     hw = dataclasses.replace(base, ring_volumes=ring, axis_links=links)
     fit_samples = samples(PALM_540B_TPU_V4, hw)
     c = fit(fit_samples, "tpu-v4", free=TPU_V4_FREE)
-    ratios = errors(c, fit_samples)
-    loo = [errors(fit(fit_samples[:i] + fit_samples[i + 1:], "tpu-v4", free=TPU_V4_FREE),
-                  [s])[0] for i, s in enumerate(fit_samples)]
-    fitted_runs = judge(c, PALM_540B_TPU_V4, hw)
-    held = judge(c, PALM_62B_TPU_V4, hw)
-    eight = next(r for r in held if r["chips"] == 8)["calibrated"]
-    out.append({
-        "variant": name, "ring_volumes": ring, "axis_links": links,
-        **{p: getattr(c, p) for p in TPU_V4_FREE},
-        "fit_ratios": ratios, "fit_rms_log": _rms_log(ratios),
-        "leave_one_out_ratios": loo, "leave_one_out_rms_log": _rms_log(loo),
-        "fit_layout_agrees": sum(bool(r["calibrated"]["layout_agrees"]) for r in fitted_runs),
-        "held_out_ratios": [r["calibrated"]["ratio"] for r in held],
-        "held_out_within_25pct": sum(within_time_tolerance(r["calibrated"]["ratio"])
-                                     for r in held),
-        "held_out_layout_agrees": sum(bool(r["calibrated"]["layout_agrees"]) for r in held),
-        "eight_chip_pick": eight["pick"],
-        "eight_chip_paper_vs_pick": eight["paper_layout_vs_pick"]})
+    out.append({"variant": name, "ring_volumes": ring, "axis_links": links,
+                **_validation(c, fit_samples,
+                              lambda sub: fit(sub, "tpu-v4", free=TPU_V4_FREE), hw)})
   admissible = [r for r in out if r["fit_layout_agrees"] == len(PALM_540B_TPU_V4)]
   best = min(admissible, key=lambda r: r["leave_one_out_rms_log"])
   for r in out:
