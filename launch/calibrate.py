@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 
 from absl import flags, logging
@@ -37,6 +38,10 @@ _PUBLISHED = flags.DEFINE_enum("published", None, ["tpu-v4"], "fit to the paper'
 _NOISE = flags.DEFINE_float("noise", 0.1, "a pick within this fraction of the best agrees",
                             lower_bound=0.0)
 _OUT = flags.DEFINE_string("out", None, "write the calibration JSON here")
+_INSTALL = flags.DEFINE_bool(
+    "install", False, "also save it as the installed calibration of its hardware "
+    "(partitioning.calibration.default_path), which launch.plan, sweep_frontier, simulate and "
+    "the server use when given no --calibration")
 
 
 def _summary(ratios: list[float]) -> dict:
@@ -157,6 +162,11 @@ def main(argv: list[str]) -> None:
     raise CliError(str(e))
   if _OUT.value:
     cal.save(fitted, _OUT.value)
+  if _INSTALL.value:
+    path = cal.default_path(fitted.hardware)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    cal.save(fitted, path)
+    report["installed"] = path
   print(json.dumps({"calibration": dataclasses.asdict(fitted), **report}))
 
 

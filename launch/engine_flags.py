@@ -2,7 +2,7 @@
 
 Contract: importing this module defines the flags once (``--model``, ``--quantize``,
 ``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
-``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``,
+``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``, ``--calibration``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--tpot_target_ms``, ``--min_prefill_tokens``, ``--max_context``,
 ``--prefix_cache``, ``--session_idle_s``,
@@ -50,6 +50,9 @@ PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
 DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
                                     "ffn:attn for decode (default: the planner's choice)")
 HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+CALIBRATION = flags.DEFINE_string(
+    "calibration", "auto", "the planner's calibration: a launch.calibrate JSON; 'auto': the one "
+    "installed for --hardware (launch.calibrate --install), if any; 'none': uncalibrated")
 MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode batch rows", lower_bound=1)
 PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
 KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
@@ -132,12 +135,13 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
         min_prefill_tokens=MIN_PREFILL.value)
     deployment = Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
-                            PREFILL_DEVICES.value, HARDWARE.value, SCAN.value)
+                            PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,
+                            CALIBRATION.value)
     check_multiprocess(deployment, HOST_TIER.value)
     steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
                        max_context=config.max_context, quantized=QUANTIZE.value == "int8")
-  except ValueError as e:
+  except (ValueError, OSError) as e:  # OSError: an unreadable --calibration file
     raise CliError(str(e))
   try:
     cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,

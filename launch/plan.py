@@ -41,8 +41,9 @@ _OBJECTIVE = flags.DEFINE_string(
 _LATENCY_BOUND_MS = flags.DEFINE_float(
     "latency_bound_ms", None, "Drop candidates slower than this (milliseconds per step).")
 _TOP = flags.DEFINE_integer("top", 10, "Candidates to print.")
-_CALIBRATION = flags.DEFINE_string("calibration", None,
-                                   "A launch.calibrate JSON: plan with the calibrated model.")
+_CALIBRATION = flags.DEFINE_string(
+    "calibration", "auto", "A launch.calibrate JSON to plan with the calibrated model; 'auto': "
+    "the one installed for --hardware (launch.calibrate --install) if any; 'none': uncalibrated.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
@@ -74,13 +75,8 @@ def main(argv: list[str]) -> None:
     if _TOP.value < 1:
       raise ValueError(f"--top must be >= 1, got {_TOP.value}")
     # Flag strings are validated by plan() (ValueError), hence the Literal ignores.
-    calibration = None
-    if _CALIBRATION.value:
-      from partitioning.calibration import load
-      calibration = load(_CALIBRATION.value)
-      if calibration.hardware and calibration.hardware != hardware.name:
-        raise ValueError(f"--calibration was fitted for {calibration.hardware}, not "
-                         f"{hardware.name}")
+    from partitioning.calibration import resolve
+    calibration, calibrated_by = resolve(_CALIBRATION.value, hardware.name)
     result = plan(model, hardware, _CHIPS.value,
                   _PHASE.value,  # type: ignore[arg-type]
                   _BATCH.value, _CONTEXT.value,
@@ -90,13 +86,14 @@ def main(argv: list[str]) -> None:
   except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
   if _JSON.value:
-    out = {"model": model.name, "hardware": hardware.name, "chips": _CHIPS.value}
+    out = {"model": model.name, "hardware": hardware.name, "chips": _CHIPS.value,
+           "calibration": calibrated_by}
     out.update(result.to_dict(top=_TOP.value))
     print(json.dumps(out, indent=2))
   else:
     header = (f"{model.name} on {_CHIPS.value} x {hardware.name}, {result.phase} batch "
               f"{result.batch} context {result.context}, {result.weights} weights, "
-              f"objective {result.objective}")
+              f"objective {result.objective}, calibration {calibrated_by}")
     print(_table(result, header, _TOP.value))
 
 

@@ -8,7 +8,8 @@ trace: the load generator's length profiles (``--profile``, weighted mixes allow
 arrivals, or a ``--trace`` (JSONL / CSV of ``arrival_s``, ``prompt_len``, ``output_len``). Step
 times come from the analytic cost model with the planner's layouts per phase, calibrated by
 ``--calibration`` files (``launch.calibrate``; each applies to the hardware it names, or to the
-one given as ``HARDWARE=PATH``).
+one given as ``HARDWARE=PATH``; by default, ``auto``, the ones installed for the ``--hardware``
+presets by ``launch.calibrate --install``, if any; ``none`` for the uncalibrated model).
 Per hardware x weights x chips: the capacity (highest request rate meeting p99 TTFT and TPOT
 of ``--slo``), interleaved (every instance prefills and decodes, chunked prefill) and
 disaggregated (prefill and decode pools, KV moved over ``--link_gb_s`` per chip; the best of the
@@ -47,7 +48,9 @@ _SCALE = flags.DEFINE_float("length_scale", 1.0, "profile length multiplier", lo
 _HIT = flags.DEFINE_float("prefix_hit_rate", 0.0, "share of each prompt found cached",
                           lower_bound=0.0, upper_bound=0.99)
 _CALIBRATION = flags.DEFINE_list(
-    "calibration", [], "calibration JSON files (launch.calibrate), each PATH or HARDWARE=PATH")
+    "calibration", ["auto"], "calibration JSON files (launch.calibrate), each PATH or "
+    "HARDWARE=PATH; 'auto': the ones installed for the --hardware presets (launch.calibrate "
+    "--install), if any; 'none': uncalibrated")
 _LINK = flags.DEFINE_float("link_gb_s", 50.0, "KV transfer link per chip, GB/s", lower_bound=1e-3)
 _EARLY = flags.DEFINE_bool("early_reject", False, "reject arrivals predicted to miss TTFT")
 _PRICES = flags.DEFINE_list("chip_hour_usd", [], "price overrides, hardware=usd,...")
@@ -60,6 +63,17 @@ def _calibration(calibration, spec: str):
   hw, _, path = spec.rpartition("=")
   cal = calibration.load(path)
   return dataclasses.replace(cal, hardware=hw) if hw else cal
+
+
+def _calibrations(calibration, specs: list[str], hws) -> tuple:
+  out = []
+  for spec in specs:
+    if spec == "auto":
+      found = (calibration.resolve("auto", hw.name)[0] for hw in hws)
+      out += [c for c in found if c is not None]
+    elif spec != "none":
+      out.append(_calibration(calibration, spec))
+  return tuple(out)
 
 
 def main(argv: list[str]) -> None:
@@ -80,7 +94,7 @@ def main(argv: list[str]) -> None:
     slo = parse_slo(_SLO.value)
     mix = workload.parse_mix(_PROFILE.value)
     trace = load_trace(_TRACE.value) if _TRACE.value else ()
-    cals = tuple(_calibration(calibration, c) for c in _CALIBRATION.value)
+    cals = _calibrations(calibration, _CALIBRATION.value, hws)
     splits = tuple(float(x) for x in _SPLITS.value)
     prices = tuple((k, float(v)) for k, _, v in (p.partition("=") for p in _PRICES.value))
   except (ValueError, OSError) as e:

@@ -10,9 +10,10 @@ of ``--hardware`` (a named target), for each ``--batches`` x ``--weights`` x ``-
 ``--context`` (``launch.frontier.predicted``). Measured (``--measured DIR``, a
 ``launch.sweep_partitioning`` output): its timed programs on the live devices, on the same
 figure. ``--calibration FILE`` (``launch.calibrate``): the calibrated frontier beside the
-uncalibrated one. Writes ``--out``/frontier.csv (every point, Pareto flags), frontier.json
-(each frontier's two ends: lowest latency, highest MFU) and frontier.png; prints the ends as
-JSON. Bad flags exit 2.
+uncalibrated one (default ``auto``: the calibration installed for ``--hardware`` by
+``launch.calibrate --install``, if there is one; ``none``: without). Writes
+``--out``/frontier.csv (every point, Pareto flags), frontier.json (each frontier's two ends:
+lowest latency, highest MFU) and frontier.png; prints the ends as JSON. Bad flags exit 2.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ _CONTEXT = flags.DEFINE_integer("context", 2048, "context (decode) / prompt (pre
 _PHASES = flags.DEFINE_list("phases", ["decode", "prefill"], "phases")
 _WEIGHTS = flags.DEFINE_list("weights", ["bf16", "int8"], "weight dtypes")
 _MEASURED = flags.DEFINE_string("measured", None, "a launch.sweep_partitioning --out directory")
-_CALIBRATION = flags.DEFINE_string("calibration", None, "a launch.calibrate JSON: adds the "
-                                   "calibrated frontier beside the uncalibrated one")
+_CALIBRATION = flags.DEFINE_string(
+    "calibration", "auto", "a launch.calibrate JSON: adds the calibrated frontier beside the "
+    "uncalibrated one; 'auto': the one installed for --hardware, if any; 'none': no calibration")
 _OUT = flags.DEFINE_string("out", None, "output directory (required)")
 
 
@@ -51,10 +53,8 @@ def main(argv: list[str]) -> None:
     hw = get_hardware(_HARDWARE.value)
     points = frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
                                 _WEIGHTS.value)
-    if _CALIBRATION.value:
-      c = calibration.load(_CALIBRATION.value)
-      if c.hardware and c.hardware != hw.name:
-        raise ValueError(f"--calibration was fitted for {c.hardware}, not {hw.name}")
+    c, _ = calibration.resolve(_CALIBRATION.value, hw.name)
+    if c is not None:
       points += frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
                                    _WEIGHTS.value, calibration=c)
   except (OSError, ValueError) as e:

@@ -24,6 +24,14 @@ Contract:
   * ``save(calibration, path)`` / ``load(path)``: JSON. The planner (``planner.plan(...,
     calibration=)``), ``launch.sweep_frontier --calibration`` and ``launch.plan --calibration``
     use a loaded calibration when one is given.
+  * Installed calibrations: ``default_path(hardware)`` is where ``launch.calibrate --install``
+    saves a hardware's calibration (``$PHASESERVE_CALIBRATION_DIR/<hardware>.json``, default
+    ``~/.cache/phaseserve/calibration``); ``resolve(spec, hardware)`` turns a ``--calibration``
+    flag into ``(calibration or None, where)``: ``"auto"`` the installed one if it exists,
+    ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.plan``,
+    ``sweep_frontier``, ``simulate``, the server's layout choice) default to ``"auto"``, so a
+    calibration is used whenever one exists. A calibration fitted for other hardware is refused
+    (``ValueError``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -133,5 +142,27 @@ def load(path: str) -> Calibration:
   return Calibration(**d)
 
 
+def default_path(hardware: str) -> str:
+  """Where the installed calibration of ``hardware`` lives (see the module docstring)."""
+  root = os.environ.get("PHASESERVE_CALIBRATION_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "phaseserve", "calibration")
+  return os.path.join(root, f"{hardware}.json")
+
+
+def resolve(spec: str | None, hardware: str) -> tuple[Calibration | None, str]:
+  """A ``--calibration`` flag's value for ``hardware``: ``(calibration, where it came from)``,
+  ``(None, "none")`` when there is none; raises ``ValueError`` for one fitted for other
+  hardware (``OSError`` for a named file that cannot be read)."""
+  if not spec or spec == "none":
+    return None, "none"
+  path = default_path(hardware) if spec == "auto" else spec
+  if spec == "auto" and not os.path.exists(path):
+    return None, "none"
+  cal = load(path)
+  if cal.hardware and cal.hardware != hardware:
+    raise ValueError(f"{path}: a calibration for {cal.hardware}, not {hardware}")
+  return cal, path
+
+
 __all__ = ["Calibration", "IDENTITY", "Sample", "fit", "errors", "save", "load", "PARAMS",
-           "BOUNDS"]
+           "BOUNDS", "default_path", "resolve"]

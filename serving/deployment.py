@@ -15,7 +15,8 @@ decode=decode)``:
     prefill, the rest decode, each with its own params copy and pool; KV pages move at insert.
 A layout left unset is chosen by ``partitioning.planner`` for the live mesh and the phase's
 shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
-``hardware`` preset (``local`` measures this machine once), and the reason is reported. Under
+``hardware`` preset (``local`` measures this machine once), calibrated by ``calibration``
+(default ``auto``: the one installed for that hardware, if any), and the reason is reported. Under
 several processes the choice is process 0's (``partitioning.multihost.agree``), so every process
 builds the same programs; ``check_multiprocess`` says which deployments run over processes.
 """
@@ -43,6 +44,9 @@ class Deployment:
   prefill_devices: int | None = None  # disaggregated: devices for prefill (default half)
   hardware: str = "local"
   scan_layers: bool = False  # single: one lax.scan over stacked layers (models.transformer)
+  # The planner's calibration (``partitioning.calibration.resolve``): "auto" = the one installed
+  # for ``hardware`` if any, "none", or a launch.calibrate JSON path.
+  calibration: str = "auto"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -65,7 +69,8 @@ class Steps:
 
 def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
             batch: int, context: int, quantized: bool, hardware: str,
-            family: str | None = None) -> tuple[tuple[str, str], str]:
+            family: str | None = None,
+            calibration: str = "auto") -> tuple[tuple[str, str], str]:
   """The given layout, or the planner's best on ``mesh``, the shape that will run it (another
   ordering of the same chips could make the pair invalid there, or cost it differently); with
   ``family`` (an FFN layout), only the layouts storing the weights as it does, so one resident
@@ -73,18 +78,23 @@ def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, in
   if given is not None:
     ffn, attn = given.split(":")
     return (ffn, attn), "given"
+  from partitioning.calibration import resolve
   from partitioning.hardware import get_hardware
   from partitioning.planner import plan
   chips = mesh[0] * mesh[1] * mesh[2]
+  hw = get_hardware(hardware)
+  cal, calibrated_by = resolve(calibration, hw.name)
   ffns = None
   if family is not None:
     from partitioning.layouts import FFN_LAYOUTS, get_ffn_layout
     stored = get_ffn_layout(family).stored
     ffns = [name for name, lay in FFN_LAYOUTS.items() if lay.stored == stored]
-  best = plan(cfg, get_hardware(hardware), chips, phase, batch, context,  # type: ignore[arg-type]
-              weights="int8" if quantized else "bf16", meshes=[mesh], layouts=ffns).best
+  best = plan(cfg, hw, chips, phase, batch, context,  # type: ignore[arg-type]
+              weights="int8" if quantized else "bf16", meshes=[mesh], layouts=ffns,
+              calibration=cal).best
+  how = "" if cal is None else f", calibrated by {calibrated_by}"
   return (best.layout, best.attention), (
-      f"planner ({hardware}): {best.layout}+{best.attention}, predicted "
+      f"planner ({hardware}{how}): {best.layout}+{best.attention}, predicted "
       f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
 
 
@@ -121,11 +131,13 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
 
   def choose() -> list[object]:
     pre = _choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
-                  max_chunk, quantized, deployment.hardware)
+                  max_chunk, quantized, deployment.hardware,
+                  calibration=deployment.calibration)
     # One mesh: decode shares prefill's resident params, so it is chosen in that family.
     family = pre[0][0] if deployment.mode == "interleaved" else None
     return [pre, _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh),
-                         max_slots, max_context, quantized, deployment.hardware, family)]
+                         max_slots, max_context, quantized, deployment.hardware, family,
+                         deployment.calibration)]
 
   # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)

@@ -34,6 +34,11 @@ def pytest_configure(config):
     _OWN_CACHE.append(path)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  # No installed cost-model calibration (``partitioning.calibration.resolve("auto", ...)``) of
+  # the user's leaks into the planner's choices under test: an empty directory of our own.
+  calibrations = tempfile.mkdtemp(prefix="phaseserve-calibrations-")
+  _OWN_CACHE.append(calibrations)
+  os.environ["PHASESERVE_CALIBRATION_DIR"] = calibrations
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 

@@ -249,3 +249,38 @@ def test_overlap_sensitivity_of_the_tpu_v4_validation():
   # ... and the times only without it: with overlap the 16-chip prefill falls below 0.75.
   assert none["held_out_within_25pct"] == free["held_out_within_25pct"] == 4
   assert full["held_out_within_25pct"] == 3
+
+
+def test_installed_calibrations_are_found_by_hardware(tmp_path, monkeypatch):
+  """``launch.calibrate --install`` saves where ``resolve("auto", hardware)`` looks, and
+  ``launch.plan`` then plans calibrated by default (``--calibration none``: uncalibrated); a
+  calibration for other hardware is refused."""
+  monkeypatch.setenv("PHASESERVE_CALIBRATION_DIR", str(tmp_path))
+  assert cal.resolve("auto", "tpu-v4") == (None, "none")
+  assert cal.resolve("none", "tpu-v4") == (None, "none")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--published", "tpu-v4",
+                      "--install"], cwd=ROOT, env=env, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  path = cal.default_path("tpu-v4")
+  assert json.loads(r.stdout.strip().splitlines()[-1])["installed"] == path
+  found, where = cal.resolve("auto", "tpu-v4")
+  assert where == path and found == published.fit_tpu_v4()
+  assert cal.resolve("auto", "h100") == (None, "none")
+  with pytest.raises(ValueError, match="for tpu-v4, not h100"):
+    cal.resolve(path, "h100")
+  args = [sys.executable, "-m", "launch.plan", "--model", "palm-62b", "--hardware", "tpu-v4",
+          "--chips", "8", "--phase", "decode", "--batch", "512", "--context", "2048", "--json"]
+  plans = {}
+  for extra in ([], ["--calibration", "none"]):
+    r = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    plans[bool(extra)] = json.loads(r.stdout)
+  assert plans[False]["calibration"] == path and plans[True]["calibration"] == "none"
+  want = planner.plan(get_preset("palm-62b"), get_hardware("tpu-v4"), 8, "decode", 512, 2048,
+                      calibration=found).best
+  got = plans[False]["candidates"][0]
+  assert got["latency_s"] == pytest.approx(want.latency_s)
+  assert plans[True]["candidates"][0]["latency_s"] < 0.6 * got["latency_s"]

@@ -49,3 +49,27 @@ def test_interleaved_decode_is_chosen_in_the_prefill_layouts_family():
   want = plan(CFG, get_hardware("h100"), 8, "decode", 64, 2048, meshes=[mesh_shape(dec.mesh)],
               layouts=["ws_2d", "wg_x", "wg_xy", "wg_xyz"]).best
   assert (dec.ffn.name, dec.attn.name) == (want.layout, want.attention)
+
+
+def test_the_layout_choice_uses_an_installed_calibration(tmp_path, monkeypatch):
+  """``calibration="auto"`` (the default) plans with the calibration installed for the hardware
+  when there is one, and says so; ``"none"`` and an empty store plan uncalibrated."""
+  from partitioning import calibration
+  monkeypatch.setenv("PHASESERVE_CALIBRATION_DIR", str(tmp_path))
+  slow = calibration.Calibration(hardware="h100", hbm_fraction=0.1, link_fraction=0.05,
+                                 layer_overhead_s=1e-3)
+
+  def decode_choice(cal: str) -> str:
+    return make_steps(CFG, Deployment("interleaved", prefill_layout="ws_2d:heads",
+                                      hardware="h100", calibration=cal),
+                      max_slots=64, max_chunk=256, max_context=2048, quantized=False,
+                      devices=jax.devices()[:8]).description["decode_choice"]
+
+  plain = decode_choice("auto")  # nothing installed yet
+  assert "calibrated" not in plain
+  calibration.save(slow, calibration.default_path("h100"))
+  auto = decode_choice("auto")
+  assert f"calibrated by {calibration.default_path('h100')}" in auto
+  # The calibrated prediction is the one reported (1 ms per layer alone is 4 ms on `small`).
+  assert float(auto.split("predicted ")[1].split(" ms")[0]) > 4.0
+  assert decode_choice("none") == plain
