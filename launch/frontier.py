@@ -18,7 +18,8 @@ Contract:
     int8 decode near 29 ms/token at low batch, prefill near 76% MFU at large batch).
   * ``write(points, out_dir, title)``: ``frontier.csv`` (``COLUMNS``, with ``pareto_mfu`` /
     ``pareto_cost`` flags), ``frontier.json`` (ends, counts) and ``frontier.png`` (rows: decode,
-    prefill; columns: latency vs MFU, latency vs cost; Pareto points joined and labelled).
+    prefill; columns: latency vs MFU, latency vs cost; Pareto points joined, and every one of
+    them named by a layout label: ``runs_of_a_layout``).
 """
 
 from __future__ import annotations
@@ -142,16 +143,40 @@ def write(points: Sequence[Point], out_dir: str, title: str, meta: dict) -> dict
   return paths
 
 
+def runs_of_a_layout(front: Sequence[Point]) -> list[tuple[Point, str]]:
+  """Every Pareto point's label, one per run of consecutive points sharing a layout (its FFN and
+  attention names; equal-cost twins on other meshes join the run), chip count and weight dtype:
+  ``(first point, "ffn+attn x.y.z wdtype Nc B1-64")``, with ``(+k meshes)`` when the run spans
+  several mesh shapes, so each point on the plot is named without one label per point."""
+  out: list[tuple[Point, str]] = []
+  key = lambda p: (p.layout.split(" ")[0], p.chips, p.weights)
+  i = 0
+  while i < len(front):
+    j = i
+    while j + 1 < len(front) and key(front[j + 1]) == key(front[i]):
+      j += 1
+    run = front[i:j + 1]
+    batches = sorted({p.batch for p in run})
+    meshes = len({p.layout for p in run})
+    b = f"B{batches[0]}" + (f"-{batches[-1]}" if len(batches) > 1 else "")
+    more = f" (+{meshes - 1} meshes)" if meshes > 1 else ""
+    out.append((front[i], f"{front[i].layout}{more} {front[i].weights} {front[i].chips}c {b}"))
+    i = j + 1
+  return out
+
+
 def _plot(points: Sequence[Point], path: str, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   phases = [ph for ph in ("decode", "prefill") if any(p.phase == ph for p in points)]
-  fig, axes = plt.subplots(len(phases), 2, figsize=(12, 4.8 * len(phases)), squeeze=False)
+  fig, axes = plt.subplots(len(phases), 2, figsize=(20, 5.6 * len(phases)), squeeze=False,
+                           gridspec_kw={"wspace": 0.75})
   style = {"predicted": ("tab:blue", "o"), "calibrated": ("tab:green", "^"),
            "measured": ("tab:red", "s")}
   for row, phase in zip(axes, phases):
     for ax, against in zip(row, ("mfu", "cost")):
+      names: list[str] = []
       for source, (color, marker) in style.items():
         pts = [p for p in points if p.phase == phase and p.source == source]
         if not pts:
@@ -161,9 +186,10 @@ def _plot(points: Sequence[Point], path: str, title: str) -> None:
         front = pareto(pts, against)
         ax.plot([p.latency_s for p in front], ys(front), marker=marker, color=color, lw=1.2,
                 ms=4, label=f"{source} Pareto")
-        for p in front[:: max(1, -(-len(front) // 5))]:  # at most five labels per frontier
-          ax.annotate(p.label, (p.latency_s, ys([p])[0]), fontsize=6, alpha=0.8,
-                      xytext=(3, 3), textcoords="offset points")
+        for first, run in runs_of_a_layout(front):  # numbered on the plot, named beside it
+          names.append(f"{source[0].upper()}{len(names) + 1}: {run}")
+          ax.annotate(names[-1].split(":")[0], (first.latency_s, ys([first])[0]), fontsize=6,
+                      color=color, xytext=(3, 3), textcoords="offset points")
       unit = "s per token (one step)" if phase == "decode" else "s per prompt pass"
       ax.set_xscale("log")
       ax.set_xlabel(f"{phase} latency, {unit}")
@@ -174,10 +200,13 @@ def _plot(points: Sequence[Point], path: str, title: str) -> None:
         ax.set_ylabel("MFU (%)")
       ax.legend(fontsize=7)
       ax.grid(alpha=0.3, which="both")
+      ax.text(1.02, 1.0, "\n".join(names), transform=ax.transAxes, fontsize=5, va="top",
+              family="monospace")
   fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
+  fig.subplots_adjust(left=0.04, right=0.83, top=0.94, bottom=0.06)
   fig.savefig(path, dpi=90)
   plt.close(fig)
 
 
-__all__ = ["Point", "predicted", "measured", "pareto", "ends", "write", "COLUMNS"]
+__all__ = ["Point", "predicted", "measured", "pareto", "ends", "runs_of_a_layout", "write",
+           "COLUMNS"]

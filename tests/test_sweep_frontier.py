@@ -46,6 +46,40 @@ def test_frontier_files(tmp_path):
   assert os.path.getsize(os.path.join(out, "frontier.png")) > 1000
 
 
+def test_calibrated_frontier_beside_the_predicted_one(tmp_path):
+  """``--calibration FILE`` adds the calibrated source; a calibration at a tenth of peak HBM and
+  link bandwidth makes every end slower than the uncalibrated one; ``none`` leaves it out."""
+  from partitioning import calibration
+  path = str(tmp_path / "cal.json")
+  calibration.save(calibration.Calibration(hardware="tpu-v4", hbm_fraction=0.1,
+                                           link_fraction=0.1), path)
+  args = ("--model", "palm-62b", "--chips", "8", "--batches", "1,64", "--weights", "int8")
+  r = _run(*args, "--calibration", path, "--out", str(tmp_path / "fr"))
+  assert r.returncode == 0, r.stderr
+  ends = json.loads(r.stdout.strip().splitlines()[-1])["ends"]
+  assert set(ends) == {"predicted/decode", "predicted/prefill", "calibrated/decode",
+                       "calibrated/prefill"}
+  for phase in ("decode", "prefill"):
+    assert (ends[f"calibrated/{phase}"]["lowest_latency"]["latency_s"]
+            > ends[f"predicted/{phase}"]["lowest_latency"]["latency_s"])
+  r = _run(*args, "--calibration", "none", "--out", str(tmp_path / "fr2"))
+  assert r.returncode == 0, r.stderr
+  assert not any(k.startswith("calibrated") for k in json.loads(r.stdout.splitlines()[-1])["ends"])
+
+
+def test_every_pareto_point_is_named_by_a_layout_label():
+  mk = lambda b, layout, lat: frontier.Point("predicted", "decode", "int8", 8, b, 128, layout,
+                                             lat, 0.1 * b, 1.0)
+  front = [mk(1, "ws_2d+heads 2.2.2", 1.0), mk(2, "ws_2d+heads 2.2.2", 1.1),
+           mk(2, "ws_2d+heads 4.2.1", 1.1), mk(4, "ws_1d+batch_xyz 2.2.2", 1.5),
+           mk(8, "ws_2d+heads 2.2.2", 2.0)]
+  runs = frontier.runs_of_a_layout(front)
+  assert [label for _, label in runs] == ["ws_2d+heads 2.2.2 (+1 meshes) int8 8c B1-2",
+                                          "ws_1d+batch_xyz 2.2.2 int8 8c B4",
+                                          "ws_2d+heads 2.2.2 int8 8c B8"]
+  assert [p.batch for p, _ in runs] == [1, 4, 8]
+
+
 def test_pareto_is_non_dominated():
   pts = [frontier.Point("predicted", "decode", "bf16", 8, b, 128, "x", lat, mfu, c)
          for b, lat, mfu, c in ((1, 1.0, 0.1, 9), (2, 2.0, 0.3, 5), (4, 2.5, 0.2, 4),
