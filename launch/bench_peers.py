@@ -10,7 +10,10 @@ contract: what each engine measures, the row statuses, the ratios), prints a tab
 dependencies: ``make .venv-ref/.stamp`` (transformers), ``make peers-llamacpp`` (llama.cpp,
 about 10 minutes), ``make peers-vllm`` (vLLM's CPU build); a peer that is absent is a row
 ``not installed`` naming its target. ``--offline`` runs the offline trace (vLLM's start-up takes
-2-3 minutes; phaseserve's serve_offline warms its programs first). Bad flags exit 2 with one line.
+2-3 minutes; phaseserve's serve_offline warms its programs first). A whole run takes about 25
+minutes: a tqdm bar counts the engines, and a rerun into the same ``--out`` with the same flags
+reads back every engine whose rows were all ``ok`` (``--noresume`` reruns them). Bad flags exit 2
+with one line.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ _BW = flags.DEFINE_integer("bandwidth_mb", _D.bandwidth_mb, "bench_model's bandw
                            lower_bound=1)
 _TIMEOUT = flags.DEFINE_float("timeout_s", _D.timeout_s, "limit per engine command",
                               lower_bound=1.0)
+_RESUME = flags.DEFINE_bool("resume", True, "read back the engines an earlier run in --out "
+                            "measured with the same flags, all rows ok (--noresume: rerun all)")
+_PROGRESS = flags.DEFINE_bool("progress", True, "a progress bar over the engines (stderr)")
 
 
 def _config() -> core.PeersConfig:
@@ -90,7 +96,20 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
   cfg = _config()
-  result = core.run(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+  from tqdm import tqdm
+  bar = tqdm(total=len(core.STAGES), desc="engines", unit="engine", disable=not _PROGRESS.value)
+
+  def stages(names):
+    for name in names:
+      bar.set_postfix_str(name)
+      yield name
+      bar.update()
+
+  try:
+    result = core.run(cfg, log=lambda m: bar.write(m, file=sys.stderr), resume=_RESUME.value,
+                      progress=stages)
+  finally:
+    bar.close()
   csv_path, json_path = core.write(result, cfg.out)
   print(core.table(result))
   print(f"wrote {csv_path} and {json_path}")

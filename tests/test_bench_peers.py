@@ -44,14 +44,14 @@ def test_bench_peers_smoke_every_peer_absent(tmp_path):
   empty = tmp_path / "empty"
   empty.mkdir()
   out = tmp_path / "out"
-  r = subprocess.run(
-      [sys.executable, "-m", "launch.bench_peers", "--model", "tiny", "--prompt", "16",
-       "--new_tokens", "4", "--batches", "1,2", "--repeats", "1", "--offline=false",
-       "--loadgen=false", "--llamacpp_repeats", "1",
-       "--trace_requests", "2", "--trace_prompt", "8", "--trace_tokens", "4",
-       "--ref_python", str(empty / "python"), "--llamacpp_bin", str(empty),
-       "--vllm_python", str(empty / "python"), "--peak_size", "64", "--bandwidth_mb", "1",
-       "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=core.REPO)
+  args = [sys.executable, "-m", "launch.bench_peers", "--model", "tiny", "--prompt", "16",
+          "--new_tokens", "4", "--batches", "1,2", "--repeats", "1", "--offline=false",
+          "--loadgen=false", "--llamacpp_repeats", "1",
+          "--trace_requests", "2", "--trace_prompt", "8", "--trace_tokens", "4",
+          "--ref_python", str(empty / "python"), "--llamacpp_bin", str(empty),
+          "--vllm_python", str(empty / "python"), "--peak_size", "64", "--bandwidth_mb", "1",
+          "--out", str(out)]
+  r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=core.REPO)
   assert r.returncode == 0, r.stderr[-3000:]
   with open(out / "peers.csv", newline="") as f:
     reader = csv.DictReader(f)
@@ -80,6 +80,16 @@ def test_bench_peers_smoke_every_peer_absent(tmp_path):
   assert (out / "model" / "hf" / "tokenizer.json").is_file()
   assert (out / "model" / "model-bf16.gguf").is_file()
   assert (out / "model" / "model-q8_0.gguf").is_file()
+  # Run again into the same directory: phaseserve's stage (all rows ok) is read back, not re-timed;
+  # the absent peers' stages run again (they may have been installed since).
+  again = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=core.REPO)
+  assert again.returncode == 0, again.stderr[-3000:]
+  doc2 = json.loads((out / "peers.json").read_text())
+  assert doc2["resumed"] == ["phaseserve"] and doc2["complete"]
+  assert [r for r in doc2["rows"] if r["engine"] == "phaseserve"] == [
+      r for r in doc["rows"] if r["engine"] == "phaseserve"]
+  assert "read back" in again.stderr
+  assert doc2["stages"]["phaseserve"]["commands"] == doc["stages"]["phaseserve"]["commands"]
 
 
 @pytest.mark.parametrize("bad", [["--model", "palm-8b"], ["--batches", "0"], ["--batches", "x"]])

@@ -34,8 +34,14 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
     is faster) against the phaseserve row of the same weight class (bf16 for float weights,
     int8 for Q8_0): prefill tok/s, decode ms/step inverted, offline tok/s, capacity.
   * ``write`` puts ``peers.csv`` (``CSV_COLUMNS``) and ``peers.json`` (model, date, machine,
-    config, files, commands, rows, raw outputs, ``complete``) in ``out_dir``; ``run`` also writes
-    them after each engine (``complete: false``), so an interrupted run keeps what it measured.
+    config, files, commands, rows, raw outputs, ``complete``, ``stages``, ``resumed``) in
+    ``out_dir``; ``run`` also writes them after each engine (``complete: false``), so an
+    interrupted run keeps what it measured.
+  * Resuming (``run(..., resume=True)``, the default): the engines run in ``STAGES``; a stage of an
+    earlier ``peers.json`` in ``out_dir`` whose rows are all ``ok``, written with the same
+    configuration (all but ``out`` and ``timeout_s``), is read back instead of run again (its
+    rows, raw outputs and commands; named in ``resumed``); the others run. ``progress`` wraps
+    the stage loop (``launch.bench_peers``: a tqdm bar).
 """
 
 from __future__ import annotations
@@ -104,6 +110,12 @@ class PeerRow:
   compared_to: str = ""
 
 
+STAGES = ("phaseserve", "transformers", "llama.cpp", "vLLM offline", "phaseserve offline",
+          "capacity")
+# Configuration fields that do not change what a stage measures (a resumed stage may differ).
+_NOT_COMPARED = ("out", "timeout_s")
+
+
 @dataclasses.dataclass
 class PeersResult:
   config: PeersConfig
@@ -115,6 +127,9 @@ class PeersResult:
   raw: dict[str, object]
   wall_s: float = 0.0
   complete: bool = True  # False in the files written after each engine, before the last
+  # Per stage: {"rows": [...], "raw": [raw keys], "commands": [...]} (what a resume reads back).
+  stages: dict[str, dict[str, object]] = dataclasses.field(default_factory=dict)
+  resumed: list[str] = dataclasses.field(default_factory=list)
 
 
 def csv_columns(batches: Sequence[int]) -> list[str]:
@@ -543,16 +558,49 @@ def _ratios(rows: list[PeerRow], batches: Sequence[int]) -> None:
       r.compared_to = (r.compared_to + "; " if r.compared_to else "") + "serve_offline bf16"
 
 
-def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersResult:
+def _row_from_json(d: dict) -> PeerRow:
+  d = dict(d, ratios={}, compared_to="")  # ratios are recomputed from the rows of this run
+  for k in ("prefill_tok_s", "decode_ms"):
+    d[k] = {int(b): v for b, v in d[k].items()}
+  return PeerRow(**d)
+
+
+def _earlier_stages(cfg: PeersConfig, out: Path) -> dict[str, dict]:
+  """The stages of an earlier peers.json in ``out`` that can be read back (see the contract)."""
+  try:
+    doc = json.loads((out / "peers.json").read_text())
+  except (OSError, ValueError):
+    return {}
+  same = lambda c: {k: v for k, v in c.items() if k not in _NOT_COMPARED}
+  now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+  if same(doc.get("config", {})) != same(now):
+    return {}
+  raw = doc.get("raw", {})
+  found = {}
+  for name, st in doc.get("stages", {}).items():
+    rows = st.get("rows") or []
+    if name not in STAGES or not rows or any(r.get("status") != OK for r in rows):
+      continue
+    if any(k not in raw for k in st.get("raw", [])):
+      continue
+    found[name] = {**st, "raw_values": {k: raw[k] for k in st.get("raw", [])}}
+  return found
+
+
+def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None, *, resume: bool = True,
+        progress: Callable[[Sequence[str]], Sequence[str]] = lambda it: it) -> PeersResult:
   from launch import machine
   t0 = time.perf_counter()
   out = Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
+  earlier = _earlier_stages(cfg, out) if resume else {}
   log(f"writing {cfg.model} under {out / 'model'}")
   files, info = write_model(cfg, out)
   runner = _Runner(cfg, log)
   raw: dict[str, object] = {"model": info}
   rows: list[PeerRow] = []
+  stages: dict[str, dict[str, object]] = {}
+  resumed: list[str] = []
 
   def result(complete: bool) -> PeersResult:
     _ratios(rows, cfg.batches)
@@ -561,22 +609,42 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None) -> PeersR
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         machine=machine.describe(), files=files, commands=runner.commands, rows=list(rows),
         raw=raw | {"load_avg_1m_per_command": runner.loads},
-        wall_s=time.perf_counter() - t0, complete=complete)
+        wall_s=time.perf_counter() - t0, complete=complete, stages=dict(stages),
+        resumed=list(resumed))
 
-  def step(new_rows: list[PeerRow]) -> None:  # the files so far survive an interrupted run
+  def offline_stage() -> list[PeerRow]:
+    if any(r.engine == "vLLM (CPU)" and r.status == OK for r in rows):
+      return [_phaseserve_offline(cfg, runner, files, raw)]
+    return [PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
+                    "run only beside vLLM's offline trace (vLLM row not ok)")]
+
+  engines: dict[str, Callable[[], list[PeerRow]]] = {
+      "phaseserve": lambda: _phaseserve(cfg, runner, files, raw),
+      "transformers": lambda: [_hf(cfg, runner, files, raw)],
+      "llama.cpp": lambda: _llamacpp(cfg, runner, files, raw),
+      "vLLM offline": lambda: [_vllm(cfg, runner, files, raw)],
+      "phaseserve offline": offline_stage,
+      "capacity": lambda: _capacity(cfg, runner, files, str(info["name"]), int(info["vocab"]),
+                                    raw),
+  }
+  for name in progress(STAGES):
+    # The offline stage is only as valid as the vLLM stage it runs beside.
+    reuse = name in earlier and (name != "phaseserve offline" or "vLLM offline" in resumed)
+    if reuse:
+      st = earlier[name]
+      new_rows = [_row_from_json(r) for r in st["rows"]]
+      raw.update(st["raw_values"])
+      runner.commands.extend(st.get("commands", []))
+      resumed.append(name)
+      log(f"{name}: read back from the earlier {out / 'peers.json'}")
+    else:
+      keys, n_cmds = set(raw), len(runner.commands)
+      new_rows = engines[name]()
+      st = {"raw": sorted(set(raw) - keys), "commands": runner.commands[n_cmds:]}
+    stages[name] = {"rows": [dataclasses.asdict(r) for r in new_rows],
+                    "raw": st["raw"], "commands": list(st.get("commands", []))}
     rows.extend(new_rows)
-    write(result(complete=False), out)
-
-  step(_phaseserve(cfg, runner, files, raw))
-  step([_hf(cfg, runner, files, raw)])
-  step(_llamacpp(cfg, runner, files, raw))
-  step([_vllm(cfg, runner, files, raw)])
-  if any(r.engine == "vLLM (CPU)" and r.status == OK for r in rows):
-    step([_phaseserve_offline(cfg, runner, files, raw)])
-  else:
-    step([PeerRow("phaseserve serve_offline", "bf16", NOT_RUN,
-                  "run only beside vLLM's offline trace (vLLM row not ok)")])
-  rows.extend(_capacity(cfg, runner, files, str(info["name"]), int(info["vocab"]), raw))
+    write(result(complete=False), out)  # the files so far survive an interrupted run
   return result(complete=True)
 
 
@@ -609,7 +677,8 @@ def write(result: PeersResult, out_dir: str | os.PathLike[str]) -> tuple[Path, P
   doc = {"date": result.date, "complete": result.complete, "machine": result.machine,
          "config": dataclasses.asdict(result.config), "files": result.files,
          "commands": result.commands, "wall_s": result.wall_s,
-         "rows": [dataclasses.asdict(r) for r in result.rows], "raw": result.raw}
+         "rows": [dataclasses.asdict(r) for r in result.rows], "raw": result.raw,
+         "stages": result.stages, "resumed": result.resumed}
   json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
   return csv_path, json_path
 
@@ -618,7 +687,8 @@ def table(result: PeersResult) -> str:
   bs = result.config.batches
   head = (["engine", "weights", "status"] + [f"prefill b{b}" for b in bs]
           + [f"ms/step b{b}" for b in bs] + ["offline tok/s", "capacity req/s"]
-          + [f"ps x pf b{b}" for b in bs] + [f"ps x dec b{b}" for b in bs])
+          + [f"ps x pf b{b}" for b in bs] + [f"ps x dec b{b}" for b in bs]
+          + ["ps x offline", "ps x capacity"])
   lines = [f"{result.raw.get('model', {})} on {result.machine.get('cpu')} at {result.date}",
            " | ".join(head)]
 
@@ -630,10 +700,11 @@ def table(result: PeersResult) -> str:
              + [f(r.decode_ms.get(b), 2) for b in bs]
              + [f(r.offline_tok_s, 0), f(r.capacity_rps, 2)]
              + [f(r.ratios.get(f"prefill_b{b}"), 2) for b in bs]
-             + [f(r.ratios.get(f"decode_b{b}"), 2) for b in bs])
+             + [f(r.ratios.get(f"decode_b{b}"), 2) for b in bs]
+             + [f(r.ratios.get("offline"), 2), f(r.ratios.get("capacity"), 2)])
     lines.append(" | ".join(cells) + (f"  ({r.note})" if r.note and r.status != OK else ""))
   return "\n".join(lines)
 
 
 __all__ = ["CSV_COLUMNS", "FAILED", "NOT_INSTALLED", "NOT_RUN", "OK", "PeerRow", "PeersConfig",
-           "PeersResult", "csv_columns", "run", "table", "write", "write_model"]
+           "PeersResult", "STAGES", "csv_columns", "run", "table", "write", "write_model"]
