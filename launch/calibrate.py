@@ -1,7 +1,7 @@
 """Fit a calibration of the cost model to measured runs and check it on runs it did not see.
 
-  python -m launch.calibrate --sweep results/sweep_tiny --out results/calibration_local.json
-  python -m launch.calibrate --published tpu-v4 --out results/calibration_tpu_v4.json
+  python -m launch.calibrate --sweep results/sweep_tiny --out results/calibration_local
+  python -m launch.calibrate --published tpu-v4 --out results/calibration_tpu_v4
 
 ``--sweep DIR`` (a ``launch.sweep_partitioning`` output): the cells are split in two (every
 other cell, in the sweep's order, is held out); the five parameters of
@@ -18,7 +18,10 @@ calibrated, with the issue's criteria (layout agreement; predicted time within 2
 ``overlap_sensitivity``: the same fit and validation with the communication / compute overlap
 held at each of ``published.OVERLAPS`` or fitted, with each variant's leave-one-out error on the
 540B runs, and ``collective_sensitivity``: the same for each way of charging a collective
-(``published.COLLECTIVE_VARIANTS``; the one the 540B runs select is marked). Writes the calibration to ``--out`` and prints a JSON report. Bad flags exit 2.
+(``published.COLLECTIVE_VARIANTS``; the one the 540B runs select is marked). Prints the JSON
+report; ``--out DIR`` writes it as ``report.json`` beside the calibration, ``calibration.json``;
+``--install`` also saves the calibration where the planner's users find it by hardware
+(``partitioning.calibration.default_path``). Bad flags exit 2.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ _SWEEP = flags.DEFINE_string("sweep", None, "a launch.sweep_partitioning output 
 _PUBLISHED = flags.DEFINE_enum("published", None, ["tpu-v4"], "fit to the paper's runs")
 _NOISE = flags.DEFINE_float("noise", 0.1, "a pick within this fraction of the best agrees",
                             lower_bound=0.0)
-_OUT = flags.DEFINE_string("out", None, "write the calibration JSON here")
+_OUT = flags.DEFINE_string("out", None, "output directory: calibration.json (the calibration "
+                           "the planner, plan, sweep_frontier and simulate take) and report.json")
+CALIBRATION_FILE, REPORT_FILE = "calibration.json", "report.json"
 _INSTALL = flags.DEFINE_bool(
     "install", False, "also save it as the installed calibration of its hardware "
     "(partitioning.calibration.default_path), which launch.plan, sweep_frontier, simulate and "
@@ -161,7 +166,13 @@ def main(argv: list[str]) -> None:
   except (OSError, KeyError, ValueError) as e:
     raise CliError(str(e))
   if _OUT.value:
-    cal.save(fitted, _OUT.value)
+    if _OUT.value.endswith(".json"):
+      raise CliError(f"--out is a directory (it gets calibration.json and report.json), got "
+                     f"{_OUT.value!r}")
+    os.makedirs(_OUT.value, exist_ok=True)
+    cal.save(fitted, os.path.join(_OUT.value, CALIBRATION_FILE))
+    with open(os.path.join(_OUT.value, REPORT_FILE), "w") as f:
+      json.dump({"calibration": dataclasses.asdict(fitted), **report}, f, indent=1)
   if _INSTALL.value:
     path = cal.default_path(fitted.hardware)
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -122,7 +122,7 @@ def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
       {"model": "palm-62b", "mesh": [2, 2, 4], "hardware_spec": hw, "rows": rows,
        "cells": cells}))
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  out = str(tmp_path / "cal.json")
+  out = str(tmp_path / "cal")
   r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--sweep", str(tmp_path / "sw"),
                       "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=120)
@@ -135,7 +135,12 @@ def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
   noise = rep["calibrated"]["held_out_measured_noise"]
   assert noise["pairs_resolved"] > 0 and noise["pairs_agree"] == noise["pairs_resolved"]
   assert noise["pick_within_measured_noise"] == noise["cells"] > 0
-  assert cal.load(out).hardware == "tpu-v4"
+  assert cal.load(os.path.join(out, "calibration.json")).hardware == "tpu-v4"
+  assert json.load(open(os.path.join(out, "report.json")))["source"] == "sweep"
+  r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--sweep", str(tmp_path / "sw"),
+                      "--out", out + ".json"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 2 and "--out is a directory" in r.stderr
   r = subprocess.run([sys.executable, "-m", "launch.calibrate", "--published", "tpu-v4"],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
