@@ -165,20 +165,24 @@ def main(argv: list[str]) -> None:
                       else _from_published(_NOISE.value))
   except (OSError, KeyError, ValueError) as e:
     raise CliError(str(e))
-  if _OUT.value:
-    if _OUT.value.endswith(".json"):
-      raise CliError(f"--out is a directory (it gets calibration.json and report.json), got "
-                     f"{_OUT.value!r}")
-    os.makedirs(_OUT.value, exist_ok=True)
-    cal.save(fitted, os.path.join(_OUT.value, CALIBRATION_FILE))
-    with open(os.path.join(_OUT.value, REPORT_FILE), "w") as f:
-      json.dump({"calibration": dataclasses.asdict(fitted), **report}, f, indent=1)
-  if _INSTALL.value:
-    path = cal.default_path(fitted.hardware)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    cal.save(fitted, path)
-    report["installed"] = path
-  print(json.dumps({"calibration": dataclasses.asdict(fitted), **report}))
+  if _OUT.value and _OUT.value.endswith(".json"):
+    raise CliError(f"--out is a directory (it gets calibration.json and report.json), got "
+                   f"{_OUT.value!r}")
+  doc = {"calibration": dataclasses.asdict(fitted), **report}
+  try:
+    if _INSTALL.value:
+      path = cal.default_path(fitted.hardware)
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      cal.save(fitted, path)
+      doc["installed"] = path
+    if _OUT.value:
+      os.makedirs(_OUT.value, exist_ok=True)
+      cal.save(fitted, os.path.join(_OUT.value, CALIBRATION_FILE))
+      with open(os.path.join(_OUT.value, REPORT_FILE), "w") as f:
+        json.dump(doc, f, indent=1)
+  except OSError as e:
+    raise CliError(f"could not write the calibration: {e}")
+  print(json.dumps(doc))
 
 
 if __name__ == "__main__":

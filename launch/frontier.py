@@ -145,7 +145,8 @@ def write(points: Sequence[Point], out_dir: str, title: str, meta: dict) -> dict
 
 def runs_of_a_layout(front: Sequence[Point]) -> list[tuple[Point, str]]:
   """Every Pareto point's label, one per run of consecutive points sharing a layout (its FFN and
-  attention names; equal-cost twins on other meshes join the run), chip count and weight dtype:
+  attention names, on any mesh: the label names the first point's mesh and counts the others),
+  chip count and weight dtype:
   ``(first point, "ffn+attn x.y.z wdtype Nc B1-64")``, with ``(+k meshes)`` when the run spans
   several mesh shapes, so each point on the plot is named without one label per point."""
   out: list[tuple[Point, str]] = []

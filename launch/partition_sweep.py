@@ -130,11 +130,20 @@ def run(cfg: ModelConfig, mesh: Mesh, grid: Grid, hardware: Hardware, out_dir: s
     pick = min(predicted, key=lambda m: m.predicted_s) if predicted else None
     timed = {_program(m): m.measured_s for m in r.measurements}
     within = None if pick is None else timed[_program(pick)] / best.measured_s
+    # Pairs of distinct programs (a shared program's aliases once, at its best prediction).
+    programs: dict[str, at.Measurement] = {}
+    for m in predicted:
+      if _program(m) not in programs or m.predicted_s < programs[_program(m)].predicted_s:
+        programs[_program(m)] = m
     ranking = rank_agreement.judge([rank_agreement.Timed(m.reps_s, m.predicted_s)
-                                    for m in r.measurements if m.same_as is None])
+                                    for m in programs.values()])
+    # The pick runs its program: within the noise when that is the best's or unresolved from it.
+    near = None if pick is None or not pick.reps_s else (
+        _program(pick) == _program(best)
+        or not rank_agreement.resolved(pick.reps_s, best.reps_s))
     cells.append(Cell(phase, batch, seq, w, _program(best),
                       None if pick is None else f"{pick.ffn}+{pick.attn}", within,
-                      ranking.pick_within_noise, ranking.resolved, ranking.agree))
+                      near, ranking.resolved, ranking.agree))
     flops = cost_model.step_flops(cfg, phase, batch, seq)  # type: ignore[arg-type]
     for m in r.measurements:
       mem_s = None

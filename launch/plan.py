@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
                   weights=_WEIGHTS.value,  # type: ignore[arg-type]
                   objective=_OBJECTIVE.value,  # type: ignore[arg-type]
                   latency_bound_s=bound, calibration=calibration)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, OSError) as e:  # OSError: an unreadable --calibration
     cli.fail(str(e))
   if _JSON.value:
     out = {"model": model.name, "hardware": hardware.name, "chips": _CHIPS.value,

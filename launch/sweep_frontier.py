@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     hw = get_hardware(_HARDWARE.value)
     points = frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
                                 _WEIGHTS.value)
-    c, _ = calibration.resolve(_CALIBRATION.value, hw.name)
+    c, calibrated_by = calibration.resolve(_CALIBRATION.value, hw.name)
     if c is not None:
       points += frontier.predicted(cfg, hw, chips, batches, _CONTEXT.value, _PHASES.value,
                                    _WEIGHTS.value, calibration=c)
@@ -68,10 +68,11 @@ def main(argv: list[str]) -> None:
   if not points:
     raise CliError("no feasible configuration")
   title = (f"{cfg.name} on {hw.name} ({','.join(map(str, chips))} chips), context "
-           f"{_CONTEXT.value}: predicted" + (" and measured (live devices)" if _MEASURED.value
-                                             else ""))
+           f"{_CONTEXT.value}: predicted"
+           + ("" if c is None else f", calibrated ({calibrated_by})")
+           + (" and measured (live devices)" if _MEASURED.value else ""))
   meta = {"model": cfg.name, "hardware": hw.name, "chips": chips, "batches": batches,
-          "context": _CONTEXT.value, "machine": machine.describe()}
+          "context": _CONTEXT.value, "calibration": calibrated_by, "machine": machine.describe()}
   paths = frontier.write(points, _OUT.value, title, meta)
   print(json.dumps({"ends": frontier.ends(points), "files": paths}))
 

@@ -108,7 +108,8 @@ def cache_key(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, qu
   x, y, z = mesh_shape(mesh)
   cand = hashlib.sha256(repr(sorted(candidates)).encode()).hexdigest()[:8]
   return (f"{cfg.name}-{cfg_hash}|{dev.platform}:{dev.device_kind}x{mesh.size}:{x}x{y}x{z}|"
-          f"{phase}|b{batch}|s{seq}|{'int8' if quantized else 'float'}|c{cand}|hw:{hw}|r{reps}")
+          f"{phase}|b{batch}|s{seq}|{'int8' if quantized else 'float'}|c{cand}|hw:{hw}|r{reps}"
+          "|calls")  # entries keep every timed call (older ones, without, are not reused)
 
 
 def _load(path: str) -> dict:

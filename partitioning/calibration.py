@@ -134,8 +134,14 @@ def save(cal: Calibration, path: str) -> None:
 
 
 def load(path: str) -> Calibration:
+  """The calibration saved at ``path``; ``ValueError`` for a file that is not one."""
   with open(path) as f:
-    d = json.load(f)
+    try:
+      d = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path}: not JSON ({e})") from None
+  if not isinstance(d, dict):
+    raise ValueError(f"{path}: not a calibration (a JSON object of its fields)")
   unknown = set(d) - {f.name for f in dataclasses.fields(Calibration)}
   if unknown:
     raise ValueError(f"{path}: unknown calibration fields {sorted(unknown)}")

@@ -139,6 +139,11 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
                          max_slots, max_context, quantized, deployment.hardware, family,
                          deployment.calibration)]
 
+  # A bad --calibration fails on every process here, not on process 0 alone inside ``agree``
+  # (the others would wait for its answer until the timeout).
+  if deployment.prefill_layout is None or deployment.decode_layout is None:
+    from partitioning.calibration import resolve
+    resolve(deployment.calibration, deployment.hardware)
   # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)
   pre, dec = tuple(pre), tuple(dec)

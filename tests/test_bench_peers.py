@@ -2,6 +2,7 @@
 the model writers it relies on (models.hf_export, models.gguf_export) round-tripping exactly."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -116,6 +117,32 @@ def test_ratios_against_the_same_weight_class():
   assert rows[4].compared_to == "phaseserve int8 (weight_only)"
   assert rows[5].ratios == {"offline": 0.5}
   assert rows[6].ratios == {} and rows[0].ratios == {}
+  # Capacity: phaseserve's OpenAI server against vLLM's, from the rows (so a read-back capacity
+  # stage keeps it); a second call recomputes rather than appends.
+  rows += [core.PeerRow("vLLM (CPU) OpenAI server", "bf16", ok, capacity_rps=1.0),
+           core.PeerRow("phaseserve OpenAI server", "bf16", ok, capacity_rps=0.75)]
+  core._ratios(rows, (1,))
+  core._ratios(rows, (1,))
+  assert rows[7].ratios == {"capacity": 0.75}
+  assert rows[7].compared_to == "phaseserve OpenAI server"
+  assert rows[5].compared_to == "serve_offline bf16"
+
+
+def test_a_resume_needs_the_same_flags_code_and_cpu(tmp_path):
+  cfg = core.PeersConfig(model="tiny", out=str(tmp_path))
+  now = {"commit": "abc", "changes": "0", "cpu": "Xeon"}
+  row = dataclasses.asdict(core.PeerRow("phaseserve", "bf16", core.OK, decode_ms={1: 2.0}))
+  doc = {"config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
+         "provenance": now, "raw": {"phaseserve_bench": 1},
+         "stages": {"phaseserve": {"rows": [row], "raw": ["phaseserve_bench"], "commands": []},
+                    "transformers": {"rows": [dict(row, status=core.NOT_INSTALLED)], "raw": []}}}
+  (tmp_path / "peers.json").write_text(json.dumps(doc))
+  found = core._earlier_stages(cfg, tmp_path, now)
+  assert set(found) == {"phaseserve"}  # a stage with a row not ok runs again
+  assert core._row_from_json(found["phaseserve"]["rows"][0]).decode_ms == {1: 2.0}
+  assert core._earlier_stages(cfg, tmp_path, dict(now, commit="def")) == {}
+  assert core._earlier_stages(dataclasses.replace(cfg, repeats=9), tmp_path, now) == {}
+  assert core._earlier_stages(dataclasses.replace(cfg, timeout_s=5.0), tmp_path, now)
 
 
 _FAKE_LOADGEN = '''

@@ -39,7 +39,9 @@ Contract: ``run(cfg: PeersConfig, log) -> PeersResult`` and ``write(result, out_
     interrupted run keeps what it measured.
   * Resuming (``run(..., resume=True)``, the default): the engines run in ``STAGES``; a stage of an
     earlier ``peers.json`` in ``out_dir`` whose rows are all ``ok``, written with the same
-    configuration (all but ``out`` and ``timeout_s``), is read back instead of run again (its
+    configuration (all but ``out`` and ``timeout_s``) by the same code on the same CPU
+    (``provenance``: commit, a hash of uncommitted changes, CPU model), is read back instead of
+    run again (its
     rows, raw outputs and commands; named in ``resumed``); the others run. ``progress`` wraps
     the stage loop (``launch.bench_peers``: a tqdm bar).
 """
@@ -130,6 +132,7 @@ class PeersResult:
   # Per stage: {"rows": [...], "raw": [raw keys], "commands": [...]} (what a resume reads back).
   stages: dict[str, dict[str, object]] = dataclasses.field(default_factory=dict)
   resumed: list[str] = dataclasses.field(default_factory=list)
+  provenance: dict[str, str] = dataclasses.field(default_factory=dict)  # ``provenance()``
 
 
 def csv_columns(batches: Sequence[int]) -> list[str]:
@@ -532,30 +535,36 @@ def _capacity(cfg: PeersConfig, run: _Runner, files: dict[str, str], served: str
   except _Failed as e:
     ps_row.status, ps_row.note = FAILED, str(e)
   raw["capacity"] = {r.engine: r.capacity_rps for r in rows}
-  if ps_row.capacity_rps and vllm_row.capacity_rps:
-    vllm_row.ratios["capacity"] = ps_row.capacity_rps / vllm_row.capacity_rps
-    vllm_row.compared_to = "phaseserve OpenAI server"
-  return rows
+  return rows  # the capacity ratio is ``_ratios``'s
 
 
 def _ratios(rows: list[PeerRow], batches: Sequence[int]) -> None:
   ps = {r.weights.split(" ")[0]: r for r in rows if r.engine == "phaseserve" and r.status == OK}
   offline = next((r for r in rows if r.engine == "phaseserve serve_offline" and r.status == OK
                   and r.offline_tok_s), None)
+  server = next((r for r in rows if r.engine == "phaseserve OpenAI server" and r.capacity_rps),
+                None)
   for r in rows:
     if r.status != OK or r.engine.startswith("phaseserve"):
       continue
+    r.ratios = {}  # recomputed from this run's rows on every call
+    against: list[str] = []
     ref = ps.get("int8" if r.weights.upper().startswith("Q8") else "bf16")
     if ref is not None:
-      r.compared_to = f"phaseserve {ref.weights}"
       for b in batches:
         if b in r.prefill_tok_s and b in ref.prefill_tok_s:
           r.ratios[f"prefill_b{b}"] = ref.prefill_tok_s[b] / r.prefill_tok_s[b]
         if b in r.decode_ms and b in ref.decode_ms:
           r.ratios[f"decode_b{b}"] = r.decode_ms[b] / ref.decode_ms[b]
+      if r.ratios:
+        against.append(f"phaseserve {ref.weights}")
     if r.offline_tok_s and offline is not None:
       r.ratios["offline"] = offline.offline_tok_s / r.offline_tok_s
-      r.compared_to = (r.compared_to + "; " if r.compared_to else "") + "serve_offline bf16"
+      against.append("serve_offline bf16")
+    if r.capacity_rps and server is not None:
+      r.ratios["capacity"] = server.capacity_rps / r.capacity_rps
+      against.append(server.engine)
+    r.compared_to = "; ".join(against)
 
 
 def _row_from_json(d: dict) -> PeerRow:
@@ -565,15 +574,33 @@ def _row_from_json(d: dict) -> PeerRow:
   return PeerRow(**d)
 
 
-def _earlier_stages(cfg: PeersConfig, out: Path) -> dict[str, dict]:
-  """The stages of an earlier peers.json in ``out`` that can be read back (see the contract)."""
+def provenance() -> dict[str, str]:
+  """What else a measurement depends on: this checkout's commit and uncommitted changes (a hash
+  of ``git diff HEAD``), and the CPU (``launch.machine``); empty strings outside a git tree."""
+  import hashlib
+  from launch import machine
+
+  def git(*args: str) -> str:
+    try:
+      return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+      return ""
+  return {"commit": git("rev-parse", "HEAD").strip(),
+          "changes": hashlib.sha256(git("diff", "HEAD").encode()).hexdigest()[:16],
+          "cpu": str(machine.describe().get("cpu", ""))}
+
+
+def _earlier_stages(cfg: PeersConfig, out: Path, now: dict[str, str]) -> dict[str, dict]:
+  """The stages of an earlier peers.json in ``out`` that can be read back (see the contract):
+  the same configuration, commit, uncommitted changes and CPU (``provenance``)."""
   try:
     doc = json.loads((out / "peers.json").read_text())
   except (OSError, ValueError):
     return {}
   same = lambda c: {k: v for k, v in c.items() if k not in _NOT_COMPARED}
-  now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-  if same(doc.get("config", {})) != same(now):
+  config = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+  if same(doc.get("config", {})) != same(config) or doc.get("provenance") != now:
     return {}
   raw = doc.get("raw", {})
   found = {}
@@ -593,7 +620,8 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None, *, resume
   t0 = time.perf_counter()
   out = Path(cfg.out)
   out.mkdir(parents=True, exist_ok=True)
-  earlier = _earlier_stages(cfg, out) if resume else {}
+  made_by = provenance()
+  earlier = _earlier_stages(cfg, out, made_by) if resume else {}
   log(f"writing {cfg.model} under {out / 'model'}")
   files, info = write_model(cfg, out)
   runner = _Runner(cfg, log)
@@ -610,7 +638,7 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None, *, resume
         machine=machine.describe(), files=files, commands=runner.commands, rows=list(rows),
         raw=raw | {"load_avg_1m_per_command": runner.loads},
         wall_s=time.perf_counter() - t0, complete=complete, stages=dict(stages),
-        resumed=list(resumed))
+        resumed=list(resumed), provenance=made_by)
 
   def offline_stage() -> list[PeerRow]:
     if any(r.engine == "vLLM (CPU)" and r.status == OK for r in rows):
@@ -635,14 +663,17 @@ def run(cfg: PeersConfig, log: Callable[[str], None] = lambda m: None, *, resume
       new_rows = [_row_from_json(r) for r in st["rows"]]
       raw.update(st["raw_values"])
       runner.commands.extend(st.get("commands", []))
+      runner.loads.extend(st.get("loads") or [None] * len(st.get("commands", [])))
       resumed.append(name)
       log(f"{name}: read back from the earlier {out / 'peers.json'}")
     else:
       keys, n_cmds = set(raw), len(runner.commands)
       new_rows = engines[name]()
-      st = {"raw": sorted(set(raw) - keys), "commands": runner.commands[n_cmds:]}
+      st = {"raw": sorted(set(raw) - keys), "commands": runner.commands[n_cmds:],
+            "loads": runner.loads[n_cmds:]}
     stages[name] = {"rows": [dataclasses.asdict(r) for r in new_rows],
-                    "raw": st["raw"], "commands": list(st.get("commands", []))}
+                    "raw": st["raw"], "commands": list(st.get("commands", [])),
+                    "loads": list(st.get("loads") or [])}
     rows.extend(new_rows)
     write(result(complete=False), out)  # the files so far survive an interrupted run
   return result(complete=True)
@@ -678,7 +709,7 @@ def write(result: PeersResult, out_dir: str | os.PathLike[str]) -> tuple[Path, P
          "config": dataclasses.asdict(result.config), "files": result.files,
          "commands": result.commands, "wall_s": result.wall_s,
          "rows": [dataclasses.asdict(r) for r in result.rows], "raw": result.raw,
-         "stages": result.stages, "resumed": result.resumed}
+         "stages": result.stages, "resumed": result.resumed, "provenance": result.provenance}
   json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
   return csv_path, json_path
 
