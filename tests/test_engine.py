@@ -175,14 +175,29 @@ def test_logprobs_of_chosen_and_best_tokens(params):
 
 
 def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
-  """After warmup(), a mixed trace dispatches no program that was not compiled (greedy)."""
+  """After warmup(), a mixed trace dispatches no program that was not compiled (greedy). The
+  warm-up compiles its programs side by side (two threads) and then runs each once: XLA compiles
+  each program exactly once (counted with JAX's own compile events), not again when it runs, and
+  serving compiles nothing more."""
   pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=24, max_chunk=16,
                     max_prefill_chunks=2)
   engine = Engine(UnshardedStep(CFG), params, EngineConfig(
       max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
-  n = engine.warmup(max_prefill_rows=2, max_chunk=16)
-  assert n == engine.programs == len(engine.buckets(2, 16))
+  compiles = []
+
+  def on_event(name, secs, fun_name="", **kw):
+    if name == "/jax/core/compile/backend_compile_duration" and (
+        "_prefill_call" in fun_name or "_decode_call" in fun_name):
+      compiles.append(fun_name)
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    n = engine.warmup(max_prefill_rows=2, max_chunk=16, threads=2)
+    assert n == engine.programs == len(engine.buckets(2, 16))
+    assert len(compiles) <= n, compiles  # once each (fewer if a test compiled one already)
+    warm = len(compiles)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
   reqs = _requests(np.random.default_rng(2), n=6)
   for r in reqs:
     sched.add(r, RequestTrace(r.request_id))
@@ -190,6 +205,7 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
   for res in engine.flush():
     outs += sched.update(res)
   assert engine.programs == n, "serving compiled a program the warm-up missed"
+  assert warm > 0
   got = {}
   for o in outs:
     got.setdefault(o.request_id, []).extend(o.token_ids)
