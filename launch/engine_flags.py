@@ -3,6 +3,7 @@
 Contract: importing this module defines the flags once (``--model``, ``--quantize``,
 ``--int8_mode``, ``--dtype``, ``--param_seed``, ``--mode``, ``--fake_devices``,
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``, ``--calibration``,
+``--warmup_threads``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
 ``--max_prefill_chunks``, ``--tpot_target_ms``, ``--min_prefill_tokens``, ``--max_context``,
 ``--prefix_cache``, ``--session_idle_s``,
@@ -50,6 +51,9 @@ PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
 DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
                                     "ffn:attn for decode (default: the planner's choice)")
 HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+WARMUP_THREADS = flags.DEFINE_integer(
+    "warmup_threads", 0, "programs the warm-up compiles side by side (0: the CPU count, at most 4)",
+    lower_bound=0)
 CALIBRATION = flags.DEFINE_string(
     "calibration", "auto", "the planner's calibration: a launch.calibrate JSON; 'auto': the one "
     "installed for --hardware (launch.calibrate --install), if any; 'none': uncalibrated")

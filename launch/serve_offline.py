@@ -131,7 +131,7 @@ def run() -> list[dict]:
   built = ef.build(max_waiting=max(1, len(lines)))
   cfg, tok, steps, loop, mode = built.cfg, built.tokenizer, built.steps, built.loop, built.mode
   t0 = time.perf_counter()
-  warmed = stack.warmup(loop) if _WARMUP.value else 0
+  warmed = stack.warmup(loop, ef.WARMUP_THREADS.value or None) if _WARMUP.value else 0
   warmup_s = time.perf_counter() - t0
   results: list[dict | None] = [None] * len(lines)
   texts: dict[int, list[str]] = {}

@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
   t0 = time.monotonic()
-  warmed = stack.warmup(loop) if _WARMUP.value else 0
+  warmed = stack.warmup(loop, ef.WARMUP_THREADS.value or None) if _WARMUP.value else 0
   logging.info("warm-up: %d programs in %.1f s", warmed, time.monotonic() - t0)
   loop.start()
   frontend.start_watchdog()

@@ -93,10 +93,11 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   return loop
 
 
-def warmup(loop: ServingLoop) -> int:
-  """Compiles every program the loop's plans can reach; returns how many."""
+def warmup(loop: ServingLoop, threads: int | None = None) -> int:
+  """Compiles every program the loop's plans can reach, ``threads`` at a time (None: the
+  engine's default); returns how many."""
   s = loop.scheduler
-  return loop.engine.warmup(s.max_prefill_chunks, s.max_chunk)
+  return loop.engine.warmup(s.max_prefill_chunks, s.max_chunk, threads)
 
 
 def describe(loop: ServingLoop) -> dict[str, object]:
