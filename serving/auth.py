@@ -1,13 +1,15 @@
 """API keys and per-key quotas.
 
 Contract: ``ApiKeys.load(path)`` reads a JSON object ``{"<key>": {"name": "...",
-"requests_per_min": N, "tokens_per_min": N}}`` (quotas optional); ``ApiKeys.none()`` accepts
-every caller as ``anonymous``. ``authenticate(key) -> KeyInfo`` raises ``Unauthenticated``
-for a missing or unknown key (keys compared by SHA-256 digest). ``Quotas.admit(info, tokens,
-now)`` raises ``OverQuota`` when the key's sliding 60-second window already holds
-``requests_per_min`` requests or the new request's ``tokens`` (prompt + n * max_tokens, what it
-may use) would pass ``tokens_per_min``; otherwise it charges the window. ``settle(handle,
-tokens)`` corrects the charge to what the request really used.
+"requests_per_min": N, "tokens_per_min": N}}`` (quotas optional, positive integers; a boolean,
+which Python counts as an int, is refused: a ``ValueError`` naming the key's ``name`` and the
+field, never the key itself); ``ApiKeys.none()`` accepts every caller as ``anonymous``.
+``authenticate(key) -> KeyInfo`` raises ``Unauthenticated`` for a missing or unknown key (keys
+compared by SHA-256 digest). ``Quotas.admit(info, tokens, now)`` raises ``OverQuota`` when the
+key's sliding 60-second window already holds ``requests_per_min`` requests or the new request's
+``tokens`` (prompt + n * max_tokens, what it may use) would pass ``tokens_per_min``; otherwise
+it charges the window. ``settle(handle, tokens)`` corrects the charge to what the request really
+used.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ class ApiKeys:
       if extra:
         raise ValueError(f"--api_keys {path!r}: unknown field {sorted(extra)[0]!r}")
       for q in ("requests_per_min", "tokens_per_min"):
+        where = f"--api_keys {path!r}: key {info['name']!r}: {q}"
+        if isinstance(info.get(q), bool):  # JSON true is no quota of 1
+          raise ValueError(f"{where} must be a positive integer, not a boolean "
+                           f"({json.dumps(info[q])})")
         if q in info and (not isinstance(info[q], int) or info[q] < 1):
-          raise ValueError(f"--api_keys {path!r}: {q} must be a positive integer")
+          raise ValueError(f"{where} must be a positive integer")
       keys[key] = KeyInfo(info["name"], info.get("requests_per_min"), info.get("tokens_per_min"))
     return cls(keys)
 

@@ -38,7 +38,9 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     first sampled id into the decode slot state; fork copies run on both pools.
   * Host tier (optional ``host_store``, ``serving.host_tier``): a plan's ``spills`` are read
     from the device pool and copied to the host asynchronously before anything of the step
-    runs, its ``loads`` written back onto their pages before the step reads them.
+    runs (the copies are finished, their device buffers freed, at the start of the next
+    ``execute`` whatever it plans), its ``loads`` written back onto their pages before the step
+    reads them.
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
     ``warmup()`` compiles every bucket a plan can reach (``buckets()``) before serving by running
@@ -453,6 +455,8 @@ class Engine:
   # -- one scheduler step -------------------------------------------------------------------
 
   def execute(self, plan: StepPlan) -> StepResult | None:
+    if self.host_store is not None and self.host_store.pending:
+      self.host_store.materialize()  # the last spills: host arrays now, device buffers freed
     if plan.setups:
       for s in plan.setups:
         self.setup(s.slot, s.sampling, s.sinks)
@@ -499,7 +503,6 @@ class Engine:
     prompt pages are cached, and the insert transfer carries loaded pages to decode's). Page
     counts are padded to powers of two (few programs)."""
     store = self.host_store
-    store.materialize()  # the previous step's spills: host arrays now, device buffers freed
     cap = self._tier_cap
     for g in range(0, len(plan.spills), cap):
       group = plan.spills[g:g + cap]

@@ -5,7 +5,11 @@ handler (registered by ``serving.grpc_server``). Every method authenticates firs
 (``authorization: Bearer <key>`` metadata; UNAUTHENTICATED), then translates: a
 ``GenerateRequest`` becomes ``serving.validation.GenerateArgs`` (proto3 ``optional`` fields
 absent -> ``None``), ``Frontend.generate`` admits it, and each output becomes a
-``GenerateResponse`` (the sample's last one with ``final``). ``ServiceError`` statuses map to
+``GenerateResponse`` (the sample's last one with ``final``). A final's ``usage`` is its
+sample's: ``prompt_tokens`` the request's prompt (the same in every sample, billed once per
+request), its own ``cached_tokens`` and ``completion_tokens``; the request's usage (the usage
+record's, ``Frontend``'s one rule) is sample 0's prompt and cached tokens plus the completion
+tokens summed over the samples. ``ServiceError`` statuses map to
 gRPC codes (``STATUS_CODES``). A client cancel or an expired deadline cancels the request in the
 loop (its pages are free before the next step). A request protobuf refuses to parse because a
 string field is not UTF-8 is answered INVALID_ARGUMENT naming the field (``serving.wire_utf8``).

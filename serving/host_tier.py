@@ -2,9 +2,10 @@
 
 Contract: ``HostStore()`` maps a key (an int the prefix cache hands out) to one page's K and V
 (every layer). The engine ``put``s a spilled page as device arrays whose host copy it has
-started (``copy_to_host_async``); ``materialize()`` (called at the next step) turns them into
-numpy arrays and drops the device buffers, so the copy overlaps a step and device memory is
-given back. ``take(key)`` returns (and removes) a page's data for a load back onto the device;
+started (``copy_to_host_async``); ``materialize()`` (called at the start of the next step,
+whatever that step plans) turns them into numpy arrays and drops the device buffers, so the copy
+overlaps a step and device memory is given back; ``pending`` counts the entries still held as
+device arrays. ``take(key)`` returns (and removes) a page's data for a load back onto the device;
 ``discard(key)`` forgets one (host-tier eviction). ``nbytes`` is what the tier holds. The budget
 and the LRU order are the prefix cache's (``serving.prefix_cache``); this is only the bytes.
 """
@@ -32,6 +33,10 @@ class HostStore:
     if not all(isinstance(p, np.ndarray) for p in parts):
       self._device.add(key)
 
+  @property
+  def pending(self) -> int:
+    return len(self._device)
+
   def materialize(self) -> None:
     for key in list(self._device):
       if key in self._data:
@@ -51,3 +56,8 @@ class HostStore:
   def nbytes(self) -> int:
     return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
                for parts in self._data.values() for p in parts)
+
+  def clear(self) -> None:
+    """Forgets every page (a rebuilt prefix cache hands out keys anew)."""
+    self._data.clear()
+    self._device.clear()

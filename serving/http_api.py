@@ -26,8 +26,10 @@ Contract (``serving.http_server`` is the wiring; every guarantee lives in ``serv
     failed stream (``STATUS``: 400, 429 with ``Retry-After``, 503, 500, ...).
   * ``Response`` shapes the answer: ``chunk`` (one server-sent event's object per output),
     ``role_chunk`` (chat's first delta), ``usage_chunk`` (``stream_options.include_usage``),
-    ``add`` / ``body`` (non-streaming); ``usage`` includes
-    ``prompt_tokens_details.cached_tokens`` (each prompt's tokens served from the prefix cache).
+    ``add`` / ``body`` (non-streaming); ``usage`` sums the prompts' ``Stream.usage()`` (each
+    prompt counted once however many samples, the completion over every sample), with
+    ``prompt_tokens_details.cached_tokens`` (each prompt's tokens served from the prefix cache
+    for its first sample).
     ``finish_reason`` is ``stop`` or ``length``, or phaseserve's own ``cancelled``, ``rejected``,
     ``error`` where the OpenAI set has none.
 """
@@ -388,12 +390,12 @@ def parse_chat(body: object, model: str) -> Parsed:
 
 
 def usage(streams: Sequence[Stream]) -> dict[str, Any]:
-  """OpenAI's usage: each prompt counted once (not per sample), its cached tokens those of its
-  first sample (later samples reuse that sample's pages)."""
-  prompt = sum(len(s.validated.prompt_ids) for s in streams)
-  completion = sum(sum(s.completion) for s in streams)
-  cached = sum(s.finals[0].usage.cached_tokens for s in streams
-               if s.finals[0] is not None and s.finals[0].usage is not None)
+  """OpenAI's usage: the sum over the prompts of each one's ``Stream.usage()`` (its prompt
+  counted once, not per sample; its cached tokens its first sample's)."""
+  each = [s.usage() for s in streams]
+  prompt = sum(u.prompt_tokens for u in each)
+  completion = sum(u.completion_tokens for u in each)
+  cached = sum(u.cached_tokens for u in each)
   return {"prompt_tokens": prompt, "completion_tokens": completion,
           "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -4,7 +4,8 @@ Contract: ``UsageLog(path)`` appends ``write(record)`` as one JSON line and flus
 returning (thread-safe); ``close()`` fsyncs. ``UsageLog(None)`` keeps nothing. The front end
 writes exactly one record per request on the request's one end path (``serving.frontend``);
 ``records`` counts them. A record: ``request_id``, ``client_request_id``, ``api_key`` (the key's
-name, never the key), ``slo_class``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
+name, never the key), ``slo_class``, ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``
+(the request's, the prompt counted once however many samples: ``Stream.usage()``), ``n``,
 ``queue_s``, ``prefill_s``, ``ttft_s``, ``tpot_s``, ``e2e_s``, ``finish_reason`` (per sample),
 ``status`` (``ok``, ``invalid_argument``, ``rejected``, ``cancelled``, ``deadline_exceeded``,
 ``slow_consumer``, ``error``, ``unavailable``), ``message``, ``api`` (which front end:

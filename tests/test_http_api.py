@@ -7,7 +7,7 @@ import pytest
 
 from models.tokenizer import ByteTokenizer
 from serving import http_api
-from serving.frontend import ServiceError, Status
+from serving.frontend import ServiceError, Status, Stream
 from serving.http_api import ApiError, parse_chat, parse_completion
 from serving.request import RequestOutput, TokenLogprobs, Usage
 from serving.stop import FinishReason
@@ -104,6 +104,8 @@ def test_status_mapping():
 
 
 class _FakeStream:
+  usage = Stream.usage
+
   def __init__(self, prompt, completion, cached):
     self.validated = type("V", (), {"prompt_ids": tuple(prompt)})()
     self.completion = completion

@@ -402,6 +402,29 @@ def test_the_real_engine_with_host_tier_round_trips(kv_dtype):
   assert runs["tiered"] == runs["plain"]
 
 
+def test_spilled_pages_leave_the_device_at_the_next_step_whatever_it_plans():
+  """The real engine: a step that spills starts the device -> host copies; the next step,
+  though it plans no spill, forget or load, finishes them (host arrays, device buffers
+  dropped), so a spill holds device memory for one step only."""
+  from serving.engine import Engine, EngineConfig
+  from serving.host_tier import HostStore
+  from serving.prefix_cache import PageSpill
+  from serving.scheduler import StepPlan
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)
+  store = HostStore()
+  eng = Engine(UnshardedStep(cfg), params, EngineConfig(
+      max_slots=2, num_pages=8, page_size=16, max_seq_tokens=64), host_store=store)
+  table = np.full((2, eng.config.pages_per_seq), 8, np.int32)
+  eng.execute(StepPlan(0, (), (), (), table, spills=(PageSpill(1, 7), PageSpill(2, 8))))
+  assert store.pending == 2 and len(store) == 2
+  eng.execute(StepPlan(1, (), (), (), table))  # nothing for the host tier
+  assert store.pending == 0 and len(store) == 2
+  assert store.nbytes == 2 * page_bytes(cfg, 16, "float32")
+  eng.execute(StepPlan(2, (), (), (), table))
+  assert store.pending == 0 and 7 in store and 8 in store
+
+
 def test_a_full_shard_copies_the_prefix_into_another():
   pool, sched, eng = _setup(pages=16, shards=2)
   base = list(range(60, 73))  # 3 whole pages of 4

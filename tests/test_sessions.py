@@ -118,6 +118,37 @@ def test_idle_sessions_expire_and_the_budget_unpins_the_oldest():
   assert sched.prefix_cache.evict(0, 8) == 8
 
 
+def test_a_prefix_shared_by_sessions_counts_once_against_the_budget():
+  """Two sessions with a common 16-token system prompt pin 6 pages each, 4 of them the same
+  pages: 8 distinct pages fit a budget of 9 (counted per session, 12 would unpin the first).
+  A shared page still counts while another session holds it."""
+  pool, sched, eng, clock = _setup(pages=24, budget=9)
+  system = list(range(100, 116))  # 4 whole pages of 4
+  _serve(sched, eng, [_req("a", system + [1, 2, 3], n=6, session="A")])  # 24 written: 6 pages
+  clock.t = 1.0
+  _serve(sched, eng, [_req("b", system + [4, 5, 6], n=6, session="B")])
+  s = sched.sessions
+  assert "A" in s and "B" in s and s.unpinned_for_budget == 0
+  assert s.pinned_pages == 8 and pool.pages_cached == 8
+  assert s.take("A") == 0.0
+  assert s.pinned_pages == 6  # B's own 2 and the 4 shared ones, which B still holds
+  assert sched.prefix_cache.evict(0, 8) == 2  # only A's own pages were unpinned
+  s.take("B")
+  assert s.pinned_pages == 0 and sched.prefix_cache.evict(0, 8) == 6
+
+
+def test_the_budget_unpins_by_distinct_pages():
+  """Budget 7 < 8 distinct pages: the oldest session goes, and the 4 pages it shared stay
+  counted for the session left."""
+  pool, sched, eng, clock = _setup(pages=24, budget=7)
+  system = list(range(100, 116))
+  _serve(sched, eng, [_req("a", system + [1, 2, 3], n=6, session="A")])
+  clock.t = 1.0
+  _serve(sched, eng, [_req("b", system + [4, 5, 6], n=6, session="B")])
+  s = sched.sessions
+  assert "A" not in s and "B" in s and s.unpinned_for_budget == 1 and s.pinned_pages == 6
+
+
 def test_a_pinned_shard_is_not_chosen_for_a_new_sequence():
   """Two sub-pools; a session pins 5 of shard 0's 6 pages. A new prompt with no cache hit goes
   to shard 1 (empty), not to shard 0, whose pinned pages look reclaimable but are locked: it
