@@ -13,6 +13,14 @@ bound one (tests; the HTTP port goes to ``PORT_FILE.http``, the metrics port to
 ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
 flushed, exit 0. Bad flags exit 2 with one line.
 
+Loop failure: an internal error of the serving loop ends every request it held with an error
+status and, with ``--on_loop_failure=restart`` (the default), the loop is rebuilt on the same
+engine (fresh pool and prefix cache; at most 3 times). A fatal engine fault, a loop that has not
+gone round for ``--watchdog_s`` (hung step, compile or deadlock), exhausted restarts or
+``--on_loop_failure=exit`` fail the service instead: every live stream ends UNAVAILABLE, health
+and ``/health`` report NOT_SERVING for ``--failure_exit_delay_s``, then the process exits 1 for
+its supervisor.
+
 Several processes (``--coordinator_address --num_processes --process_id``, one per host; see
 ``launch.cluster_flags``): one global mesh over every process's devices. Process 0 serves
 (ports, scheduler, everything above); each other process builds the same engine and runs the
@@ -71,6 +79,14 @@ _STALL = flags.DEFINE_float("stream_stall_s", 30.0, "cancel a stream whose clien
                             "for this long", lower_bound=0.1)
 _STREAM_BYTES = flags.DEFINE_integer("stream_buffer_bytes", 1 << 20,
                                      "cancel a stream with this much unread", lower_bound=1024)
+_ON_LOOP_FAILURE = flags.DEFINE_enum(
+    "on_loop_failure", "restart", ["restart", "exit"],
+    "after an internal error of the serving loop: rebuild it on the same engine (at most 3 "
+    "times) or exit; a fatal engine fault or a hung loop always exits (code 1, for a "
+    "supervisor to restart)")
+_EXIT_DELAY = flags.DEFINE_float("failure_exit_delay_s", 5.0, "after a loop failure, how long "
+                                 "health reports NOT_SERVING before the process exits 1",
+                                 lower_bound=0.0)
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before readiness")
 _FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request_id "
                             "'fault:raise|fatal|hang:S' injects an engine-step fault")
@@ -108,6 +124,23 @@ def _follow(built: "ef.Built", broadcast) -> None:
   calls = follow(built.loop.engine, broadcast, term.is_set)
   logging.info("process %d stopped after %d engine calls", jax.process_index(), calls)
   jax.distributed.shutdown()
+
+
+def _exit_failed(frontend, running, http, term: threading.Event) -> None:
+  """The service failed (the watchdog has ended every live stream): health stays NOT_SERVING for
+  ``--failure_exit_delay_s`` (a signal cuts it short), then the ports close and the process
+  exits 1 so that its supervisor starts a fresh one."""
+  logging.error("the serving loop failed: %s; exiting in %.1f s", frontend.loop.dead,
+                _EXIT_DELAY.value)
+  term.clear()
+  term.wait(_EXIT_DELAY.value)
+  running.server.stop(grace=1.0).wait(5.0)
+  if http is not None:
+    http.stop()
+  frontend.usage.close()
+  logging.error("exit 1 after a loop failure")
+  logging.flush()
+  os._exit(1)  # the loop thread may be stuck in the engine: do not wait for it
 
 
 def main(argv: list[str]) -> None:
@@ -156,9 +189,12 @@ def main(argv: list[str]) -> None:
                   default_slo_class=_DEFAULT_SLO.value,
                   attention_sinks=loop.scheduler.sinks, page_size=loop.scheduler.pool.page_size)
   frontend = Frontend(loop, tok, FrontendConfig(
-      limits, classes, _SLO_SCALE.value, _EARLY_REJECT.value, _MAX_QUEUE.value,
-      _STREAM_BYTES.value, _STALL.value, _WATCHDOG.value, _FAULTS.value), registry,
-      UsageLog(_USAGE_LOG.value))
+      limits, classes, slo_scale=_SLO_SCALE.value, early_reject=_EARLY_REJECT.value,
+      max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
+      stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value,
+      fault_injection=_FAULTS.value), registry, UsageLog(_USAGE_LOG.value))
+  if _ON_LOOP_FAILURE.value == "exit":
+    loop.rebuild = None
   if _FAULTS.value:
     logging.warning("fault injection is ON (test only)")
     loop.fault_hook = FaultInjector(frontend)
@@ -223,8 +259,10 @@ def main(argv: list[str]) -> None:
   if not term.is_set():
     frontend.set_state("serving")
   logging.info("serving (start-up %.1f s)", startup)
-  while not term.wait(0.2):
+  while not term.wait(0.2) and frontend.state != "failed":
     pass
+  if frontend.state == "failed":
+    _exit_failed(frontend, running, http, term)
   logging.info("draining (grace %.1f s)", _GRACE.value)
   cancelled = frontend.drain(_GRACE.value)
   running.server.stop(grace=1.0).wait(5.0)

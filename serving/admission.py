@@ -59,21 +59,46 @@ def parse_classes(spec: str) -> tuple[SloClass, ...]:
 
 
 class StepCostModel:
-  """Online least squares of step seconds on (1, prefill tokens, decode rows)."""
+  """Online ridge regression of step seconds on (1, prefill tokens, decode rows).
 
-  def __init__(self, forget: float = 0.995, prior: float = 1e-3):
+  The ridge term ``prior * I`` is added at every solve and never forgotten, so the system stays
+  positive definite whatever the steps (thousands of identical ones included) and ``observe``
+  cannot raise. A sample that is not a finite duration >= 0 is ignored; once the fit is
+  ``ready``, a sample above ``clamp`` times the fit's prediction counts as that bound (a step
+  that compiled or stalled moves the fit by a bounded amount, not by its own length).
+  ``last_observed`` is the clock time of the last sample (``observe``'s ``now``), so a caller
+  can tell a fresh estimate from one formed before an idle spell."""
+
+  def __init__(self, forget: float = 0.995, prior: float = 1e-3, clamp: float = 4.0):
     self.forget = forget
-    self._xtx = np.eye(3) * prior
+    self.prior = prior
+    self.clamp = clamp
+    self._xtx = np.zeros((3, 3))
     self._xty = np.zeros(3)
     self.steps = 0
+    self.ignored = 0  # samples dropped as not a duration
+    self.last_observed: float | None = None
     self._coef = np.zeros(3)
 
-  def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
-    x = np.array([1.0, prefill_tokens, decode_rows])
+  def observe(self, prefill_tokens: int, decode_rows: int, seconds: float,
+              now: float | None = None) -> None:
+    seconds = float(seconds)
+    if not (math.isfinite(seconds) and seconds >= 0):
+      self.ignored += 1
+      return
+    if self.ready:
+      seconds = min(seconds, self.clamp * max(self.cost(prefill_tokens, decode_rows), 1e-4))
+    x = np.array([1.0, prefill_tokens, decode_rows], dtype=np.float64)
     self._xtx = self.forget * self._xtx + np.outer(x, x)
     self._xty = self.forget * self._xty + x * seconds
     self.steps += 1
-    self._coef = np.linalg.solve(self._xtx, self._xty)
+    self.last_observed = now
+    try:
+      coef = np.linalg.solve(self._xtx + self.prior * np.eye(3), self._xty)
+    except np.linalg.LinAlgError:  # not reachable with the ridge; kept so nothing escapes
+      return
+    if np.all(np.isfinite(coef)):
+      self._coef = coef
 
   @property
   def ready(self) -> bool:

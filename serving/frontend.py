@@ -22,9 +22,11 @@ translate messages and statuses.
     ``fn()`` from the loop's thread whenever there is something new to poll (``fn`` must not
     block: ``loop.call_soon_threadsafe``), ``off_ready(fn)`` stops it.
   * Every request that passes authentication ends on one path (``_end``), exactly once: the
-    usage record (``serving.usage``; prompt tokens counted per sample, ``cached_tokens`` the
-    samples' prompt tokens served from the prefix cache), the per-request metrics, the quota
-    settlement.
+    usage record (``serving.usage``), the per-request metrics, the quota settlement. One usage
+    rule (``Stream.usage()``) for the record, the quota and every API's response: the prompt
+    counted once however many samples, the completion summed over the samples,
+    ``cached_tokens`` sample 0's prompt tokens served from the prefix cache (samples 1..n-1
+    reuse the pages sample 0 wrote, so it never exceeds the prompt).
   * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
     its first output arrives, so they reuse its prompt pages instead of prefilling it again.
   * ``prediction_error()`` compares each admitted request's predicted TTFT with its actual one
@@ -33,9 +35,15 @@ translate messages and statuses.
     ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
     lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
     ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog
-    thread (``start_watchdog``) fails every live stream and turns the state to ``failed`` when
-    an engine step runs past ``watchdog_s`` or the loop reports that the engine cannot
-    continue.
+    thread (``start_watchdog``) fails every live stream (``UNAVAILABLE``) and turns the state
+    to ``failed`` when the loop thread has not gone round for ``watchdog_s`` (a hung engine
+    step, compile or deadlock) or the loop is dead (``ServingLoop.dead``: failed and not
+    restarting); the server then exits for its supervisor (``launch.server``).
+  * Early rejection (``early_reject``) refuses a request whose prediction misses its class,
+    except on an idle server whose last timed step is older than ``estimate_stale_s``: such an
+    estimate describes a load that is gone, and refusing on it would refuse forever (no step
+    would run to refresh it). A failure of the prediction itself admits the request (counted
+    by the loop's ``guard``).
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from serving.auth import KeyInfo, OverQuota, Quotas
 from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
-from serving.request import Request, RequestOutput
+from serving.request import Request, RequestOutput, Usage
 from serving.service_metrics import LiveGauges, ServiceMetrics
 from serving.stop import FinishReason
 from serving.usage import UsageLog
@@ -101,6 +109,9 @@ class FrontendConfig:
   stream_stall_s: float = 30.0
   watchdog_s: float = 60.0
   fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.faults)
+  # Early rejection trusts the step-cost estimate only while it is fresh: on an idle server whose
+  # last timed step is older than this, a request is admitted (its steps refresh the estimate).
+  estimate_stale_s: float = 1.0
 
 
 def _size(out: RequestOutput) -> int:
@@ -257,6 +268,13 @@ class Stream:
     """Sample 0's timings (every sample shares the prompt's queue and prefill)."""
     return self.traces[0].timings() if self.traces else {}
 
+  def usage(self) -> Usage:
+    """The request's usage (the module's one rule): the prompt once, the completion summed
+    over the samples, ``cached_tokens`` sample 0's."""
+    first = self.finals[0]
+    cached = first.usage.cached_tokens if first is not None and first.usage is not None else 0
+    return Usage(len(self.validated.prompt_ids), sum(self.completion), cached)
+
 
 class Frontend:
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
@@ -282,14 +300,15 @@ class Frontend:
     self._stop_watchdog = threading.Event()
     self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.faults)
     self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
-    sched = loop.scheduler
+    # The scheduler is read at each use: the loop may rebuild it (ServingLoop.rebuild).
     self.metrics = ServiceMetrics(registry, LiveGauges(
-        waiting=lambda: sched.num_waiting + loop.num_arriving,
-        slots_used_fraction=lambda: sched.num_running / sched.max_slots,
+        waiting=lambda: loop.scheduler.num_waiting + loop.num_arriving,
+        slots_used_fraction=lambda: loop.scheduler.num_running / loop.scheduler.max_slots,
         live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
-    cache, per_page = sched.prefix_cache, sched.pool.budget.bytes_per_page
-    if cache is not None:
-      self.metrics.host_tier_bytes.set_function(lambda: cache.host_pages_used * per_page)
+    if loop.scheduler.prefix_cache is not None:
+      per_page = loop.scheduler.pool.budget.bytes_per_page
+      self.metrics.host_tier_bytes.set_function(
+          lambda: loop.scheduler.prefix_cache.host_pages_used * per_page)
 
   # -- state ----------------------------------------------------------------------------------
 
@@ -317,7 +336,7 @@ class Frontend:
               user: str = "") -> None:
     self.metrics.rejections.labels(reason=reason).inc()
     self.metrics.requests.labels(status=status.value, finish_reason="", slo_class=slo).inc()
-    self.usage.write({"request_id": "", "client_request_id": client_request_id,
+    self.loop.guard.call("usage", self.usage.write, {"request_id": "", "client_request_id": client_request_id,
                       "api_key": key.name, "api": api, "slo_class": slo, "status": status.value,
                       "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
                       "completion_tokens": 0, "finish_reason": [],
@@ -361,11 +380,11 @@ class Frontend:
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
     # reuse (a lock-free read of the loop's tree), and about one token per further sample.
     new_tokens = prompt - self._cached_prefix(v.prompt_ids) + (v.n - 1)
-    pred = admission.predict(admission.Load(
+    pred = self.loop.guard.call("cost_model", admission.predict, admission.Load(
         self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
         model=self.loop.cost_model,
         slot_wait_steps=sched.slot_wait_steps(waiting)))
-    if self.config.early_reject:
+    if self.config.early_reject and pred is not None and not self._estimate_stale():
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
         refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
@@ -376,7 +395,7 @@ class Frontend:
       refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class, prompt)
     rid = f"req-{self._prefix}-{next(self._ids)}"
     stream = Stream(self, rid, v, key, client_request_id, api, quota, user)
-    stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s
+    stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s if pred else None
     with self._lock:  # set_state takes the lock: drain sees this stream, or it is refused here
       serving = self.state == "serving"
       if serving:
@@ -400,7 +419,7 @@ class Frontend:
       # Only sample 0 of a session continues it (one conversation, one pinned path).
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
                     v.session_id if i == 0 else "", v.sinks)
-      trace = RequestTrace(sid, self.loop.clock)
+      trace = RequestTrace(sid, self.loop.clock, self.loop.guard.report)
       trace.record("arrival")
       stream.traces.append(trace)
       if share and i > 0:
@@ -408,6 +427,16 @@ class Frontend:
       else:
         self.loop.submit(req, stream._callback(i), trace)
     return stream
+
+  def _estimate_stale(self) -> bool:
+    """Nothing queued, running, arriving or held back, and no step timed for
+    ``estimate_stale_s``: the estimate describes a load that is gone, and with nothing admitted
+    no step would ever run to refresh it (an idle server must not refuse on it forever)."""
+    loop, sched = self.loop, self.loop.scheduler
+    if sched.num_waiting or sched.num_running or loop.num_arriving or self._held:
+      return False
+    last = loop.cost_model.last_observed
+    return last is None or loop.clock() - last > self.config.estimate_stale_s
 
   def _unhold(self, samples: int) -> None:
     if samples:
@@ -471,10 +500,10 @@ class Frontend:
     for sid in stream.ids:
       self.fault_ids.pop(sid, None)
     v = stream.validated
-    completion = sum(stream.completion)
-    cached = sum(f.usage.cached_tokens for f in stream.finals if f is not None and f.usage)
-    self.metrics.prefix_hit_tokens.inc(cached)
-    self.quotas.settle(stream.quota, len(v.prompt_ids) + completion)
+    use = stream.usage()
+    self.metrics.prefix_hit_tokens.inc(  # every sample's hits: prefill the cache saved
+        sum(f.usage.cached_tokens for f in stream.finals if f is not None and f.usage))
+    self.quotas.settle(stream.quota, use.prompt_tokens + use.completion_tokens)
     t = stream.timings()
     if t.get("prefill_s") is not None:
       self.metrics.prefill.observe(t["prefill_s"])
@@ -485,12 +514,12 @@ class Frontend:
     for reason in finish:
       self.metrics.requests.labels(status=stream.status.value, finish_reason=reason,
                                    slo_class=v.slo_class).inc()
-    self.usage.write({
+    self.loop.guard.call("usage", self.usage.write, {
         "request_id": stream.request_id, "client_request_id": stream.client_request_id,
         "api_key": stream.key.name, "api": stream.api, "slo_class": v.slo_class,
         "status": stream.status.value, "message": stream.message,
-        "prompt_tokens": len(v.prompt_ids) * v.n, "cached_tokens": cached,
-        "completion_tokens": completion,
+        "prompt_tokens": use.prompt_tokens, "cached_tokens": use.cached_tokens,
+        "completion_tokens": use.completion_tokens,
         "finish_reason": finish, "n": v.n, **({"user": stream.user} if stream.user else {}),
         **{k: t.get(k) for k in ("queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s")}})
 
@@ -531,12 +560,13 @@ class Frontend:
 
   def _watch(self, period_s: float) -> None:
     while not self._stop_watchdog.wait(period_s):
-      started = self.loop.step_started
-      why = self.loop.failed
-      if why is None and started is not None and \
-          self.loop.clock() - started > self.config.watchdog_s:
-        why = (f"an engine step has run for more than {self.config.watchdog_s:g} s; "
-               "the engine is considered hung")
+      beat = self.loop.beat
+      why = self.loop.dead
+      if why is None and beat is not None and \
+          self.loop.clock() - beat > self.config.watchdog_s:
+        why = (f"the serving loop has not completed a step for more than "
+               f"{self.config.watchdog_s:g} s (a hung engine step, compile or deadlock); the "
+               "engine is considered hung")
         self.loop.fail(why)
       if why is not None:
         self.set_state("failed")

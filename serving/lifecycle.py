@@ -16,14 +16,18 @@ Contract:
     one track (thread) per phase: queue, prefill, transfer, decode, and session (a multi-turn
     request's pause since the previous turn ended, then its resume); instant events for tokens,
     preemption and the end.
-  * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue) and
-    gauges (queue length, running sequences, KV pages used / cached / free) in the given registry; no
+  * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue),
+    gauges (queue length, running sequences, KV pages used / cached / free) and fault counters
+    (internal errors by part, loop failures by kind, loop restarts) in the given registry; no
     global state. ``observe(trace)`` records a finished request.
+  * ``RequestTrace(..., on_error)``: a failure while recording (other than an unknown kind) goes
+    to ``on_error`` (``serving.guard.Guard.report``) instead of the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Iterable
 
@@ -45,17 +49,28 @@ class Event:
 class RequestTrace:
   """The events of one request, in order of recording."""
 
-  def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic):
+  def __init__(self, request_id: str, clock: Callable[[], float] = time.monotonic,
+               on_error: Callable[[str, BaseException], None] | None = None):
     self.request_id = request_id
     self._clock = clock
+    self._on_error = on_error
     self.events: list[Event] = []
 
   def record(self, kind: str, detail: str = "", t: float | None = None) -> float:
+    """Appends an event and returns its time; an unknown ``kind`` is a ValueError. Any other
+    failure (the clock) is reported to ``on_error("lifecycle", exc)``, the event is lost and
+    NaN returned: a trace only observes, it never stops its caller."""
     if kind not in EVENT_KINDS:
       raise ValueError(f"unknown lifecycle event {kind!r}")
-    t = self._clock() if t is None else t
-    self.events.append(Event(kind, t, detail))
-    return t
+    try:
+      t = self._clock() if t is None else t
+      self.events.append(Event(kind, t, detail))
+      return t
+    except Exception as e:
+      if self._on_error is None:
+        raise
+      self._on_error("lifecycle", e)
+      return math.nan
 
   def _first(self, kind: str) -> float | None:
     return next((e.t for e in self.events if e.kind == kind), None)
@@ -174,6 +189,16 @@ class Metrics:
     self.prefill_limit = prom.Gauge("phaseserve_prefill_limit_tokens",
                                     "the TPOT-aware prefill budget of the last decoding step "
                                     "(-1: none applied)", registry=registry)
+    # Faults: what an observer raised (serving.guard) and what ended the loop itself.
+    self.internal_errors = prom.Counter("phaseserve_internal_errors",
+                                        "exceptions caught around what only observes the loop",
+                                        ["part"], registry=registry)
+    self.loop_failures = prom.Counter("phaseserve_loop_failures",
+                                      "serving loop failures by kind (internal, fatal, hung)",
+                                      ["kind"], registry=registry)
+    self.loop_restarts = prom.Counter("phaseserve_loop_restarts",
+                                      "serving loop rebuilt on the same engine after a failure",
+                                      registry=registry)
 
   def observe(self, trace: RequestTrace) -> None:
     t = trace.timings()

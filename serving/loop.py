@@ -25,9 +25,18 @@ Contract:
     queued requests. A ``FatalEngineError``, or ``max_faults`` faults in a row, means the engine
     cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
     end at once. An exception from the scheduler or the loop itself does the same on the
-    background thread (``failed`` says so), so no stream waits forever. ``step_started`` is
-    the clock time the current engine call began (None between calls), for a watchdog. An
-    ``on_output`` callback that raises is dropped, never the loop.
+    background thread (``failed`` says so), so no stream waits forever; then, given
+    ``rebuild`` (a fresh scheduler: pool, prefix cache, sessions) and fewer than
+    ``max_restarts`` restarts so far, the loop restarts on the same engine (``restarts``
+    counts them) and serves again; ``dead`` is ``failed`` unless a restart is under way.
+    ``failures`` counts every failure; ``fail(message)`` is a
+    watchdog's verdict (a hung step: no restart). ``step_started`` is the clock time the
+    current engine call began (None between calls) and ``beat`` the time the background
+    thread last went round (None before ``start``), for a watchdog.
+  * What only observes the loop runs inside ``guard`` (``serving.guard.Guard``, counting into
+    ``phaseserve_internal_errors_total{part}``): the step-cost model, metrics, lifecycle traces
+    and ``on_output`` callbacks. An exception there is logged and counted; a callback that
+    raises cancels its own request (its pages are freed) and the loop goes on.
   * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
     and composition (prefill tokens, decode rows), for admission predictions and the TPOT-aware
     prefill budget; a call during which the engine compiled a program (its ``programs`` count
@@ -45,6 +54,7 @@ from typing import Callable
 
 from serving.engine import Engine
 from serving.admission import StepCostModel
+from serving.guard import Guard
 from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput, Usage
 from serving.scheduler import Scheduler, StepPlan
@@ -61,7 +71,9 @@ class FatalEngineError(RuntimeError):
 class ServingLoop:
   def __init__(self, scheduler: Scheduler, engine: Engine, metrics: Metrics | None = None,
                clock: Callable[[], float] = time.monotonic, *, max_traces: int | None = None,
-               fault_hook: Callable[[StepPlan], None] | None = None, max_faults: int = 3):
+               fault_hook: Callable[[StepPlan], None] | None = None, max_faults: int = 3,
+               rebuild: Callable[[], Scheduler] | None = None, max_restarts: int = 3,
+               guard: Guard | None = None, cost_model: StepCostModel | None = None):
     self.scheduler = scheduler
     self.engine = engine
     self.metrics = metrics
@@ -74,9 +86,17 @@ class ServingLoop:
     self.faults = 0  # faults so far
     self._faults_in_row = 0
     self.failed: str | None = None  # why the engine cannot continue
+    self.failures = 0
+    self.rebuild = rebuild
+    self.max_restarts = max_restarts
+    self.restarts = 0
+    self.guard = guard or Guard(None if metrics is None else metrics.internal_errors)
+    self.beat: float | None = None
+    self._restarting = False
     self.step_started: float | None = None
     self.step_s = 0.0  # moving average of a busy step's wall time (admission predictions)
-    self.cost_model = StepCostModel()  # step seconds vs its composition, fitted as it runs
+    # Step seconds vs its composition, fitted as it runs.
+    self.cost_model = cost_model or StepCostModel()
     self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()
@@ -91,7 +111,7 @@ class ServingLoop:
 
   def submit(self, request: Request, on_output: OutputFn,
              trace: RequestTrace | None = None) -> RequestTrace:
-    trace = trace or RequestTrace(request.request_id, self.clock)
+    trace = trace or RequestTrace(request.request_id, self.clock, self.guard.report)
     if not trace.events:
       trace.record("arrival")
     with self._arriving_lock:
@@ -146,16 +166,18 @@ class ServingLoop:
 
   def _deliver_one(self, out: RequestOutput, cb: OutputFn) -> None:
     if out.finished:
-      if self.metrics is not None:
-        self.metrics.observe(self.traces[out.request_id])
+      if self.metrics is not None and out.request_id in self.traces:
+        self.guard.call("metrics", self.metrics.observe, self.traces[out.request_id])
       if self.max_traces is not None:
         self._finished_ids.append(out.request_id)
         while len(self._finished_ids) > self.max_traces:
           self.traces.pop(self._finished_ids.popleft(), None)
     try:
       cb(out)
-    except Exception:  # a consumer's bug must not stop the loop for everyone
-      _log.exception("on_output callback for %s raised", out.request_id)
+    except Exception as e:  # a consumer's bug costs its own request, never the loop
+      self.guard.report("stream_callback", e)
+      if not out.finished:
+        self.scheduler.cancel(out.request_id)
 
   def _deliver(self, outs: list[RequestOutput]) -> None:
     for o in outs:
@@ -201,15 +223,12 @@ class ServingLoop:
       return True
     self.step_started = None
     if not plan.empty:
-      dt = self.clock() - t0
+      now = self.clock()
+      dt = now - t0
       self.step_s = 0.9 * self.step_s + 0.1 * dt if self.step_s else dt
       composition = (sum(len(c.token_ids) for c in plan.prefill), len(plan.decode))
       if self.metrics is not None:
-        m, limit = self.metrics, self.scheduler.last_prefill_limit
-        m.step_seconds.observe(dt)
-        m.step_prefill_tokens.set(composition[0])
-        m.step_decode_rows.set(composition[1])
-        m.prefill_limit.set(-1 if limit is None else limit)
+        self.guard.call("metrics", self._step_metrics, dt, composition)
       # With lagged results, a call waits for the previous step's ids: its wall time is that
       # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
       self._timed.append(composition)
@@ -217,7 +236,7 @@ class ServingLoop:
         timed = self._timed.popleft()
         # A call that compiled a program timed the compiler, not a step: not a sample.
         if getattr(self.engine, "programs", 0) == programs:
-          self.cost_model.observe(*timed, dt)
+          self.guard.call("cost_model", self.cost_model.observe, *timed, dt, now)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")
@@ -225,6 +244,18 @@ class ServingLoop:
       self._deliver(self.scheduler.update(res))
     self._update_gauges()
     return True
+
+  def _step_metrics(self, dt: float, composition: tuple[int, int]) -> None:
+    m, limit = self.metrics, self.scheduler.last_prefill_limit
+    m.step_seconds.observe(dt)
+    m.step_prefill_tokens.set(composition[0])
+    m.step_decode_rows.set(composition[1])
+    m.prefill_limit.set(-1 if limit is None else limit)
+
+  def _count_failure(self, kind: str) -> None:
+    self.failures += 1
+    if self.metrics is not None:
+      self.guard.call("metrics", lambda: self.metrics.loop_failures.labels(kind=kind).inc())
 
   def _fault(self, exc: Exception) -> None:
     self.faults += 1
@@ -234,24 +265,36 @@ class ServingLoop:
     fatal = isinstance(exc, FatalEngineError) or self._faults_in_row >= self.max_faults
     if fatal:
       self.failed = f"the engine cannot continue ({message})"
+      self._count_failure("fatal")
     self.engine.reset()
     self._timed.clear()
     self._deliver(self.scheduler.fail(self.failed or message, waiting=fatal))
     self._update_gauges()
 
+  @property
+  def dead(self) -> str | None:
+    """Why the loop cannot serve (failed and not about to restart), else None."""
+    return None if self._restarting else self.failed
+
   def fail(self, message: str) -> None:
-    """Marks the engine as unable to continue (a watchdog saw a step hang): no later step
-    runs. Streams are ended by the caller (the loop thread may be stuck in the engine)."""
-    self.failed = message
+    """Marks the engine as unable to continue (a watchdog saw the loop hang): no later step
+    runs and the loop is not restarted. Streams are ended by the caller (the loop thread may
+    be stuck in the engine)."""
+    if self.failed is None:
+      self.failed = message
+      self._count_failure("hung")
 
   def _update_gauges(self) -> None:
     if self.metrics is not None:
-      self.metrics.queue_length.set(self.scheduler.num_waiting)
-      self.metrics.running.set(self.scheduler.num_running)
-      self.metrics.kv_pages_used.set(self.scheduler.pool.pages_used)
-      self.metrics.kv_pages_free.set(self.scheduler.pool.pages_free)
-      self.metrics.kv_pages_cached.set(self.scheduler.pool.pages_cached)
-    return True
+      self.guard.call("metrics", self._set_gauges)
+
+  def _set_gauges(self) -> None:
+    m, s = self.metrics, self.scheduler
+    m.queue_length.set(s.num_waiting)
+    m.running.set(s.num_running)
+    m.kv_pages_used.set(s.pool.pages_used)
+    m.kv_pages_free.set(s.pool.pages_free)
+    m.kv_pages_cached.set(s.pool.pages_cached)
 
   def run_until_idle(self, max_steps: int = 10_000_000) -> None:
     for _ in range(max_steps):
@@ -270,6 +313,7 @@ class ServingLoop:
 
   def _run(self) -> None:
     while not self._stop.is_set():
+      self.beat = self.clock()
       try:
         if self.failed is not None:
           self._admit()  # later submissions end at once
@@ -279,7 +323,13 @@ class ServingLoop:
           self._wake.wait(0.05)
           self._wake.clear()
       except Exception as e:  # a bug outside the engine call: fail loudly, never hang streams
-        self._internal_error(e)
+        self._restarting = self.rebuild is not None and self.restarts < self.max_restarts
+        try:
+          self._internal_error(e)
+          if self._restarting:
+            self._restart()
+        finally:
+          self._restarting = False
 
   def _internal_error(self, exc: Exception) -> None:
     """An exception from the scheduler or the loop itself (engine faults are handled in
@@ -287,6 +337,7 @@ class ServingLoop:
     request still known ends as ``error`` and later submissions end at once."""
     _log.exception("serving loop failed")
     self.failed = f"internal error in the serving loop: {type(exc).__name__}: {exc}"
+    self._count_failure("internal")
     try:
       self._deliver(self.scheduler.fail(self.failed, waiting=True))
     except Exception:
@@ -295,6 +346,27 @@ class ServingLoop:
       self._callbacks.pop(rid, None)
       self._deliver_one(RequestOutput(rid, finish_reason=FinishReason.ERROR,
                                       message=self.failed), cb)
+
+  def _restart(self) -> None:
+    """After an internal error (every request already ended): a fresh scheduler on the same
+    engine; the engine drops its results in flight (its device pages are addressed only through
+    the new pool's tables, so stale contents are never read)."""
+    try:
+      scheduler = self.rebuild()
+      self.engine.reset()
+    except Exception:
+      _log.exception("rebuilding the serving loop failed: it stays failed")
+      return
+    self.scheduler = scheduler
+    self._timed.clear()
+    self._callbacks.clear()
+    self._faults_in_row = 0
+    self.restarts += 1
+    if self.metrics is not None:
+      self.guard.call("metrics", self.metrics.loop_restarts.inc)
+    _log.warning("serving loop restarted (%d of at most %d)", self.restarts, self.max_restarts)
+    self.failed = None
+    self._update_gauges()
 
   def stop(self, timeout: float | None = None) -> None:
     """Stops the background thread; ``timeout`` bounds the wait (a hung engine call)."""

@@ -8,7 +8,9 @@ meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split i
 so they always agree. The prefix cache (and with it session pinning) is on unless
 ``ServingConfig.prefix_cache`` is False; ``host_tier_bytes`` gives it a host-memory tier of
 that many bytes (whole pages) for the pages it evicts. ``tpot_target_ms`` > 0 gives the
-scheduler a TPOT-aware prefill budget fitted to the loop's measured step times.
+scheduler a TPOT-aware prefill budget fitted to the loop's measured step times. The loop can
+rebuild its scheduler (pool, prefix cache, sessions, host tier emptied) after an internal error
+(``ServingLoop.rebuild``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import prometheus_client as prom
 from models.step import Step
 from models.tokenizer import Tokenizer
 from models.weights import Params
-from serving.admission import tpot_prefill_limit
+from serving.admission import StepCostModel, tpot_prefill_limit
 from serving.engine import Engine, EngineConfig, PhaseDecode
+from serving.guard import Guard
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
@@ -64,33 +67,40 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
   budget = page_budget(cfg, kv_dtype, config.page_size, num_pages=config.kv_pages,
                        num_shards=kv_shards)
-  pool = PagePool(budget, max_seq_tokens=context)
   host_pages = config.host_tier_bytes // max(1, budget.bytes_per_page)
   store = HostStore() if config.prefix_cache and host_pages else None
-  cache = None
-  if config.prefix_cache:
-    cache = PrefixCache(pool, host_pages if store is not None else 0)
-  sessions = None if cache is None else Sessions(cache, SessionPolicy(
-      config.session_idle_s, config.kv_pages // 4 if config.session_pages is None
-      else config.session_pages))
-  sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
-                    max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
-                    max_waiting=config.max_waiting, max_context=context,
-                    max_prefill_chunks=config.max_prefill_chunks, prefix_cache=cache,
-                    # Two pools: decode writes generated KV into its own, which prefill never
-                    # reads, so only prompt pages (written by prefill) may be reused.
-                    cache_generated=decode is None, sessions=sessions,
-                    sinks=config.attention_sinks)
+  metrics = Metrics(registry or prom.CollectorRegistry())
+  guard, cost_model = Guard(metrics.internal_errors), StepCostModel()
+
+  def make_scheduler() -> Scheduler:
+    """A fresh pool, prefix cache, sessions and scheduler (at start and on a loop restart)."""
+    pool = PagePool(budget, max_seq_tokens=context)
+    if store is not None:
+      store.clear()
+    cache = PrefixCache(pool, host_pages if store is not None else 0) \
+        if config.prefix_cache else None
+    sessions = None if cache is None else Sessions(cache, SessionPolicy(
+        config.session_idle_s, config.kv_pages // 4 if config.session_pages is None
+        else config.session_pages))
+    sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
+                      max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
+                      max_waiting=config.max_waiting, max_context=context,
+                      max_prefill_chunks=config.max_prefill_chunks, prefix_cache=cache,
+                      # Two pools: decode writes generated KV into its own, which prefill never
+                      # reads, so only prompt pages (written by prefill) may be reused.
+                      cache_generated=decode is None, sessions=sessions,
+                      sinks=config.attention_sinks)
+    if config.tpot_target_ms > 0:  # a cost-model failure means no budget this step
+      sched.prefill_limit = guard.wrap("cost_model", tpot_prefill_limit(
+          cost_model, config.tpot_target_ms / 1e3, config.min_prefill_tokens))
+    return sched
+
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=config.lag, sinks=config.attention_sinks), decode=decode, host_store=store)
-  loop = ServingLoop(sched, engine, Metrics(registry or prom.CollectorRegistry()),
-                     max_traces=max_traces)
-  if config.tpot_target_ms > 0:
-    sched.prefill_limit = tpot_prefill_limit(loop.cost_model, config.tpot_target_ms / 1e3,
-                                             config.min_prefill_tokens)
-  return loop
+  return ServingLoop(make_scheduler(), engine, metrics, max_traces=max_traces,
+                     rebuild=make_scheduler, guard=guard, cost_model=cost_model)
 
 
 def warmup(loop: ServingLoop, threads: int | None = None) -> int:

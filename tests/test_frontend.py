@@ -162,7 +162,7 @@ def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
     assert [finals[i].usage.cached_tokens for i in range(3)] == [0, 8, 8]
     time.sleep(0.05)
     rec = json.loads((tmp_path / "usage.jsonl").read_text().splitlines()[-1])
-    assert rec["cached_tokens"] == 16 and rec["prompt_tokens"] == 27
+    assert rec["cached_tokens"] == 0 and rec["prompt_tokens"] == 9  # the prompt once, sample 0's
     # Cancelled while samples 1-2 still wait for sample 0: every sample ends.
     s2 = fe.generate(GenerateArgs(token_ids=list(range(60, 69)), max_tokens=5, n=3), ANON)
     s2.cancel(Status.CANCELLED, "test")
@@ -173,6 +173,76 @@ def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
     time.sleep(0.1)
     assert fe.loop.scheduler.pool.pages_used == 0 and fe.live == 0
   finally:
+    fe.loop.stop(timeout=5)
+
+
+def _last_record(tmp_path, count, timeout=5.0):
+  """The usage log's last record once it holds ``count`` (written on the loop's thread)."""
+  path = tmp_path / "usage.jsonl"
+  deadline = time.monotonic() + timeout
+  while True:
+    lines = path.read_text().splitlines() if path.exists() else []
+    if len(lines) >= count or time.monotonic() > deadline:
+      assert len(lines) == count, lines
+      return json.loads(lines[-1])
+    time.sleep(0.01)
+
+
+def test_n_samples_bill_the_prompt_once_on_every_api(tmp_path):
+  """n = 3 samples of a 9-token prompt whose 2 whole pages are cached: the usage record, the
+  quota, OpenAI's ``usage`` and the gRPC finals all count the prompt once (9), the completion
+  summed over the samples (15) and the cached tokens of sample 0 (8, never more than the
+  prompt)."""
+  import grpc
+  import http.client
+  import prometheus_client as prom
+  from serving import grpc_server, http_server
+  from serving.proto.phaseserve.v1 import generation_pb2 as pb
+  from serving.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
+  fe = _frontend(tmp_path, cache=True, config=FrontendConfig(LIMITS, early_reject=False))
+  web = http_server.serve(fe, ApiKeys.none(), prom.CollectorRegistry(),
+                          http_server.HttpOptions("m", max_context=64))
+  rpc = grpc_server.serve(fe, ApiKeys.none(), pb.ServerInfoResponse(),
+                          grpc_server.ServerOptions())
+  want = {"prompt_tokens": 9, "cached_tokens": 8, "completion_tokens": 15}
+  try:
+    prompt = list(range(40, 49))  # 9 tokens: 2 whole pages of 4
+    _collect(fe.generate(GenerateArgs(token_ids=prompt, max_tokens=2), ANON))  # caches them
+    _last_record(tmp_path, 1)
+    alice = KeyInfo("alice", tokens_per_min=1000)
+    stream = fe.generate(GenerateArgs(token_ids=prompt, max_tokens=5, ignore_eos=True, n=3),
+                         alice)
+    _, finals = _collect(stream)
+    assert finals[0].usage.cached_tokens == 8
+    rec = _last_record(tmp_path, 2)
+    assert {k: rec[k] for k in want} == want
+    assert stream.quota is not None and stream.quota[1] == 9 + 15  # the quota agrees
+    conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=30)
+    try:
+      conn.request("POST", "/v1/completions", body=json.dumps(
+          {"model": "m", "prompt": prompt, "max_tokens": 5, "ignore_eos": True, "n": 3}),
+          headers={"Content-Type": "application/json"})
+      resp = conn.getresponse()
+      body = json.loads(resp.read())
+    finally:
+      conn.close()
+    assert resp.status == 200, body
+    assert body["usage"] == {"prompt_tokens": 9, "completion_tokens": 15, "total_tokens": 24,
+                             "prompt_tokens_details": {"cached_tokens": 8}}
+    rec = _last_record(tmp_path, 3)
+    assert {k: rec[k] for k in want} == want and rec["api"] == "openai"
+    with grpc.insecure_channel(f"127.0.0.1:{rpc.port}") as ch:
+      out = list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+          token_ids=pb.TokenIds(ids=prompt), max_tokens=5, ignore_eos=True, n=3), timeout=30))
+    fin = {r.index: r.final.usage for r in out if r.HasField("final")}
+    assert sorted(fin) == [0, 1, 2]
+    assert all(u.prompt_tokens == 9 and u.cached_tokens <= 9 for u in fin.values())
+    got = {"prompt_tokens": fin[0].prompt_tokens, "cached_tokens": fin[0].cached_tokens,
+           "completion_tokens": sum(u.completion_tokens for u in fin.values())}
+    assert got == want == {k: v for k, v in _last_record(tmp_path, 4).items() if k in want}
+  finally:
+    rpc.server.stop(None)
+    web.stop(2)
     fe.loop.stop(timeout=5)
 
 
@@ -227,14 +297,25 @@ def test_queue_bound_rejects_at_once(tmp_path):
 
 
 def test_predicted_slo_miss_is_rejected_with_the_prediction(tmp_path):
+  """With a fresh estimate (steps timed within ``estimate_stale_s``) a predicted miss is
+  refused; an idle server whose estimate is stale admits the same request (its steps refresh
+  the estimate: refusing on a stale one could refuse forever)."""
   classes = (admission.SloClass("server", 2.0, 0.2), admission.SloClass("tight", 1e-6, 1.0))
-  fe = _frontend(tmp_path, config=FrontendConfig(
-      Limits(max_context=64, slo_classes=("server", "tight")), classes))
+  limits = Limits(max_context=64, slo_classes=("server", "tight"))
+  fe = _frontend(tmp_path, config=FrontendConfig(limits, classes, estimate_stale_s=600.0))
   try:
+    _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
     with pytest.raises(ServiceError) as e:
       fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON)
     assert e.value.status is Status.REJECTED and "predicted TTFT" in e.value.message
     _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
+  finally:
+    fe.loop.stop(timeout=5)
+  fe = _frontend(tmp_path, config=FrontendConfig(limits, classes, estimate_stale_s=0.0))
+  try:
+    _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
+    time.sleep(0.05)  # idle, and the last timed step is older than 0 s
+    _collect(fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON))
   finally:
     fe.loop.stop(timeout=5)
 
@@ -420,6 +501,17 @@ def test_api_keys_and_quotas(tmp_path):
   q.admit(bob, 20, 1.0)
   path.write_text(json.dumps({"k": {"name": "x", "bogus": 1}}))
   with pytest.raises(ValueError, match="bogus"):
+    ApiKeys.load(str(path))
+
+
+@pytest.mark.parametrize("field", ["requests_per_min", "tokens_per_min"])
+@pytest.mark.parametrize("value", [True, False])
+def test_api_keys_refuse_a_boolean_quota(tmp_path, field, value):
+  """JSON true is no quota of 1 (bool is an int in Python): the file is refused, naming the key
+  and the field."""
+  path = tmp_path / "keys.json"
+  path.write_text(json.dumps({"k1": {"name": "alice", field: value}}))
+  with pytest.raises(ValueError, match=f"alice.*{field}.*boolean"):
     ApiKeys.load(str(path))
 
 

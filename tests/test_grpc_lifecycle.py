@@ -252,9 +252,12 @@ def test_sigterm_drains_then_exits_with_the_usage_log_complete(tls_server):
   assert all(r["api_key"] in ("alice", "limited") for r in records)
 
 
-def test_watchdog_fails_the_streams_of_a_hung_step(tmp_path):
+def test_watchdog_fails_the_streams_of_a_hung_step_then_the_process_exits_1(tmp_path):
+  """A hung step: the stream ends UNAVAILABLE within seconds, new requests are UNAVAILABLE,
+  health and /health report NOT_SERVING for --failure_exit_delay_s, then the process exits 1
+  by itself (for its supervisor)."""
   s = ServerProc.start(tmp_path, *TINY, "--watchdog_s", "1", "--fault_injection",
-                       "--http_port", "0")
+                       "--http_port", "0", "--failure_exit_delay_s", "8")
   try:
     t0 = time.monotonic()
     with s.channel() as ch:
@@ -276,5 +279,7 @@ def test_watchdog_fails_the_streams_of_a_hung_step(tmp_path):
       r = conn.getresponse()
       assert (r.status, json.loads(r.read())) == (503, {"status": "failed"})
       conn.close()
+    assert s.proc.wait(30) == 1, s.log()
+    assert "exit 1 after a loop failure" in s.log()
   finally:
-    assert s.stop() == 0, s.log()
+    s.stop()
