@@ -169,7 +169,10 @@ def main(argv: list[str]) -> None:
   for path in (_TLS_CERT.value, _TLS_KEY.value):
     if path and not os.path.isfile(path):
       raise CliError(f"no such file: {path}")
+  from serving.compiles import ProgramCounter, map_count, rss_bytes
+  programs = ProgramCounter()  # every XLA program this process loads, from here on
   registry = prom.CollectorRegistry()
+  prom.ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU time
   built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
                    max_traces=1024)
   cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
@@ -193,6 +196,7 @@ def main(argv: list[str]) -> None:
       max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
       stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value,
       fault_injection=_FAULTS.value), registry, UsageLog(_USAGE_LOG.value))
+  frontend.metrics.watch_programs(programs)
   if _ON_LOOP_FAILURE.value == "exit":
     loop.rebuild = None
   if _FAULTS.value:
@@ -249,9 +253,15 @@ def main(argv: list[str]) -> None:
 
   signal.signal(signal.SIGTERM, on_signal)
   signal.signal(signal.SIGINT, on_signal)
-  t0 = time.monotonic()
+  t0, maps = time.monotonic(), map_count()
   warmed = stack.warmup(loop, ef.WARMUP_THREADS.value or None) if _WARMUP.value else 0
-  logging.info("warm-up: %d programs in %.1f s", warmed, time.monotonic() - t0)
+  logging.info("warm-up: %d programs in %.1f s (%d XLA programs loaded by the process, %s "
+               "memory mappings, RSS %.2f GB)", warmed, time.monotonic() - t0, programs.count,
+               map_count(), (rss_bytes() or 0) / 1e9)
+  warning = stack.ready(loop, programs, maps, warmed)
+  logging.info("ready: RSS %.2f GB after trimming the heap", (rss_bytes() or 0) / 1e9)
+  if warning:
+    logging.warning("%s", warning)
   loop.start()
   frontend.start_watchdog()
   startup = time.monotonic() - t_start

@@ -41,10 +41,15 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     runs (the copies are finished, their device buffers freed, at the start of the next
     ``execute`` whatever it plans), its ``loads`` written back onto their pages before the step
     reads them.
+  * Host arrays reach the device with ``jax.device_put`` (``jnp.asarray`` of a numpy array
+    compiles a small staging program per new shape, which would load programs while serving).
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
-    ``warmup()`` compiles every bucket a plan can reach (``buckets()``) before serving by running
-    each with all rows inactive (no state changes).
+    Sampling (greedy or not) and logprobs (asked or not) are run-time switches inside each
+    program (``lax.cond``), not program variants, so the set is exactly ``buckets()``.
+    ``warmup()`` compiles every bucket a plan can reach before serving by running each with all
+    rows inactive (no state changes); ``seal()`` closes the set at readiness, after which a
+    dispatch outside it is logged and counted (``unwarmed``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Callable, Sequence
@@ -67,8 +73,10 @@ from models.transformer import bucket
 from models.weights import Params
 from serving.host_tier import HostStore
 from serving.request import Sinks, TokenLogprobs
-from serving.sampling import LOGPROBS_MAX, SamplingArrays, SamplingParams, logprobs, sample
+from serving.sampling import LOGPROBS_MAX, SamplingArrays, SamplingParams, logprobs_if, sample
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +119,9 @@ def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
   return {"sinks": _rows(kv.sinks, idx, 0), "window": _rows(kv.window, idx, 0)}
 
 
-def _logprobs(logits_BV: jax.Array, tok_B: jax.Array, n: int) -> LogprobArrays | None:
-  return logprobs(logits_BV, tok_B, n) if n else None
+
+
+_copy_call = jax.jit(copy_pages, donate_argnums=0)
 
 
 @jax.jit
@@ -133,44 +142,46 @@ def _write_pages(kv: PagedKV, ids_N: jax.Array, k: Pages, v: Pages) -> PagedKV:
                     v_pages=jax.tree.map(put, kv.v_pages, v))
 
 
-@functools.partial(jax.jit, static_argnames=("step", "attend_len", "greedy_only", "valid_vocab",
-                                             "logprobs_n"),
-                   donate_argnames=("kv", "last_S"))
-def _prefill_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
-                  tokens_RT: jax.Array, slots_R: jax.Array, start_R: jax.Array,
-                  lens_R: jax.Array, sample_R: jax.Array, *, step: Step, attend_len: int,
-                  greedy_only: bool, valid_vocab: int, logprobs_n: int):
+# The model's programs (prefill, decode) return logits; sampling is a program of its own, keyed
+# only by the row count: a sampling or logprobs variant would otherwise multiply every model
+# program (each XLA:CPU kernel costs ~3 memory mappings: BUILD_NOTES "Programs and mappings").
+@functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
+def _prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax.Array,
+                  start_R: jax.Array, lens_R: jax.Array, *, step: Step, attend_len: int):
   sub = kv.replace(page_table=_rows(kv.page_table, slots_R, kv.num_pages),
                    lengths=_rows(kv.lengths, slots_R, 0), **_policy_rows(kv, slots_R))
   logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
-  tok_R = sample(logits_RV[:, :valid_vocab], start_R + lens_R, _sampling_rows(samp, slots_R),
-                 greedy_only)
   kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
                   lengths=kv.lengths.at[slots_R].set(sub.lengths, mode="drop"))
-  keep_R = _rows(last_S, slots_R, 0)
-  last_S = last_S.at[slots_R].set(jnp.where(sample_R, tok_R, keep_R), mode="drop")
-  return kv, last_S, tok_R, _logprobs(logits_RV[:, :valid_vocab], tok_R, logprobs_n)
+  return kv, logits_RV
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("step", "n", "attend_len", "greedy_only", "valid_vocab",
-                                    "logprobs_n"),
-                   donate_argnames=("kv", "last_S"))
-def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, samp: SamplingArrays,
-                 slots_N: jax.Array, pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int,
-                 attend_len: int, greedy_only: bool, valid_vocab: int, logprobs_n: int):
+@functools.partial(jax.jit, static_argnames=("step", "n", "attend_len"), donate_argnames=("kv",))
+def _decode_call(params: Params, kv: PagedKV, last_S: jax.Array, slots_N: jax.Array,
+                 pos_N: jax.Array, active_N: jax.Array, *, step: Step, n: int, attend_len: int):
   # Row i runs slot slots_N[i] (padding rows: slot max_slots, the null page, inactive).
   sub = kv.replace(page_table=_rows(kv.page_table, slots_N, kv.num_pages), lengths=pos_N,
                    **_policy_rows(kv, slots_N))
-  last_N = _rows(last_S, slots_N, 0)
-  logits_NV, sub = step.decode(params, last_N, sub, active_N, attend_len=attend_len)
-  tok_N = jnp.where(active_N, sample(logits_NV[:, :valid_vocab], pos_N + 1,
-                                     _sampling_rows(samp, slots_N), greedy_only), last_N)
+  logits_NV, sub = step.decode(params, _rows(last_S, slots_N, 0), sub, active_N,
+                               attend_len=attend_len)
   keep_N = _rows(kv.lengths, slots_N, 0)
   lengths = kv.lengths.at[slots_N].set(jnp.where(active_N, sub.lengths, keep_N), mode="drop")
-  kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths)
-  return (kv, last_S.at[slots_N].set(tok_N, mode="drop"), tok_N,
-          _logprobs(logits_NV[:, :valid_vocab], tok_N, logprobs_n))
+  return kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths), logits_NV
+
+
+@functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_S",))
+def _sample_call(logits_RV: jax.Array, last_S: jax.Array, samp: SamplingArrays,
+                 slots_R: jax.Array, pos_R: jax.Array, take_R: jax.Array, want_lp: jax.Array, *,
+                 valid_vocab: int):
+  """Row r's next id from its logits (its slot's sampling, key position ``pos_R``); rows with
+  ``take_R`` write it into their slot's last id, the others keep theirs (and return it);
+  logprobs under the run-time switch ``want_lp``."""
+  logits_RV = logits_RV[:, :valid_vocab]
+  keep_R = _rows(last_S, slots_R, 0)
+  tok_R = jnp.where(take_R, sample(logits_RV, pos_R, _sampling_rows(samp, slots_R),
+                                   greedy_only=False), keep_R)
+  return (last_S.at[slots_R].set(tok_R, mode="drop"), tok_R,
+          logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
 
 
 def _to_host(a: jax.Array) -> np.ndarray:
@@ -201,6 +212,11 @@ class PhaseDecode:
 Row = tuple[str, int, int]  # (request id, row of the call, top-n logprobs it asked for)
 
 
+def _want_lp(rows: Sequence[Row]) -> jax.Array:
+  """The calls' traced logprobs switch: on when any sampled row asked for them."""
+  return jax.device_put(np.bool_(any(k for _, _, k in rows)))
+
+
 @dataclasses.dataclass
 class _Part:
   ids: jax.Array
@@ -218,7 +234,8 @@ class _Pending:
     lps: dict[str, TokenLogprobs] = {}
     for part in self.parts:
       host = _to_host(part.ids)
-      lp = None if part.lp is None else [_to_host(a) for a in part.lp]
+      lp = None if part.lp is None or not any(k for _, _, k in part.rows) else \
+          [_to_host(a) for a in part.lp]
       for rid, i, k in part.rows:
         tokens[rid] = int(host[i])
         if lp is not None and k:
@@ -268,6 +285,9 @@ class Engine:
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
+    self.sealed = False  # set by seal(): the program set is closed (readiness)
+    self.unwarmed = 0  # dispatches after seal() of a program warm-up did not compile
+    self._warm_logits: dict[tuple[str, int], jax.Array] = {}  # warm-up: for the samplers
     self.copied_pages = 0  # plan copies run, and the seconds they took
     self.copy_seconds = 0.0
 
@@ -310,20 +330,26 @@ class Engine:
     for c, i in zip(chunks, row_of):
       toks[i, :len(c.token_ids)] = c.token_ids
       slots[i], start[i], lens[i], want[i] = c.slot, c.start, len(c.token_ids), c.sample
-    greedy = all(self._samp_host[c.slot].greedy for c in chunks)
-    lp_n = self._logprobs_n([c.slot for c in chunks if c.sample])
-    self._shapes.add(("prefill", r, t, attend, greedy, lp_n))
-    self.kv, self.last_S, tok_R, lp = _prefill_call(
-        self.params, self.kv, self.last_S, self._samp, jnp.asarray(toks), jnp.asarray(slots),
-        jnp.asarray(start), jnp.asarray(lens), jnp.asarray(want), step=self.step,
-        attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab, logprobs_n=lp_n)
+    rows = [(c.request_id, i, self._samp_host[c.slot].logprobs)
+            for c, i in zip(chunks, row_of) if c.sample]
+    self._dispatch(("prefill", r, t, attend))
+    slots_R, start_R, lens_R = jax.device_put(slots), jax.device_put(start), jax.device_put(lens)
+    self.kv, logits_RV = _prefill_call(self.params, self.kv, jax.device_put(toks), slots_R,
+                                       start_R, lens_R, step=self.step, attend_len=attend)
+    self._dispatch(("sample", r, "prefill"))
+    self.last_S, tok_R, lp = _sample_call(
+        logits_RV, self.last_S, self._samp, slots_R, jax.device_put(start + lens),
+        jax.device_put(want), _want_lp(rows), valid_vocab=self.valid_vocab)
     self.insert(chunks)
-    return _Part(tok_R, [(c.request_id, i, self._samp_host[c.slot].logprobs)
-                         for c, i in zip(chunks, row_of) if c.sample], lp)
+    return _Part(tok_R, rows, lp)
 
-  def _logprobs_n(self, slots: Sequence[int]) -> int:
-    """The static top-n of a call: the cap when any sampled row asked for logprobs, else 0."""
-    return LOGPROBS_MAX if any(self._samp_host[s].logprobs for s in slots) else 0
+  def _dispatch(self, key: tuple) -> None:
+    """Counts a program dispatch; after ``seal()`` one that warm-up did not compile is logged
+    (and counted in ``unwarmed``): the closed set has a hole, XLA compiles it now."""
+    if self.sealed and key not in self._shapes:
+      self.unwarmed += 1
+      _log.error("program %s was not compiled at warm-up: compiling it while serving", key)
+    self._shapes.add(key)
 
   def insert(self, chunks: Sequence[PrefillChunk]) -> None:
     """One step and one pool: nothing to re-lay. Two phases: the pages of each sequence whose
@@ -348,7 +374,7 @@ class Engine:
       n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
       row_of = [r.slot for r in rows]
     else:
-      n, row_of = self._arrange([r.slot for r in rows], shards)
+      n, row_of = self._arrange([r.slot for r in rows], shards, cap=self.config.max_slots)
     attend = self._attend(max(self._row_end(r.slot, r.position + 1) for r in rows))
     slots = np.full((n,), self.config.max_slots, np.int32)
     if shards == 1:
@@ -357,21 +383,25 @@ class Engine:
     active = np.zeros((n,), bool)
     for r, i in zip(rows, row_of):
       slots[i], pos[i], active[i] = r.slot, r.position, True
-    greedy = all(self._samp_host[r.slot].greedy for r in rows)
-    lp_n = self._logprobs_n([r.slot for r in rows])
-    self._shapes.add(("decode", n, attend, greedy, lp_n))
-    args = (jnp.asarray(slots), jnp.asarray(pos), jnp.asarray(active))
-    kw = dict(n=n, attend_len=attend, greedy_only=greedy, valid_vocab=self.valid_vocab,
-              logprobs_n=lp_n)
+    out_rows = [(r.request_id, i, self._samp_host[r.slot].logprobs)
+                for r, i in zip(rows, row_of)]
+    self._dispatch(("decode", n, attend))
+    self._dispatch(("sample", n, "decode"))
+    slots_N, active_N = jax.device_put(slots), jax.device_put(active)
+    rows_args = (slots_N, jax.device_put(pos), active_N)
+    sample_args = (self._samp, slots_N, jax.device_put(pos + 1), active_N, _want_lp(out_rows))
     if self.decode is None:
-      self.kv, self.last_S, tok_N, lp = _decode_call(
-          self.params, self.kv, self.last_S, self._samp, *args, step=self.step, **kw)
+      self.kv, logits_NV = _decode_call(self.params, self.kv, self.last_S, *rows_args,
+                                        step=self.step, n=n, attend_len=attend)
+      self.last_S, tok_N, lp = _sample_call(logits_NV, self.last_S, *sample_args,
+                                            valid_vocab=self.valid_vocab)
     else:
-      self.kv_dec, self.last_dec, tok_N, lp = _decode_call(
-          self.params_dec, self.kv_dec, self.last_dec, self._samp, *args,
-          step=self.decode.step, **kw)
-    return _Part(tok_N, [(r.request_id, i, self._samp_host[r.slot].logprobs)
-                         for r, i in zip(rows, row_of)], lp)
+      self.kv_dec, logits_NV = _decode_call(self.params_dec, self.kv_dec, self.last_dec,
+                                            *rows_args, step=self.decode.step, n=n,
+                                            attend_len=attend)
+      self.last_dec, tok_N, lp = _sample_call(logits_NV, self.last_dec, *sample_args,
+                                              valid_vocab=self.valid_vocab)
+    return _Part(tok_N, out_rows, lp)
 
   def release(self, slots: Sequence[int]) -> None:
     """Nothing on the device (see the module contract)."""
@@ -382,7 +412,8 @@ class Engine:
               ) -> list[tuple[str, int, int, int]]:
     """Every (phase, rows, chunk length (prefill) or 0, attended length) program the scheduler's
     plans can reach with at most ``max_prefill_rows`` chunks per step of at most ``max_chunk``
-    tokens (decode rows: every power of two up to the slots)."""
+    tokens (decode rows: every power of two up to the slots), then the sampling programs of
+    each row count (``sample_prefill`` / ``sample_decode``, chunk and attended length 0)."""
     cap = self.config.pages_per_seq * self.config.page_size
     attends = sorted({self._attend(e) for e in _powers(1, cap)})
     chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
@@ -397,32 +428,37 @@ class Engine:
                      for n in _powers(1, self.config.max_slots)}):
       out += [("decode", n * (self.decode_shards if self.decode_shards > 1 else 1), 0, a)
               for a in attends]
-    return out
+    rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
+    return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
+                  for r in rows(phase)]
 
   def _warm_call(self, bucket: tuple) -> tuple[Callable, tuple, dict, str]:
     """The jitted call that runs ``bucket`` with every row inactive, on the current arrays:
     (function, args, kwargs, which state its outputs replace: "prefill" or "decode")."""
     phase, r, t, attend = bucket
-    none = self.config.max_slots  # an out-of-range slot: null pages, nothing written
+    none = jnp.full((r,), self.config.max_slots, jnp.int32)  # out of range: null pages
+    z = jax.device_put(np.zeros((r,), np.int32))
     if phase == "prefill":
-      z = jnp.asarray(np.zeros((r,), np.int32))
-      args = (self.params, self.kv, self.last_S, self._samp, jnp.zeros((r, t), jnp.int32),
-              jnp.full((r,), none, jnp.int32), z, z, jnp.zeros((r,), bool))
-      return _prefill_call, args, dict(step=self.step, attend_len=attend, greedy_only=True,
-                                       valid_vocab=self.valid_vocab, logprobs_n=0), "prefill"
-    rows = (jnp.full((r,), none, jnp.int32), jnp.zeros((r,), jnp.int32), jnp.zeros((r,), bool))
-    kw = dict(n=r, attend_len=attend, greedy_only=True, valid_vocab=self.valid_vocab,
-              logprobs_n=0)
-    if self.decode is None:
-      return (_decode_call, (self.params, self.kv, self.last_S, self._samp, *rows),
-              dict(kw, step=self.step), "prefill")
-    return (_decode_call, (self.params_dec, self.kv_dec, self.last_dec, self._samp, *rows),
-            dict(kw, step=self.decode.step), "decode")
+      args = (self.params, self.kv, jnp.zeros((r, t), jnp.int32), none, z, z)
+      return _prefill_call, args, dict(step=self.step, attend_len=attend), "prefill"
+    if phase == "decode":
+      kw = dict(n=r, attend_len=attend)
+      if self.decode is None:
+        return (_decode_call, (self.params, self.kv, self.last_S, none, z, z.astype(bool)),
+                dict(kw, step=self.step), "prefill")
+      return (_decode_call, (self.params_dec, self.kv_dec, self.last_dec, none, z,
+                             z.astype(bool)), dict(kw, step=self.decode.step), "decode")
+    # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
+    pool = "decode" if phase == "sample_decode" and self.decode is not None else "prefill"
+    last = self.last_dec if pool == "decode" else self.last_S
+    args = (self._warm_logits[(phase[len("sample_"):], r)], last, self._samp, none, z,
+            z.astype(bool), _want_lp([]))
+    return _sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
              threads: int | None = None) -> int:
-    """Compiles every program of ``buckets`` (greedy, no logprobs: the common variants; others
-    compile on first use) by running it with every row inactive, which changes no state.
+    """Compiles every program of ``buckets`` by running it with every row inactive, which
+    changes no state.
     With ``threads`` > 1 (default: the CPU count, at most 4) the programs are first compiled
     side by side (``lower(...).compile()`` in a thread pool, which fills JAX's in-memory cache
     of executables), then each is run once: XLA:CPU compiles one program on about one core, so
@@ -430,25 +466,38 @@ class Engine:
     Returns the number of programs compiled."""
     before = len(self._shapes)
     buckets = list(self.buckets(max_prefill_rows, max_chunk))
+    model = [b for b in buckets if b[0] in ("prefill", "decode")]
     if threads is None:
       threads = min(4, os.cpu_count() or 1)
-    if threads > 1 and len(buckets) > 1:
+    if threads > 1 and len(model) > 1:
       def compile_one(bucket: tuple) -> None:
         fn, args, kw, _ = self._warm_call(bucket)
         fn.lower(*args, **kw).compile()
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(compile_one, buckets))  # re-raises the first error
-    for bucket in buckets:
+        list(pool.map(compile_one, model))  # re-raises the first error
+    for bucket in buckets:  # model programs first: the sampling ones run on their logits
       phase, r, t, attend = bucket
-      self._shapes.add(("prefill", r, t, attend, True, 0) if phase == "prefill"
-                       else ("decode", r, attend, True, 0))
+      self._shapes.add({"prefill": ("prefill", r, t, attend), "decode": ("decode", r, attend)}
+                       .get(phase, ("sample", r, phase[len("sample_"):])))
       fn, args, kw, target = self._warm_call(bucket)
-      kv, last, _, _ = fn(*args, **kw)
-      if target == "prefill":
-        self.kv, self.last_S = kv, last
+      out = fn(*args, **kw)
+      if phase in ("prefill", "decode"):
+        kv, self._warm_logits[(phase, r)] = out
+        if target == "prefill":
+          self.kv = kv
+        else:
+          self.kv_dec = kv
+      elif target == "prefill":
+        self.last_S = out[0]
       else:
-        self.kv_dec, self.last_dec = kv, last
+        self.last_dec = out[0]
+    self._warm_logits = {}
     extra = self._warm_host_tier() if self.host_store is not None else 0
+    if max(self.kv_shards, self.decode_shards) > 1:  # prefix pages copied across sub-pools
+      n = 1
+      while n <= self._tier_cap:
+        self._copy(jnp.zeros((n,), jnp.int32), jnp.full((n,), self.config.num_pages, jnp.int32))
+        n, extra = n * 2, extra + (2 if self.decode is not None else 1)
     jax.block_until_ready(self.last_S)
     return len(self._shapes) - before + extra
 
@@ -467,11 +516,14 @@ class Engine:
       self._host_tier(plan)
     if plan.copies:  # rare (prefix pages into another sub-pool): timed, so it waits for them
       t0 = time.perf_counter()
-      src = jnp.asarray([c.src for c in plan.copies], jnp.int32)
-      dst = jnp.asarray([c.dst for c in plan.copies], jnp.int32)
-      self.kv = copy_pages(self.kv, src, dst)
-      if self.decode is not None:
-        self.kv_dec = copy_pages(self.kv_dec, src, dst)
+      cap = self._tier_cap  # padded to powers of two up to a sequence's pages: warmed programs
+      for g in range(0, len(plan.copies), cap):
+        group = plan.copies[g:g + cap]
+        src = np.zeros((bucket(len(group), minimum=1),), np.int32)
+        dst = np.full(src.shape, self.config.num_pages, np.int32)  # padding copies nothing
+        src[:len(group)] = [c.src for c in group]
+        dst[:len(group)] = [c.dst for c in group]
+        self._copy(jax.device_put(src), jax.device_put(dst))
       jax.block_until_ready(self.kv.k_pages)
       self.copy_seconds += time.perf_counter() - t0
       self.copied_pages += len(plan.copies)
@@ -490,7 +542,8 @@ class Engine:
     if plan.prefill:
       parts.append(self.prefill(plan.prefill))
     for part in parts:
-      for arr in (part.ids, *(part.lp or ())):
+      wanted = part.lp if any(k for _, _, k in part.rows) else ()
+      for arr in (part.ids, *wanted):
         arr.copy_to_host_async()
     self._held.append(_Pending(plan.step, parts))
     if len(self._held) > self.config.lag:
@@ -508,7 +561,7 @@ class Engine:
       group = plan.spills[g:g + cap]
       ids = np.zeros((bucket(len(group), minimum=1),), np.int32)
       ids[:len(group)] = [sp.page for sp in group]
-      leaves = jax.tree.leaves(_read_pages(self.kv, jnp.asarray(ids)))
+      leaves = jax.tree.leaves(_read_pages(self.kv, jax.device_put(ids)))
       for i, sp in enumerate(group):
         parts = tuple(leaf[:, i] for leaf in leaves)  # K and V (int8: values and scales)
         for part in parts:
@@ -527,9 +580,14 @@ class Engine:
         x = np.zeros((first.shape[0], n) + first.shape[1:], first.dtype)
         for i, page in enumerate(parts):
           x[:, i] = page[j]
-        leaves.append(jnp.asarray(x))
+        leaves.append(jax.device_put(x))
       k, v = jax.tree.unflatten(jax.tree.structure((self.kv.k_pages, self.kv.v_pages)), leaves)
-      self.kv = _write_pages(self.kv, jnp.asarray(ids), k, v)
+      self.kv = _write_pages(self.kv, jax.device_put(ids), k, v)
+
+  def _copy(self, src: jax.Array, dst: jax.Array) -> None:
+    self.kv = _copy_call(self.kv, src, dst)
+    if self.decode is not None:
+      self.kv_dec = _copy_call(self.kv_dec, src, dst)
 
   @property
   def _tier_cap(self) -> int:
@@ -546,6 +604,10 @@ class Engine:
       n, count = n * 2, count + 2
     return count
 
+  def seal(self) -> None:
+    """Readiness: every program a plan can reach is compiled; any other is a hole to report."""
+    self.sealed = True
+
   def flush(self) -> list[StepResult]:
     out = [p.result() for p in self._held]
     self._held.clear()
@@ -556,9 +618,11 @@ class Engine:
     sequences). Device state needs nothing: freed slots' table rows are the null page."""
     self._held.clear()
 
-  def _arrange(self, slots: Sequence[int], shards: int) -> tuple[int, list[int]]:
+  def _arrange(self, slots: Sequence[int], shards: int, cap: int | None = None
+               ) -> tuple[int, list[int]]:
     """(rows R, row of each slot): unsharded, rows 0..; else grouped by the shard of the slot's
-    pages, ``R = shards * bucket(largest group)``."""
+    pages, ``R = shards * min(bucket(largest group), cap)`` (``cap``: the decode slots, whose
+    buckets stop there, as ``buckets()`` does)."""
     if shards == 1:
       return bucket(len(slots), minimum=1), list(range(len(slots)))
     per_shard = self.config.num_pages // shards
@@ -570,6 +634,8 @@ class Engine:
       shard.append(page // per_shard)
     groups = collections.Counter(shard)
     r_s = bucket(max(groups.values()), minimum=1)
+    if cap is not None:
+      r_s = min(r_s, cap)
     seen: collections.Counter[int] = collections.Counter()
     row_of = []
     for sh in shard:

@@ -60,9 +60,11 @@ class LeaderEngine:
     self._publish("reset")
     self.engine.reset()
 
-  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None) -> int:
+  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
+             threads: int | None = None) -> int:
+    """Every process compiles the same programs (each with its own default threads)."""
     self._publish("warmup", max_prefill_rows, max_chunk)
-    return self.engine.warmup(max_prefill_rows, max_chunk)
+    return self.engine.warmup(max_prefill_rows, max_chunk, threads)
 
   def stop(self) -> None:
     self._publish("stop")

@@ -5,7 +5,9 @@ Contract:
     ``fold_in(key(s.seed[b]), pos_B[b])``, so a request's tokens depend only on its own seed,
     positions and logits, never on which other requests share the batch. Temperature, top-k and
     top-p are per-row arrays (``SamplingArrays``, a pytree: no retrace per value). Only
-    ``greedy_only`` is static (every row greedy: one ``argmax``, nothing else is traced).
+    ``greedy_only`` is static (every row greedy: one ``argmax``, nothing else is traced);
+    without it, a batch whose rows are all greedy skips the sampling work at run time (a
+    ``lax.cond``), so one program serves every mix of greedy and sampled rows.
   * ``temperature == 0`` is greedy: the exact first-index ``argmax`` of the raw logits.
     ``top_k == 0`` (or ``top_k >= V``) and ``top_p == 1`` disable those filters.
   * The kept set is the sorted definition's (the vLLM / HF order: temperature, then top-k, then
@@ -35,6 +37,8 @@ Contract:
   * ``logprobs(logits_BV, tokens_B, n)`` returns ``(chosen [B] f32, top_ids [B, n] int32,
     top_logprobs [B, n] f32)``: ``log_softmax`` of the RAW logits (before temperature, top-k and
     top-p), as vLLM returns by default; ``n <= LOGPROBS_MAX`` is static, 0 gives ``[B, 0]``.
+    ``logprobs_if(want, ...)`` is the same under a ``lax.cond`` on the traced bool ``want``
+    (zeros when false): one program serves batches with and without logprobs.
   * Seeds: ``SamplingParams.seed`` is ``None`` when the client gave none. ``serving.request.Request``
     replaces it with ``fresh_seed()`` when the request is created (so a preempted and
     recomputed request keeps its tokens); ``SamplingArrays.from_params`` draws a fresh one for
@@ -106,10 +110,11 @@ class SamplingArrays:
   def from_params(rows: list[SamplingParams]) -> "SamplingArrays":
     seeds = [r.seed if r.seed is not None else (0 if r.greedy else fresh_seed()) for r in rows]
     return SamplingArrays(
-        seed=jnp.asarray(np.array(seeds, np.uint32)),
-        temperature=jnp.asarray(np.array([r.temperature for r in rows], np.float32)),
-        top_k=jnp.asarray(np.array([r.top_k for r in rows], np.int32)),
-        top_p=jnp.asarray(np.array([r.top_p for r in rows], np.float32)))
+        # device_put, not jnp.asarray: no staging program compiled per shape (serving.engine).
+        seed=jax.device_put(np.array(seeds, np.uint32)),
+        temperature=jax.device_put(np.array([r.temperature for r in rows], np.float32)),
+        top_k=jax.device_put(np.array([r.top_k for r in rows], np.int32)),
+        top_p=jax.device_put(np.array([r.top_p for r in rows], np.float32)))
 
 
 def argmax(logits_BV: jax.Array) -> jax.Array:
@@ -241,16 +246,20 @@ def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_onl
   if greedy_only:
     return greedy_B
   b = logits_BV.shape[0]
-  keys_B = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
-  f = _filter(logits_BV, s)
-  choice_B = _gumbel_argmax(keys_B, jnp.where(f.keep_BK, f.vals_BK, -jnp.inf))
-  cap_tok_B = jnp.take_along_axis(f.idx_BK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-  def full_draw() -> jax.Array:
-    return _gumbel_argmax(keys_B, jnp.where(_full_keep(f), f.z_BV, -jnp.inf))
-  full_tok_B = jax.lax.cond(jnp.any(f.full_B), full_draw, lambda: jnp.zeros((b,), jnp.int32))
-  sampled_B = jnp.where(f.cap_B, cap_tok_B, full_tok_B)
-  return jnp.where(f.sampling_B, sampled_B, greedy_B)
+  def draw() -> jax.Array:
+    keys_B = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
+    f = _filter(logits_BV, s)
+    choice_B = _gumbel_argmax(keys_B, jnp.where(f.keep_BK, f.vals_BK, -jnp.inf))
+    cap_tok_B = jnp.take_along_axis(f.idx_BK, choice_B[:, None], axis=-1)[:, 0]
+
+    def full_draw() -> jax.Array:
+      return _gumbel_argmax(keys_B, jnp.where(_full_keep(f), f.z_BV, -jnp.inf))
+    full_tok_B = jax.lax.cond(jnp.any(f.full_B), full_draw, lambda: jnp.zeros((b,), jnp.int32))
+    sampled_B = jnp.where(f.cap_B, cap_tok_B.astype(jnp.int32), full_tok_B)
+    return jnp.where(f.sampling_B, sampled_B, greedy_B)
+  # An all-greedy batch skips the filter and the draws: one program serves every mix of rows.
+  return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda: greedy_B)
 
 
 def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int
@@ -269,3 +278,13 @@ def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int
     return chosen_B, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
   vals_BN, ids_BN = jax.lax.optimization_barrier(jax.lax.top_k(x_BV, n))  # see _filter
   return chosen_B, ids_BN.astype(jnp.int32), vals_BN - lse_B1
+
+
+def logprobs_if(want: jax.Array, logits_BV: jax.Array, tokens_B: jax.Array, n: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``logprobs(logits_BV, tokens_B, n)`` where the traced bool ``want`` holds, zeros of the same
+  shapes otherwise (the work is skipped at run time)."""
+  b = logits_BV.shape[0]
+  zeros = lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32),
+                   jnp.zeros((b, n), jnp.float32))
+  return jax.lax.cond(want, lambda: logprobs(logits_BV, tokens_B, n), zeros)

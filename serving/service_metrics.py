@@ -9,6 +9,11 @@ Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
   * ``phaseserve_startup_seconds`` (load + warm-up), ``phaseserve_live_streams``,
     ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (KV pages held
     in the host-memory tier), ``phaseserve_engine_faults_total``;
+  * programs (``watch_programs(serving.compiles.ProgramCounter)``): ``phaseserve_programs_loaded``
+    (XLA executables compiled or read from the persistent cache by this process),
+    ``phaseserve_programs_after_ready`` (of those, loaded after readiness: 0 with a closed
+    program set) and ``phaseserve_memory_mappings`` (lines of ``/proc/self/maps``; each
+    XLA:CPU program costs mappings, bounded by ``vm.max_map_count``);
   * JetStream's names where the series means the same thing, so its dashboards work:
     ``jetstream_prefill_backlog_size`` (requests waiting for prefill) and
     ``jetstream_slots_used_percentage`` (decode slots in use, a 0-1 fraction as JetStream
@@ -24,6 +29,7 @@ from typing import Callable
 
 import prometheus_client as prom
 
+from serving import compiles
 from serving.lifecycle import _LATENCY_BUCKETS
 
 
@@ -58,8 +64,20 @@ class ServiceMetrics:
                registry=registry).set_function(gauges.live_streams)
     prom.Gauge("phaseserve_engine_faults", "engine steps that raised",
                registry=registry).set_function(gauges.engine_faults)
+    self._programs = (
+        prom.Gauge("phaseserve_programs_loaded", "XLA programs compiled or loaded from the "
+                   "persistent cache by this process", registry=registry),
+        prom.Gauge("phaseserve_programs_after_ready", "XLA programs loaded after readiness "
+                   "(0 with a closed program set)", registry=registry))
+    prom.Gauge("phaseserve_memory_mappings", "memory mappings of this process (vm.max_map_count "
+               "bounds them)", registry=registry).set_function(lambda: compiles.map_count() or 0)
     prom.Gauge("jetstream_prefill_backlog_size", "requests waiting for prefill (JetStream name)",
                registry=registry).set_function(gauges.waiting)
     prom.Gauge("jetstream_slots_used_percentage",
                "fraction (0-1) of decode slots in use (JetStream name)",
                registry=registry).set_function(gauges.slots_used_fraction)
+
+  def watch_programs(self, programs: compiles.ProgramCounter) -> None:
+    loaded, after = self._programs
+    loaded.set_function(lambda: programs.count)
+    after.set_function(lambda: programs.since_mark)

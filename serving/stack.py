@@ -24,6 +24,8 @@ from models.step import Step
 from models.tokenizer import Tokenizer
 from models.weights import Params
 from serving.admission import StepCostModel, tpot_prefill_limit
+from serving.compiles import (ProgramCounter, map_count, mapping_warning, max_map_count,
+                              trim_heap)
 from serving.engine import Engine, EngineConfig, PhaseDecode
 from serving.guard import Guard
 from serving.kv_pages import PagePool, page_budget
@@ -108,6 +110,17 @@ def warmup(loop: ServingLoop, threads: int | None = None) -> int:
   engine's default); returns how many."""
   s = loop.scheduler
   return loop.engine.warmup(s.max_prefill_chunks, s.max_chunk, threads)
+
+
+def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
+          warmed: int) -> str | None:
+  """Readiness: the program set is closed (the engine is sealed, ``programs`` marked, so any
+  later load shows in ``phaseserve_programs_after_ready``); returns the start-up warning about
+  memory mappings, if any (``serving.compiles.mapping_warning``). The C heap is trimmed."""
+  loop.engine.seal()
+  programs.mark()
+  trim_heap()  # the warm-up's temporaries: freed, but held by the C heap until trimmed
+  return mapping_warning(maps_before, map_count(), warmed, max_map_count())
 
 
 def describe(loop: ServingLoop) -> dict[str, object]:

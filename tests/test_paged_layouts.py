@@ -401,3 +401,19 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
   assert split == want
   # Only r0's prompt pages (26 prompt tokens -> 3 whole pages) are reusable in two pools.
   assert split_cached == {"r0": 0, "r2": 24, "r3": 24, "r4": 24, "t2": 24, "c": 24}
+
+
+def test_sharded_decode_rows_stay_inside_the_warmed_buckets(mesh8):
+  """With kv-sharded pools and ``max_slots`` not a power of two, the rows of a decode call are
+  ``shards x bucket(most slots on one shard)``, capped at the slots as ``buckets()`` caps them:
+  12 slots whose pages all lie on one shard make 8 x 12 rows (a warmed program), not 8 x 16."""
+  from serving.engine import Engine, EngineConfig
+  params = init_params(CFG, jax.random.key(3), jnp.float32)
+  step = PS.PagedShardedStep.make(CFG, mesh8, "ws_2d", "batch_xyz")
+  engine = Engine(step, params, EngineConfig(max_slots=12, num_pages=64, page_size=8,
+                                             max_seq_tokens=CFG.max_seq_len))
+  warmed = {r for phase, r, _, _ in engine.buckets() if phase == "decode"}
+  engine._table[:, 0] = 1  # every slot's first page on shard 0 (pages 0-7)
+  for n in range(1, 13):
+    rows, row_of = engine._arrange(list(range(n)), step.kv_shards, cap=12)
+    assert rows in warmed and len(set(row_of)) == n and max(row_of) < rows, (n, rows)
