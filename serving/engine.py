@@ -45,8 +45,9 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     compiles a small staging program per new shape, which would load programs while serving).
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
-    Sampling (greedy or not) and logprobs (asked or not) are run-time switches inside each
-    program (``lax.cond``), not program variants, so the set is exactly ``buckets()``.
+    The model programs return logits; sampling runs in a program of its own per row count,
+    where greedy-or-sampled and logprobs-or-not are run-time switches (``lax.cond``), not
+    program variants, so the set is exactly ``buckets()``.
     ``warmup()`` compiles every bucket a plan can reach before serving by running each with all
     rows inactive (no state changes); ``seal()`` closes the set at readiness, after which a
     dispatch outside it is logged and counted (``unwarmed``).
@@ -119,8 +120,6 @@ def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
   return {"sinks": _rows(kv.sinks, idx, 0), "window": _rows(kv.window, idx, 0)}
 
 
-
-
 _copy_call = jax.jit(copy_pages, donate_argnums=0)
 
 
@@ -144,7 +143,7 @@ def _write_pages(kv: PagedKV, ids_N: jax.Array, k: Pages, v: Pages) -> PagedKV:
 
 # The model's programs (prefill, decode) return logits; sampling is a program of its own, keyed
 # only by the row count: a sampling or logprobs variant would otherwise multiply every model
-# program (each XLA:CPU kernel costs ~3 memory mappings: BUILD_NOTES "Programs and mappings").
+# program (each XLA:CPU kernel costs ~3 memory mappings: BUILD_NOTES "Staying in service").
 @functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
 def _prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax.Array,
                   start_R: jax.Array, lens_R: jax.Array, *, step: Step, attend_len: int):
