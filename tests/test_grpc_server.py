@@ -254,9 +254,16 @@ def test_every_bad_input_is_invalid_argument_naming_the_field(server, stub):
 
 
 def test_predicted_slo_miss_is_rejected_at_once(stub):
+  """While the server is busy (a generation running: its steps keep the estimate fresh) a
+  request whose class it would miss is refused at once. (An idle server with a stale estimate
+  admits it: tests/test_in_service.py.)"""
+  busy = stub.Generate(pb.GenerateRequest(text="busy", max_tokens=120, ignore_eos=True),
+                       timeout=120)
+  next(busy)
   t0 = time.monotonic()
   with pytest.raises(grpc.RpcError) as e:
     _run(stub, pb.GenerateRequest(text="hi", max_tokens=4, slo_class="impossible"))
+  busy.cancel()
   assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
   assert "predicted TTFT" in e.value.details() and time.monotonic() - t0 < 5
   ids, _, _ = _run(stub, pb.GenerateRequest(text="hi", max_tokens=4, slo_class="interactive"))

@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -485,7 +486,21 @@ def test_every_bad_input_gets_its_status_and_an_openai_error(server, stub):
       before.get('phaseserve_rejections_total{reason="invalid_argument"}', 0) == validated
 
 
+def _busy(server) -> threading.Thread:
+  """A generation running in the background (its steps keep the early-rejection estimate fresh:
+  an idle server with a stale estimate admits even an impossible class)."""
+  t = threading.Thread(target=_request, args=(server, "POST", "/v1/completions", {
+      "model": MODEL, "prompt": "busy", "max_tokens": 120, "ignore_eos": True}))
+  t.start()
+  deadline = time.monotonic() + 30
+  while server.metrics().get("phaseserve_running_sequences", 0) < 1:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+  return t
+
+
 def test_429_over_quota_or_predicted_slo_miss_with_retry_after(server):
+  busy = _busy(server)
   got, headers, out = _request(server, "POST", "/v1/completions",
                                {"model": MODEL, "prompt": "hi", "slo_class": "impossible"})
   assert got == 429 and _is_error(out, "rate_limit_error") and out["error"]["code"] == "slo"
@@ -495,7 +510,10 @@ def test_429_over_quota_or_predicted_slo_miss_with_retry_after(server):
   got, headers, out = _request(server, "POST", "/v1/completions", body, key=LIMITED)
   assert got == 429 and out["error"]["code"] == "quota" and headers["Retry-After"] == "60"
   assert "1 requests/min" in out["error"]["message"]
+  busy.join(60)
+  busy = _busy(server)
   status, events, _ = _sse(server, "/v1/completions", dict(body, slo_class="impossible"))
+  busy.join(60)
   assert status == 429 and _is_error(events[0])  # refused before any event: a plain 429
 
 
