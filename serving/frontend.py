@@ -40,10 +40,10 @@ translate messages and statuses.
     step, compile or deadlock) or the loop is dead (``ServingLoop.dead``: failed and not
     restarting); the server then exits for its supervisor (``launch.server``).
   * Early rejection (``early_reject``) refuses a request whose prediction misses its class,
-    except on an idle server whose last timed step is older than ``estimate_stale_s``: such an
-    estimate describes a load that is gone, and refusing on it would refuse forever (no step
-    would run to refresh it). A failure of the prediction itself admits the request (counted
-    by the loop's ``guard``).
+    never on an idle server (nothing queued, running, arriving or held back): there is nothing
+    to protect, the estimate was fitted to a load that is gone, and refusing on it could refuse
+    forever (no step would run to refresh it). A failure of the prediction itself admits the
+    request (counted by the loop's ``guard``).
 """
 
 from __future__ import annotations
@@ -109,9 +109,6 @@ class FrontendConfig:
   stream_stall_s: float = 30.0
   watchdog_s: float = 60.0
   fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.faults)
-  # Early rejection trusts the step-cost estimate only while it is fresh: on an idle server whose
-  # last timed step is older than this, a request is admitted (its steps refresh the estimate).
-  estimate_stale_s: float = 1.0
 
 
 def _size(out: RequestOutput) -> int:
@@ -384,7 +381,7 @@ class Frontend:
         self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
         model=self.loop.cost_model,
         slot_wait_steps=sched.slot_wait_steps(waiting)))
-    if self.config.early_reject and pred is not None and not self._estimate_stale():
+    if self.config.early_reject and pred is not None and not self._idle():
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
         refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
@@ -428,15 +425,12 @@ class Frontend:
         self.loop.submit(req, stream._callback(i), trace)
     return stream
 
-  def _estimate_stale(self) -> bool:
-    """Nothing queued, running, arriving or held back, and no step timed for
-    ``estimate_stale_s``: the estimate describes a load that is gone, and with nothing admitted
-    no step would ever run to refresh it (an idle server must not refuse on it forever)."""
+  def _idle(self) -> bool:
+    """Nothing queued, running, arriving or held back: early rejection has nothing to protect,
+    and its estimate was fitted to a load that is gone (extrapolated to one row it can be far
+    off, and with nothing admitted no step would ever refresh it)."""
     loop, sched = self.loop, self.loop.scheduler
-    if sched.num_waiting or sched.num_running or loop.num_arriving or self._held:
-      return False
-    last = loop.cost_model.last_observed
-    return last is None or loop.clock() - last > self.config.estimate_stale_s
+    return not (sched.num_waiting or sched.num_running or loop.num_arriving or self._held)
 
   def _unhold(self, samples: int) -> None:
     if samples:

@@ -297,25 +297,24 @@ def test_queue_bound_rejects_at_once(tmp_path):
 
 
 def test_predicted_slo_miss_is_rejected_with_the_prediction(tmp_path):
-  """With a fresh estimate (steps timed within ``estimate_stale_s``) a predicted miss is
-  refused; an idle server whose estimate is stale admits the same request (its steps refresh
-  the estimate: refusing on a stale one could refuse forever)."""
+  """While the server is busy a predicted miss is refused; an idle server admits the same
+  request (nothing to protect; its steps refresh the estimate)."""
   classes = (admission.SloClass("server", 2.0, 0.2), admission.SloClass("tight", 1e-6, 1.0))
   limits = Limits(max_context=64, slo_classes=("server", "tight"))
-  fe = _frontend(tmp_path, config=FrontendConfig(limits, classes, estimate_stale_s=600.0))
+  fe = _frontend(tmp_path, config=FrontendConfig(limits, classes))
   try:
     _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
+    _collect(fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON))  # idle: admitted
+    fe.loop.engine.execute = _slow(fe.loop.engine.execute, 0.02)
+    busy = fe.generate(GenerateArgs(token_ids=[1], max_tokens=60, ignore_eos=True), ANON)
+    deadline = time.monotonic() + 5
+    while not fe.loop.scheduler.num_running:
+      assert time.monotonic() < deadline
+      time.sleep(0.005)
     with pytest.raises(ServiceError) as e:
       fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON)
     assert e.value.status is Status.REJECTED and "predicted TTFT" in e.value.message
-    _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
-  finally:
-    fe.loop.stop(timeout=5)
-  fe = _frontend(tmp_path, config=FrontendConfig(limits, classes, estimate_stale_s=0.0))
-  try:
-    _collect(fe.generate(GenerateArgs(text="abc", slo_class="server"), ANON))
-    time.sleep(0.05)  # idle, and the last timed step is older than 0 s
-    _collect(fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON))
+    _collect(busy)
   finally:
     fe.loop.stop(timeout=5)
 

@@ -296,8 +296,8 @@ def test_one_slow_step_then_idle_then_single_requests_are_all_admitted():
   assert loop.cost_model.cost(0, 1) < 0.040
 
 
-def test_a_stale_estimate_is_still_used_while_the_server_is_busy():
-  """The stale rule admits only on an idle server: with requests queued or running, an estimate
+def test_an_old_estimate_is_still_used_while_the_server_is_busy():
+  """The idle rule admits only on an idle server: with requests queued or running, an estimate
   that misses is acted on (early rejection still protects the running requests)."""
   clock = SimClock()
   loop, reg = _loop(clock=clock)
