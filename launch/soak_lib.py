@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from launch.loadgen_lib.report import percentile  # noqa: F401  (re-exported for launch.soak)
+from launch.loadgen_lib.report import percentile  # noqa: F401  (re-exported for launch.soak_report)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_SERVICE = "phaseserve.v1.Generation"

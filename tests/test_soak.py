@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from launch import soak
+from launch import soak, soak_report, soak_traffic
 from launch.soak_lib import scrape, slope_per_min
 from tests.refenv import REPO
 
@@ -39,27 +39,27 @@ HARD_TIMEOUT_S = 600
 
 
 def test_plan_and_bursts():
-  assert soak.plan(100, 8, 50) == (2, 42.0)
-  assert soak.plan(1800, 30, 300) == (6, 270.0)
+  assert soak_traffic.plan(100, 8, 50) == (2, 42.0)
+  assert soak_traffic.plan(1800, 30, 300) == (6, 270.0)
   with pytest.raises(soak.CliError):
-    soak.plan(20, 15, 10)
+    soak_traffic.plan(20, 15, 10)
   # bursts at 15, 45, 75 s of active time; the second stretch starts at 42 s of active time
-  assert soak.bursts_in(0, 42, 30, 5) == [(15, 20)]
-  assert soak.bursts_in(42, 84, 30, 5) == [(3, 8), (33, 38)]
-  assert soak.bursts_in(0, 17, 30, 5) == [(15, 17)]  # clipped at the stretch's end
-  assert soak.bursts_in(0, 42, 30, 0) == []
+  assert soak_traffic.bursts_in(0, 42, 30, 5) == [(15, 20)]
+  assert soak_traffic.bursts_in(42, 84, 30, 5) == [(3, 8), (33, 38)]
+  assert soak_traffic.bursts_in(0, 17, 30, 5) == [(15, 17)]  # clipped at the stretch's end
+  assert soak_traffic.bursts_in(0, 42, 30, 0) == []
 
 
 def test_status_categories():
-  assert soak.category("ok", 5) == "ok"
-  assert soak.category("cancelled_by_client", 3) == "cancelled"
-  assert soak.category("http_429", 0) == "refused"
-  assert soak.category("RESOURCE_EXHAUSTED", 0) == "refused"
+  assert soak_report.category("ok", 5) == "ok"
+  assert soak_report.category("cancelled_by_client", 3) == "cancelled"
+  assert soak_report.category("http_429", 0) == "refused"
+  assert soak_report.category("RESOURCE_EXHAUSTED", 0) == "refused"
   # RESOURCE_EXHAUSTED after tokens is a slow consumer cut off, not a refusal at arrival
-  assert soak.category("RESOURCE_EXHAUSTED", 7) == "error"
+  assert soak_report.category("RESOURCE_EXHAUSTED", 7) == "error"
   for status in ("http_500", "http_503", "INTERNAL", "UNAVAILABLE", "stream_error",
                  "stream_truncated", "bad_response", "http_400", "CANCELLED"):
-    assert soak.category(status, 0) == "error"
+    assert soak_report.category(status, 0) == "error"
 
 
 def test_slope_per_min():
@@ -103,7 +103,7 @@ def _analyze(**kw):
            "grpc_live": "SERVING", "grpc_ready": "SERVING", "compiled_programs": 40,
            "loop_failures": 0.0, "engine_faults": 0.0, "internal_errors": 0.0}
           for t in range(0, 120, 2)]
-  R = soak.Rec
+  R = soak_report.Rec
   recs = [R("openai_completions", "long_sinks", "long", 1, "ok", "ok", output_tokens=10),
           R("phaseserve_grpc", "steady_ignore_eos", "steady", 1, "ok", "ok", output_tokens=12),
           R("openai_chat", "probe", "probe_idle", 50, *kw.get("probe", ("ok", "ok"))),
@@ -112,8 +112,9 @@ def _analyze(**kw):
   gaps = [{"kv_pages_used": kw.get("kv", 0), "running": 0, "queue": 0}]
   end = dict(rows[-1], compiled_programs=kw.get("programs_end", 40),
              programs_after_ready=kw.get("after_ready", 0))
-  return soak.analyze(cfg, recs, rows, gaps, [{"cycle": 0, "completed": True}], [12], [1],
-                      rows[0], end, "", 0, [("jetstream", "decode")], {"lines": 0, "first": []})
+  return soak_report.analyze(cfg, recs, rows, gaps, [{"cycle": 0, "completed": True}], [12], [1],
+                             rows[0], end, "", 0, [("jetstream", "decode")],
+                             {"lines": 0, "first": []})
 
 
 def test_analyze_passes_a_clean_run_and_names_each_failure():

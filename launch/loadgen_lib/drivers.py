@@ -16,7 +16,8 @@ prompt_text, max_tokens, session_id)`` streams one greedy answer and returns an 
   of content chunks). ``ignore_eos`` is sent (a vLLM extension) only when asked.
 
 ``server_info(cfg)`` asks a phaseserve port for ``(vocab_size, max_context)``, ``None`` if it
-cannot.
+cannot. ``EventStream(resp.content)``: ``async for`` over the JSON objects of an OpenAI
+server-sent-event body (the ``openai`` driver's and ``launch.soak``'s streams).
 """
 
 from __future__ import annotations
@@ -149,6 +150,27 @@ class JetstreamDriver:
     await self.channel.close()
 
 
+class EventStream:
+  """``async for obj in EventStream(content)``: the JSON object of each ``data:`` line of a
+  server-sent-event body (``content``: an async iterator of lines, aiohttp's ``resp.content``),
+  other lines skipped, until ``data: [DONE]`` (then ``done`` is true and nothing after it is
+  read) or the body's end. What reading, decoding or ``json.loads`` raises goes to the caller."""
+
+  def __init__(self, content):
+    self.content, self.done = content, False
+
+  async def __aiter__(self):
+    async for raw in self.content:
+      line = raw.decode("utf-8").strip()
+      if not line.startswith("data:"):
+        continue
+      data = line[5:].strip()
+      if data == "[DONE]":
+        self.done = True
+        return
+      yield json.loads(data)
+
+
 class OpenAIDriver:
   def __init__(self, cfg: DriverConfig):
     import aiohttp
@@ -166,21 +188,14 @@ class OpenAIDriver:
       body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
     sent = time.monotonic()
-    first, text, chunks, usage, finish, done = None, [], 0, None, "", False
+    first, text, chunks, usage, finish = None, [], 0, None, ""
     try:
       async with self.session.post(self.url, json=body, headers=headers) as resp:
         if resp.status != 200:
           detail = (await resp.text())[:300]
           return Outcome(f"http_{resp.status}", detail, sent, None, time.monotonic())
-        async for raw in resp.content:
-          line = raw.decode("utf-8").strip()
-          if not line.startswith("data:"):
-            continue
-          data = line[5:].strip()
-          if data == "[DONE]":
-            done = True
-            break
-          obj = json.loads(data)
+        events = EventStream(resp.content)
+        async for obj in events:
           if obj.get("error"):
             return Outcome("stream_error", str(obj["error"])[:300], sent, first,
                            time.monotonic(), (), "".join(text), chunks)
@@ -193,6 +208,7 @@ class OpenAIDriver:
               chunks += 1
             finish = choice.get("finish_reason") or finish
           usage = obj.get("usage") or usage
+        done = events.done
     except (self.aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as e:
       return Outcome(type(e).__name__, str(e)[:300], sent, first, time.monotonic(), (),
                      "".join(text), chunks)
