@@ -65,9 +65,7 @@ class StepCostModel:
   positive definite whatever the steps (thousands of identical ones included) and ``observe``
   cannot raise. A sample that is not a finite duration >= 0 is ignored; once the fit is
   ``ready``, a sample above ``clamp`` times the fit's prediction counts as that bound (a step
-  that compiled or stalled moves the fit by a bounded amount, not by its own length).
-  ``last_observed`` is the clock time of the last sample (``observe``'s ``now``), so a caller
-  can tell a fresh estimate from one formed before an idle spell."""
+  that compiled or stalled moves the fit by a bounded amount, not by its own length)."""
 
   def __init__(self, forget: float = 0.995, prior: float = 1e-3, clamp: float = 4.0):
     self.forget = forget
@@ -77,11 +75,9 @@ class StepCostModel:
     self._xty = np.zeros(3)
     self.steps = 0
     self.ignored = 0  # samples dropped as not a duration
-    self.last_observed: float | None = None
     self._coef = np.zeros(3)
 
-  def observe(self, prefill_tokens: int, decode_rows: int, seconds: float,
-              now: float | None = None) -> None:
+  def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
     seconds = float(seconds)
     if not (math.isfinite(seconds) and seconds >= 0):
       self.ignored += 1
@@ -92,7 +88,6 @@ class StepCostModel:
     self._xtx = self.forget * self._xtx + np.outer(x, x)
     self._xty = self.forget * self._xty + x * seconds
     self.steps += 1
-    self.last_observed = now
     try:
       coef = np.linalg.solve(self._xtx + self.prior * np.eye(3), self._xty)
     except np.linalg.LinAlgError:  # not reachable with the ridge; kept so nothing escapes

@@ -223,8 +223,7 @@ class ServingLoop:
       return True
     self.step_started = None
     if not plan.empty:
-      now = self.clock()
-      dt = now - t0
+      dt = self.clock() - t0
       self.step_s = 0.9 * self.step_s + 0.1 * dt if self.step_s else dt
       composition = (sum(len(c.token_ids) for c in plan.prefill), len(plan.decode))
       if self.metrics is not None:
@@ -236,7 +235,7 @@ class ServingLoop:
         timed = self._timed.popleft()
         # A call that compiled a program timed the compiler, not a step: not a sample.
         if getattr(self.engine, "programs", 0) == programs:
-          self.guard.call("cost_model", self.cost_model.observe, *timed, dt, now)
+          self.guard.call("cost_model", self.cost_model.observe, *timed, dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")

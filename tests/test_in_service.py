@@ -305,7 +305,7 @@ def test_an_old_estimate_is_still_used_while_the_server_is_busy():
       Limits(max_context=64, default_max_tokens=8, default_slo_class="interactive")), reg)
   fe.set_state("serving")
   for _ in range(20):
-    loop.cost_model.observe(0, 1, 0.5, now=clock())  # a machine far slower than the target
+    loop.cost_model.observe(0, 1, 0.5)  # a machine far slower than the target
   clock.t += 60.0
   s = fe.generate(GenerateArgs(token_ids=[1], max_tokens=50, ignore_eos=True), ANON)  # idle
   loop.step()
