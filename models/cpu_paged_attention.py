@@ -18,11 +18,12 @@ Contract:
     key ``s`` read at page ``table_BM[b, s // Z]``, offset ``s % Z``. A table entry outside
     ``[0, P)`` reads as zeros (the null page of ``models.paged_kv``). A row with no visible key
     gives zeros. Only the visible keys are touched: nothing is gathered or materialised.
-  * ``attend_decode(q_BTNH, k_pages, v_pages, table_BM, pos_BT, layer, attend_len)``:
-    ``decode_attention`` as ``models.attention.attend`` is called (``[B, 1, N, H]`` in q's
-    dtype; q scaled and rounded as ``attend`` does). Callers: ``models.paged_kv.PagedKV`` and
-    ``models.kv_cache.KVCache`` (a contiguous cache ``[L, B, K, S, H]`` is a pool of one page
-    of ``S`` positions per row: table ``[[0], [1], ...]``).
+  * ``attend_paged(q_BTNH, k_pages, v_pages, table_BM, pos_BT, layer, max_keys)``:
+    ``decode_attention`` as ``models.attention.attend`` is called, each of the T queries of a
+    row one kernel row (``[B, T, N, H]`` in q's dtype; q scaled and rounded as ``attend``
+    does). Callers: ``models.paged_kv.PagedKV`` (decode and prefill chunks) and
+    ``models.kv_cache.KVCache`` (decode; a contiguous cache ``[L, B, K, S, H]`` is a pool of one
+    page of ``S`` positions per row: table ``[[0], [1], ...]``).
   * Numerics: f32 products and accumulation, an online softmax over pages (as FlashAttention)
     with a polynomial ``exp`` (relative error below 1e-6); equal to the gather path up to
     summation order (and, for bf16 pages, up to the gather path's rounding of the probabilities
@@ -119,15 +120,21 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
               bf16_dot=np.int32(1 if _dot_path(q_BNH.dtype, k_pages.dtype) else 0))
 
 
-def attend_decode(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
-                  pos_BT: jax.Array, layer: int | jax.Array, attend_len: int) -> jax.Array:
-  """``models.attention.attend`` of one query per row (``T == 1``) over a pool read through
-  ``table_BM``: q scaled by ``H ** -0.5`` and rounded to its dtype as ``attend`` does, the
-  result ``[B, 1, N, H]`` in q's dtype (call only when ``available()`` and ``supported``)."""
-  h = q_BTNH.shape[-1]
-  q_BNH = (q_BTNH[:, 0].astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
-  out_BNH = decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_BT[:, 0], layer, attend_len)
-  return out_BNH[:, None].astype(q_BTNH.dtype)
+def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
+                 pos_BT: jax.Array, layer: int | jax.Array, max_keys: int) -> jax.Array:
+  """``models.attention.attend`` of every query of a chunk over a pool read through
+  ``table_BM`` (``[B, T, N, H]`` in q's dtype; q scaled by ``H ** -0.5`` and rounded to its
+  dtype as ``attend`` does): query t of row b is one row of ``decode_attention`` at position
+  ``pos_BT[b, t]`` with row b's table, so it reads keys ``s <= pos_BT[b, t]`` (causal within
+  the chunk once the chunk's keys are written). The work follows the positions, not
+  ``max_keys`` (only a bound), so callers need not bucket the attended length.
+  Call only when ``available()`` and ``supported``."""
+  b, t, n, h = q_BTNH.shape
+  q_RNH = (q_BTNH.reshape(b * t, n, h).astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
+  table_RM = table_BM if t == 1 else jnp.repeat(table_BM, t, axis=0)  # R = B * T rows
+  out_RNH = decode_attention(q_RNH, k_pages, v_pages, table_RM, pos_BT.reshape(b * t), layer,
+                             max_keys)
+  return out_RNH.reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 
 def _dot_path(q_dtype, pages_dtype) -> bool:
@@ -147,4 +154,4 @@ def bf16_dot() -> bool:
           and "avx512_bf16" in native_build.cpu_flags())
 
 
-__all__ = ["available", "supported", "decode_attention", "attend_decode", "MAX_GROUP"]
+__all__ = ["available", "supported", "decode_attention", "attend_paged", "MAX_GROUP"]

@@ -105,8 +105,8 @@ class KVCache:
       # in place by the native attention (XLA's two small dots per layer cost more to dispatch
       # than to compute).
       table_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
-      return cpu_paged_attention.attend_decode(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
-                                               min(attend_len, self.max_len))
+      return cpu_paged_attention.attend_paged(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
+                                              min(attend_len, self.max_len))
     return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 

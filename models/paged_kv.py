@@ -33,9 +33,10 @@ Contract:
     batch 8, context 2048, ``small`` bf16: 4 MiB per layer); ``notes_paged_kv.md`` has the
     measured price. A paged attention kernel that walks the table per key block would remove it.
   * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
-    Decode (``T == 1``) on XLA:CPU runs ``models.cpu_paged_attention`` when it is available and
-    takes the shapes: it walks the table itself and reads only each row's visible keys (no
-    gather); otherwise ``read`` then ``models.attention.attend``.
+    On XLA:CPU (``native_attention``) every query, decode and prefill chunk alike, runs
+    ``models.cpu_paged_attention``: it walks the table itself and reads only the keys the query
+    sees (no gather; ``attend_len`` is only a bound); otherwise ``read`` then
+    ``models.attention.attend``.
   * Pages shared by several slots (a fork) are only ever read: the allocator copies a partly
     filled last page (``copy_pages``) before the child writes.
   * Attention is causal in absolute position, so stale or foreign values past a slot's length are
@@ -206,18 +207,24 @@ class PagedKV:
             _gather(self.v_pages, layer, ids_BM, attend_len, dtype))
 
 
+  def native_attention(self, n_heads: int) -> bool:
+    """Whether ``attend`` runs ``models.cpu_paged_attention`` for ``n_heads`` query heads (not a
+    raw-key pool; the kernel available and taking the shapes). Its cost follows each query's
+    position, not ``attend_len``, so a caller may pass ``max_len`` rather than bucketing."""
+    return (not self.raw_keys and cpu_paged_attention.available()
+            and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
+                                              self.k_pages.shape[4], pages_dtype(self.k_pages)))
+
   def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     if self.raw_keys:
       return self._attend_raw(layer, q_BTNH, pos_BT, attend_len)
-    if (t == 1 and cpu_paged_attention.available()
-        and cpu_paged_attention.supported(n, self.k_pages.shape[2], h,
-                                          pages_dtype(self.k_pages))):
+    if self.native_attention(n):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
-      return cpu_paged_attention.attend_decode(q_BTNH, self.k_pages, self.v_pages,
-                                               self.page_table, pos_BT, layer, attend_len)
+      return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
+                                              self.page_table, pos_BT, layer, attend_len)
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
     seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
     return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)

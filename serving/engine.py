@@ -45,6 +45,9 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     compiles a small staging program per new shape, which would load programs while serving).
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
+    Where the pool's attention is the native kernel (``length_free``: its work follows each
+    query's position), the attended length is always the cap: one program per (rows, chunk),
+    not one per attended power of two (SmolLM2 defaults: 30 programs instead of 126).
     The model programs return logits; sampling runs in a program of its own per row count,
     where greedy-or-sampled and logprobs-or-not are run-time switches (``lax.cond``), not
     program variants, so the set is exactly ``buckets()``.
@@ -281,6 +284,10 @@ class Engine:
       self._dec_sharding = self.kv_dec.lengths.sharding  # per-slot state on the decode chips
       self.last_dec = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32),
                                      self._dec_sharding)
+    # Attention whose cost follows the positions (the native kernel): one attended length
+    # (the cap) per program, not a bucket per power of two.
+    self.length_free = self.kv.native_attention(step.cfg.num_heads) and (
+        decode is None or self.kv_dec.native_attention(step.cfg.num_heads))
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
@@ -645,5 +652,7 @@ class Engine:
   def _attend(self, end: int) -> int:
     z = self.config.page_size
     cap = self.config.pages_per_seq * z
+    if self.length_free:
+      return cap
     a = bucket(end, minimum=max(16, z), maximum=cap)
     return min(-(-a // z) * z, cap)

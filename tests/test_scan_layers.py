@@ -96,10 +96,12 @@ def test_bench_compile_smoke():
   r = subprocess.run([sys.executable, "-m", "launch.bench_compile", "--layers", "2",
                       "--max_slots", "1", "--max_context", "32", "--max_chunk", "16",
                       "--speed_model", "tiny", "--batch", "1", "--context", "32", "--steps", "1",
+                      "--prefill", "16",
                       "--repeats", "1", "--json"], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=240)
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert [(x["layers"], x["mode"]) for x in out["compile"]] == [(2, "unrolled"), (2, "scan")]
   assert all(x["warmup_s"] > 0 and x["programs"] > 0 for x in out["compile"])
-  assert out["decode"]["unrolled_ms"] > 0 and out["decode"]["scan_ms"] > 0
+  assert [r["case"] for r in out["steps"]["steps"]] == ["decode_1", "prefill_1x16"]
+  assert all(r["unrolled_ms"] > 0 and r["scan_ms"] > 0 for r in out["steps"]["steps"])
