@@ -3,7 +3,7 @@
   python -m launch.bench_sinks --json       # smollm2-135m shapes, bf16, window 256, 2048 tokens
 
 Both keep a window of ``--window`` tokens. Sinks (StreamingLLM): one decode step per token over
-a raw-key paged pool whose window pages are a ring (``models.streaming.stream_nll``: ``--sinks``
+a sink paged pool whose window pages are a ring (``models.streaming.stream_nll``: ``--sinks``
 + ``--window``, the whole ``--stream`` in one ``lax.scan``, timed on a second call after a
 compiling one). Window recompute: per token a fresh prefill of the last ``--window`` tokens
 (``models.streaming.recompute_logits``), timed over ``--recompute_tokens`` positions past the

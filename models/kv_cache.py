@@ -8,8 +8,8 @@ Contract:
     ``>= lengths[b]`` may hold stale values: attention is causal in absolute position, so a query
     never reads a position that its own sequence has not written.
   * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
-    can hold; a write position ``>= max_len`` is dropped), ``raw_keys`` (True: keys are stored
-    before RoPE and rotated inside ``attend``, so the model writes them unrotated),
+    can hold; a write position ``>= max_len`` is dropped), ``sink_pool`` (True: rows may keep
+    sinks and a window, and queries are rotated by ``rope_positions``),
     ``rope_positions(pos_BT)`` (the positions the model rotates the queries by: ``pos_BT``
     itself, or a store's in-cache positions), ``write(layer, wpos_BT,
     k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
@@ -47,7 +47,7 @@ class KVStore(Protocol):
   def max_len(self) -> int: ...
 
   @property
-  def raw_keys(self) -> bool: ...
+  def sink_pool(self) -> bool: ...
 
   def rope_positions(self, pos_BT: jax.Array) -> jax.Array: ...
 
@@ -77,7 +77,7 @@ class KVCache:
     return self.k.shape[3]
 
   @property
-  def raw_keys(self) -> bool:
+  def sink_pool(self) -> bool:
     return False
 
   def rope_positions(self, pos_BT: jax.Array) -> jax.Array:

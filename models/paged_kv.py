@@ -42,9 +42,12 @@ Contract:
   * Attention is causal in absolute position, so stale or foreign values past a slot's length are
     never seen; unwritten pages hold zeros (finite), which the masked softmax needs.
 
-Attention sinks (StreamingLLM). ``init_paged(raw_keys=True)`` makes a raw-key pool
-(``rope_theta`` set): the model writes keys before RoPE (``raw_keys``), and ``attend`` rotates
-each gathered key by its in-cache position. Per row, ``sinks`` and ``window`` (``[B]`` int32,
+Attention sinks (StreamingLLM). ``init_paged(sink_pool=True)`` makes a sink pool
+(``rope_theta`` set). Keys are stored rotated by their absolute position, as in any pool, and
+queries are rotated by their in-cache position (``rope_positions``); a decode query's logit
+against a key must be the one of both at their in-cache positions, and RoPE's logit depends
+only on the difference, so ``attend`` rotates each gathered key by (in-cache less absolute
+position): ``-shift`` for a window key, 0 for a sink. Per row, ``sinks`` and ``window`` (``[B]`` int32,
 ``window == 0``: plain causal attention) keep the first ``sinks`` positions and the last
 ``window``. In-cache positions: while the row is at most ``sinks + window`` long they are the
 absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at ``t``, a sink
@@ -56,8 +59,8 @@ the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`
 ``1 + (q - 1) % (R - 1)``, so its KV is R pages however long it runs (``key_positions`` maps
 each cache position back to the absolute position it holds). Limits: ``sinks <= Z``; a chunk of
 more than one query (prefill) must not pass ``sinks + window`` (so it needs no shift: its keys
-are at their absolute positions); decode has no limit. Raw-key pools take the gather path (the
-native decode kernel reads rotated keys only).
+are at their absolute positions, and the native kernel runs it as in any pool); decode has no
+limit and takes the gather path (the native kernel knows no ring and no shift).
 """
 
 from __future__ import annotations
@@ -109,13 +112,13 @@ class PagedKV:
   v_pages: Pages  # [L, P, K, Z, H]
   page_table: jax.Array  # [B, M] int32; entries outside [0, P) = null page
   lengths: jax.Array  # [B] int32
-  # A raw-key pool (``rope_theta`` set): the per-row cache policy, see "Attention sinks".
+  # A sink pool (``rope_theta`` set): the per-row cache policy, see "Attention sinks".
   sinks: jax.Array | None = None  # [B] int32 first positions kept (with a window)
   window: jax.Array | None = None  # [B] int32 most recent positions kept; 0: all of them
   rope_theta: float | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
-  def raw_keys(self) -> bool:
+  def sink_pool(self) -> bool:
     return self.rope_theta is not None
 
   def _policy(self) -> tuple[jax.Array, jax.Array]:
@@ -131,7 +134,7 @@ class PagedKV:
     return jnp.where(window_B[:, None] > 0, jnp.maximum(over, 0), 0)
 
   def rope_positions(self, pos_BT: jax.Array) -> jax.Array:
-    return pos_BT - self._shift(pos_BT) if self.raw_keys else pos_BT
+    return pos_BT - self._shift(pos_BT) if self.sink_pool else pos_BT
 
   def ring_B(self) -> jax.Array:
     """[B] table entries each row uses: ``ring_entries(window)`` for a window row (at most M),
@@ -184,7 +187,7 @@ class PagedKV:
     window row's positions past the table wrap onto its ring (``key_positions``)."""
     z, m = self.page_size, self.pages_per_seq
     idx_BT = wpos_BT // z
-    if self.raw_keys and self.window is not None:
+    if self.sink_pool and self.window is not None:
       r_B1 = self.ring_B()[:, None]
       ring_BT = (self.window[:, None] > 0) & (idx_BT >= r_B1) & (wpos_BT < kv_cache.PAD_POS)
       idx_BT = jnp.where(ring_BT, 1 + (idx_BT - 1) % jnp.maximum(r_B1 - 1, 1), idx_BT)
@@ -207,33 +210,35 @@ class PagedKV:
             _gather(self.v_pages, layer, ids_BM, attend_len, dtype))
 
 
-  def native_attention(self, n_heads: int) -> bool:
-    """Whether ``attend`` runs ``models.cpu_paged_attention`` for ``n_heads`` query heads (not a
-    raw-key pool; the kernel available and taking the shapes). Its cost follows each query's
-    position, not ``attend_len``, so a caller may pass ``max_len`` rather than bucketing."""
-    return (not self.raw_keys and cpu_paged_attention.available()
+  def native_attention(self, n_heads: int, t: int) -> bool:
+    """Whether ``attend`` runs ``models.cpu_paged_attention`` for chunks of ``t`` queries of
+    ``n_heads`` heads (not a sink pool's decode; the kernel available and taking the shapes).
+    Its cost follows each query's position, not ``attend_len``, so a caller may pass
+    ``max_len`` rather than bucketing."""
+    return ((t > 1 or not self.sink_pool) and cpu_paged_attention.available()
             and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
                                               self.k_pages.shape[4], pages_dtype(self.k_pages)))
 
   def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
-    if self.raw_keys:
-      return self._attend_raw(layer, q_BTNH, pos_BT, attend_len)
-    if self.native_attention(n):
+    if self.native_attention(n, t):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
                                               self.page_table, pos_BT, layer, attend_len)
+    if self.sink_pool:
+      return self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
     seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
     return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)
 
-  def _attend_raw(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
+  def _attend_sinks(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
                   ) -> jax.Array:
-    """The gather path over raw keys: each key rotated by its in-cache position (a sink: its
-    own; a window key: its absolute position less the row's shift), causal and window masks on
-    absolute positions. A chunk (T > 1) must not wrap nor shift (see "Attention sinks")."""
+    """The gather path of a sink pool: each key turned from its absolute position to its
+    in-cache one (a sink: its own, no turn; a window key: its absolute position less the row's
+    shift), causal and window masks on absolute positions. A chunk (T > 1) must not wrap nor
+    shift (see "Attention sinks")."""
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
     sinks_B, window_B = self._policy()
     if q_BTNH.shape[1] == 1:
@@ -244,8 +249,8 @@ class PagedKV:
       kpos_BS = jnp.broadcast_to(jnp.arange(attend_len, dtype=jnp.int32), (self.batch,
                                                                             attend_len))
       shift_B = jnp.zeros((self.batch, 1), jnp.int32)
-    rpos_BS = jnp.where(kpos_BS < sinks_B[:, None], kpos_BS, kpos_BS - shift_B)
-    rot = rotation(jnp.maximum(rpos_BS, 0), k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
+    turn_BS = jnp.where(kpos_BS < sinks_B[:, None], 0, -shift_B)  # in-cache less absolute
+    rot = rotation(turn_BS, k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
     k_BKSH = jnp.swapaxes(rotate(jnp.swapaxes(k_BKSH, 1, 2), rot), 1, 2)
     keys = attention.KeyPositions(kpos_BS, sinks_B, window_B)
     seen_BS = (kpos_BS >= 0) & (kpos_BS <= jnp.max(pos_BT, axis=1)[:, None])
@@ -278,7 +283,7 @@ def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -
 
 
 def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
-               pages_per_seq: int, dtype=jnp.float32, raw_keys: bool = False) -> PagedKV:
+               pages_per_seq: int, dtype=jnp.float32, sink_pool: bool = False) -> PagedKV:
   """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized."""
   shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
@@ -291,9 +296,9 @@ def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
   return PagedKV(k_pages=empty(), v_pages=empty(),
                  page_table=jnp.full((batch, pages_per_seq), num_pages, jnp.int32),
                  lengths=jnp.zeros((batch,), jnp.int32),
-                 sinks=jnp.zeros((batch,), jnp.int32) if raw_keys else None,
-                 window=jnp.zeros((batch,), jnp.int32) if raw_keys else None,
-                 rope_theta=cfg.rope_theta if raw_keys else None)
+                 sinks=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
+                 window=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
+                 rope_theta=cfg.rope_theta if sink_pool else None)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | np.dtype | type) -> int:

@@ -12,8 +12,8 @@ own jitted programs, with ``attend_len`` static.
     float or int8 tree), the ``models.placement.Target`` loaders make params straight into, so
     ``place_params`` of what they return moves nothing. ``stacked_params``: the step wants
     ``models.weights.stack_layers``' form (then ``path`` is the stacked tree's).
-  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False)``: an empty
-    paged pool, placed (``raw_keys``: a raw-key pool for attention sinks, ``models.paged_kv``;
+  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False)``: an empty
+    paged pool, placed (``sink_pool``: a sink pool for attention sinks, ``models.paged_kv``;
     a step that cannot run one raises ``ValueError``).
   * ``describe()``: a JSON-able description of the plan (layouts, mesh, reasons).
 ``UnshardedStep`` is the single-device model (``models.transformer``); the partitioned
@@ -51,7 +51,7 @@ class Step(Protocol):
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding: ...
 
   def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-              dtype: jnp.dtype, raw_keys: bool = False) -> PagedKV: ...
+              dtype: jnp.dtype, sink_pool: bool = False) -> PagedKV: ...
 
   def describe(self) -> dict[str, object]: ...
 
@@ -84,10 +84,10 @@ class UnshardedStep:
     del path, sds
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
-  def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys=False
+  def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False
               ) -> PagedKV:
     return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
-        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype, raw_keys)
+        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool)
 
   def describe(self) -> dict[str, object]:
     dev = jax.local_devices()[0]

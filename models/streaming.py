@@ -5,7 +5,7 @@ Contract:
     (``window == 0``: every token, plain causal attention). ``FULL`` is the latter.
   * ``stream_nll(params, ids, cfg=, policies=, page_size=) -> [len(policies), len(ids) - 1]``
     negative log-likelihoods of each next token, one batch row per policy, the text fed one
-    token at a time (teacher-forced decode steps in one ``lax.scan``) over a raw-key paged pool
+    token at a time (teacher-forced decode steps in one ``lax.scan``) over a sink paged pool
     (``models.paged_kv``: keys stored before RoPE, rotated by their in-cache position, the
     window's pages a ring). With only window policies the table is the largest
     ``ring_pages`` (bounded, whatever the text's length); a full-attention row makes it cover
@@ -66,7 +66,7 @@ def _scan(params, ids_T, sinks_B, window_B, *, cfg: ModelConfig, page_size: int,
   b = sinks_B.shape[0]
   m = attend_len // page_size
   kv = paged_kv.init_paged(cfg, b, b * m, page_size, m, params["final_norm"].dtype,
-                           raw_keys=True)
+                           sink_pool=True)
   kv = kv.replace(page_table=jnp.arange(b * m, dtype=jnp.int32).reshape(b, m), sinks=sinks_B,
                   window=window_B)
 

@@ -21,8 +21,7 @@ Contract:
   * ``cache`` is any ``models.kv_cache.KVStore``: the contiguous ``KVCache`` or the paged
     ``models.paged_kv.PagedKV``; the same store type comes back. Queries are rotated by
     ``cache.rope_positions`` (absolute positions, or a sink + window pool's in-cache ones); keys
-    by their absolute position before the write, unless ``cache.raw_keys`` (then the store
-    rotates them at attention time).
+    by their absolute position before the write.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q:
   q_BTNH, k_BTKH, v_BTKH = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"),
                                          h_BTD, (layer["q"], layer["k"], layer["v"]))
   q_BTNH = rotate(q_BTNH, rot_q)
-  if not cache.raw_keys:  # a raw-key store rotates keys by their in-cache position itself
-    k_BTKH = rotate(k_BTKH, rot)
+  k_BTKH = rotate(k_BTKH, rot)
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
   attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
@@ -90,7 +88,7 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
   x_BTD = embed(params, tokens_BT, cfg, dtype)
   rot = rotation(c.pos_BT, cfg.head_dim, cfg.rope_theta)
   rot_q = rotation(cache.rope_positions(c.pos_BT), cfg.head_dim, cfg.rope_theta) \
-      if cache.raw_keys else rot
+      if cache.sink_pool else rot
   if is_stacked(params):  # one traced layer in a loop: compile time independent of depth
     def body(carry, xs):
       x, store = carry

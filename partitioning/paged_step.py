@@ -137,9 +137,9 @@ class PagedShardedStep:
     return _param_sharding_table(self.cfg, self.mesh, self.ffn)[path]
 
   def init_kv(self, batch: int, num_pages: int, page_size: int, pages_per_seq: int,
-              dtype: jnp.dtype, raw_keys: bool = False) -> PagedKV:
-    if raw_keys:
-      raise ValueError("attention sinks (a raw-key pool) run on the unsharded step only")
+              dtype: jnp.dtype, sink_pool: bool = False) -> PagedKV:
+    if sink_pool:
+      raise ValueError("attention sinks (a sink pool) run on the unsharded step only")
     self._check_pages(num_pages)
     make = functools.partial(init_paged, self.cfg, batch, num_pages, page_size, pages_per_seq,
                              dtype)
@@ -171,8 +171,8 @@ class PagedShardedStep:
   def _forward(self, params, tokens_BT, kv: PagedKV, start_B, lens_B, attend_len: int):
     b, t = tokens_BT.shape
     n = self.kv_shards
-    if kv.raw_keys:
-      raise ValueError("attention sinks (a raw-key pool) run on the unsharded step only")
+    if kv.sink_pool:
+      raise ValueError("attention sinks (a sink pool) run on the unsharded step only")
     self._check_pages(kv.num_pages)
     if b % n:
       raise ValueError(f"{self.ffn.name}+{self.attn.name}: a call's {b} rows must be a multiple "

@@ -45,9 +45,10 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     compiles a small staging program per new shape, which would load programs while serving).
   * Shapes are bucketed (powers of two: prefill rows, chunk length, attended length, decode
     rows), so a new request reuses compiled programs; ``programs`` counts what was compiled.
-    Where the pool's attention is the native kernel (``length_free``: its work follows each
-    query's position), the attended length is always the cap: one program per (rows, chunk),
-    not one per attended power of two (SmolLM2 defaults: 30 programs instead of 126).
+    Where a phase's attention is the native kernel (``length_free[phase]``: its work follows
+    each query's position), its attended length is always the cap: one program per (rows,
+    chunk), not one per attended power of two (SmolLM2 defaults: 30 programs instead of 126; a
+    sink pool's decode keeps the buckets).
     The model programs return logits; sampling runs in a program of its own per row count,
     where greedy-or-sampled and logprobs-or-not are run-time switches (``lax.cond``), not
     program variants, so the set is exactly ``buckets()``.
@@ -92,7 +93,7 @@ class EngineConfig:
   kv_dtype: str = "float32"
   valid_vocab: int | None = None  # sample only ids below this (a tokenizer smaller than V)
   lag: int = 1
-  sinks: bool = False  # a raw-key pool: slots may run the attention-sink policy
+  sinks: bool = False  # a sink pool: slots may run the attention-sink policy
 
   @property
   def pages_per_seq(self) -> int:
@@ -117,7 +118,7 @@ def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
 
 
 def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
-  """A raw-key pool's per-slot sinks / window for the rows of a call (nothing otherwise)."""
+  """A sink pool's per-slot sinks / window for the rows of a call (nothing otherwise)."""
   if kv.sinks is None:
     return {}
   return {"sinks": _rows(kv.sinks, idx, 0), "window": _rows(kv.window, idx, 0)}
@@ -260,7 +261,7 @@ class Engine:
       raise ValueError("attention sinks run on one pool (mode single); not disaggregated")
     self.kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
                            config.pages_per_seq, jnp.dtype(config.kv_dtype),
-                           **({"raw_keys": True} if config.sinks else {}))
+                           **({"sink_pool": True} if config.sinks else {}))
     self.last_S = jnp.zeros((config.max_slots,), jnp.int32)
     # Committed from the start, as every later step's outputs are: the warm-up's first program
     # would otherwise compile for uncommitted inputs and the first real step compile it again.
@@ -284,10 +285,11 @@ class Engine:
       self._dec_sharding = self.kv_dec.lengths.sharding  # per-slot state on the decode chips
       self.last_dec = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32),
                                      self._dec_sharding)
-    # Attention whose cost follows the positions (the native kernel): one attended length
-    # (the cap) per program, not a bucket per power of two.
-    self.length_free = self.kv.native_attention(step.cfg.num_heads) and (
-        decode is None or self.kv_dec.native_attention(step.cfg.num_heads))
+    # Per phase, whether attention's cost follows the positions (the native kernel): then one
+    # attended length (the cap) per program, not a bucket per power of two.
+    n = step.cfg.num_heads
+    self.length_free = {"prefill": self.kv.native_attention(n, 2),
+                        "decode": (self.kv_dec if decode else self.kv).native_attention(n, 1)}
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
@@ -327,7 +329,7 @@ class Engine:
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
                maximum=self.config.max_seq_tokens)
     end = max(self._row_end(c.slot, c.start + len(c.token_ids)) for c in chunks)
-    attend = self._attend(end)
+    attend = self._attend(end, "prefill")
     toks = np.zeros((r, t), np.int32)
     slots = np.full((r,), self.config.max_slots, np.int32)
     start = np.zeros((r,), np.int32)
@@ -381,7 +383,7 @@ class Engine:
       row_of = [r.slot for r in rows]
     else:
       n, row_of = self._arrange([r.slot for r in rows], shards, cap=self.config.max_slots)
-    attend = self._attend(max(self._row_end(r.slot, r.position + 1) for r in rows))
+    attend = self._attend(max(self._row_end(r.slot, r.position + 1) for r in rows), "decode")
     slots = np.full((n,), self.config.max_slots, np.int32)
     if shards == 1:
       slots[:] = np.arange(n)
@@ -421,19 +423,20 @@ class Engine:
     tokens (decode rows: every power of two up to the slots), then the sampling programs of
     each row count (``sample_prefill`` / ``sample_decode``, chunk and attended length 0)."""
     cap = self.config.pages_per_seq * self.config.page_size
-    attends = sorted({self._attend(e) for e in _powers(1, cap)})
+    attends = {p: sorted({self._attend(e, p) for e in _powers(1, cap)})
+               for p in ("prefill", "decode")}
     chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
     chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
                      for c in _powers(1, chunk_cap)})
     out = []
     for r in sorted({bucket(n, minimum=1) for n in _powers(1, max_prefill_rows)}):
       for t in chunks:
-        out += [("prefill", r * self.kv_shards, t, a) for a in attends
-                if a >= min(t, cap) or a == attends[-1]]
+        out += [("prefill", r * self.kv_shards, t, a) for a in attends["prefill"]
+                if a >= min(t, cap) or a == attends["prefill"][-1]]
     for n in sorted({min(bucket(n, minimum=1), self.config.max_slots)
                      for n in _powers(1, self.config.max_slots)}):
       out += [("decode", n * (self.decode_shards if self.decode_shards > 1 else 1), 0, a)
-              for a in attends]
+              for a in attends["decode"]]
     rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
     return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
                   for r in rows(phase)]
@@ -649,10 +652,10 @@ class Engine:
       seen[sh] += 1
     return shards * r_s, row_of
 
-  def _attend(self, end: int) -> int:
+  def _attend(self, end: int, phase: str) -> int:
     z = self.config.page_size
     cap = self.config.pages_per_seq * z
-    if self.length_free:
+    if self.length_free[phase]:
       return cap
     a = bucket(end, minimum=max(16, z), maximum=cap)
     return min(-(-a // z) * z, cap)

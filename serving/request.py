@@ -28,7 +28,7 @@ MAX_STREAM_TOKENS = 1 << 24  # a sink stream's max_tokens (positions stay far be
 class Sinks:
   """The attention-sink cache policy (StreamingLLM): keep the first ``sinks`` tokens and the
   last ``window``; the stream may run far past the context with KV of a fixed size. Needs an
-  engine over a raw-key pool (``launch.server --attention_sinks``)."""
+  engine over a sink pool (``launch.server --attention_sinks``)."""
   window: int
   sinks: int = 4
 

@@ -51,7 +51,7 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     queued one) as ``error`` after an engine fault: pages and slots are released and nothing is
     left in flight; it returns the outputs at once.
   * Attention sinks (``Request.sinks``, when built with ``sinks=True``: the engine runs a
-    raw-key pool): the request's sequence is a ring of ``ring_entries(window, page_size)``
+    sink pool): the request's sequence is a ring of ``ring_entries(window, page_size)``
     pages from admission (``PagePool`` ring sequences), so it may run past the context for as
     many tokens as ``max_tokens`` asks (up to ``MAX_STREAM_TOKENS``); its prompt must fit in
     ``sinks + window`` (prefill does not roll the window) and ``sinks`` in a page. It neither
@@ -104,7 +104,7 @@ class SlotSetup:
   slot: int
   request_id: str
   sampling: SamplingParams
-  sinks: Sinks | None = None  # the slot's cache policy (a raw-key pool's per-row sinks/window)
+  sinks: Sinks | None = None  # the slot's cache policy (a sink pool's per-row sinks/window)
 
 
 @dataclasses.dataclass(frozen=True)

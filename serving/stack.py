@@ -53,7 +53,7 @@ class ServingConfig:
   session_idle_s: float = 300.0  # a paused session's KV stays pinned this long (serving.sessions)
   session_pages: int | None = None  # pinned-session page budget (default: a quarter of the pool)
   host_tier_bytes: int = 0  # host-memory tier for evicted prefix pages (0: none)
-  attention_sinks: bool = False  # a raw-key pool: requests may ask for sinks + a window
+  attention_sinks: bool = False  # a sink pool: requests may ask for sinks + a window
   # TPOT-aware prefill budget (0: off): a step that decodes carries only the prefill tokens
   # the loop's fitted step-cost model says keep it within this many ms, but at least
   # min_prefill_tokens (serving.admission.tpot_prefill_limit).

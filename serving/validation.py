@@ -48,7 +48,7 @@ class Limits:
   max_stop_chars: int = 256
   slo_classes: tuple[str, ...] = ("interactive", "server", "long")
   default_slo_class: str = "server"
-  attention_sinks: bool = False  # the engine runs a raw-key pool (serving.request.Sinks)
+  attention_sinks: bool = False  # the engine runs a sink pool (serving.request.Sinks)
   page_size: int = 16  # the KV page size (sinks live in the first page)
 
 

@@ -1,4 +1,4 @@
-"""Attention sinks (StreamingLLM) over a raw-key paged pool: a stream 8x the window runs with a
+"""Attention sinks (StreamingLLM) over a sink paged pool: a stream 8x the window runs with a
 fixed page table (the window's pages are a ring), stays finite, and its logits equal, token by
 token, a plain-JAX reference of the same cache policy written from the paper's description:
 keep the first ``sinks`` tokens and the last ``window``, store keys before RoPE, rotate them by
@@ -137,7 +137,7 @@ def stream(params):
   ids = rng.integers(0, CFG.vocab_size, (2, STREAM)).astype(np.int32)
   ids[1] = ids[0]
   b = 2
-  kv = PK.init_paged(CFG, b, b * M + 1, Z, M, jnp.float32, raw_keys=True)
+  kv = PK.init_paged(CFG, b, b * M + 1, Z, M, jnp.float32, sink_pool=True)
   kv = kv.replace(page_table=jnp.arange(b * M, dtype=jnp.int32).reshape(b, M),
                   sinks=jnp.asarray([SINKS, 0], jnp.int32),
                   window=jnp.asarray([WINDOW, WINDOW], jnp.int32))
@@ -171,21 +171,21 @@ def test_control_another_policy_differs(params, stream):
   assert err > 100 * TOL * max(1.0, float(np.max(np.abs(ref))))
 
 
-def test_full_attention_rows_of_a_raw_pool_equal_the_rotated_pool(params):
-  """Window 0 on a raw-key pool is plain causal attention: the same logits as storing keys
+def test_full_attention_rows_of_a_sink_pool_equal_a_plain_pool(params):
+  """Window 0 on a sink pool is plain causal attention: the same logits as storing keys
   rotated (the default pool), for a ragged prefill then decode."""
   rng = np.random.default_rng(1)
   toks = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 24)), jnp.int32)
   lens = jnp.asarray([24, 9], jnp.int32)
   out = {}
   for raw in (False, True):
-    kv = PK.init_paged(CFG, 2, 16, 4, 8, jnp.float32, raw_keys=raw).replace(
+    kv = PK.init_paged(CFG, 2, 16, 4, 8, jnp.float32, sink_pool=raw).replace(
         page_table=jnp.arange(16, dtype=jnp.int32).reshape(2, 8))
     l1, kv = T.jit_prefill(params, toks, kv, None, lens, cfg=CFG, attend_len=32)
     l2, _ = T.jit_decode_step(params, toks[:, 0], kv, cfg=CFG, attend_len=32)
     out[raw] = (l1, l2)
   for g, r in zip(out[True], out[False]):
-    _close(g, r, "raw-key pool, full attention")
+    _close(g, r, "sink pool, full attention")
 
 
 def test_explicit_key_positions_equal_a_dense_masked_softmax():
@@ -275,7 +275,7 @@ def test_bad_sink_requests_are_rejected_with_the_reason(loop, sinks, window, pro
   assert re.search(match, final["bad"].message), final["bad"].message
 
 
-def test_sinks_need_a_raw_key_pool(params):
+def test_sinks_need_a_sink_pool(params):
   plain = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=2, page_size=Z, kv_pages=16, max_chunk=16, max_context=32))
   req = Request("x", (1, 2, 3), stop=StopCriteria(4), sinks=Sinks(8))

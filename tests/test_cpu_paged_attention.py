@@ -184,7 +184,7 @@ def test_a_chunk_of_queries_equals_the_gather_path(dtype, monkeypatch):
   q_dtype = jnp.float32 if dtype == "int8" else jnp.dtype(dtype)
   q = jnp.asarray(rng.standard_normal((b, t, n, h)) * 0.1, q_dtype)
   kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=jnp.asarray(start))
-  assert kv.native_attention(n)
+  assert kv.native_attention(n, t)
   got = jax.jit(kv.attend, static_argnums=(0, 3))(1, q, pos_BT, m * z)
   ref = attention.attend(q, *kv.read(1, m * z), pos_BT)
   assert got.shape == ref.shape == (b, t, n, h) and got.dtype == ref.dtype

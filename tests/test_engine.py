@@ -216,17 +216,19 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
 def test_native_attention_makes_one_program_per_rows_and_chunk(params):
   """With the native paged attention (work follows each query's position) every model program
   attends the cap: one program per (phase, rows, chunk), not one per attended power of two; a
-  raw-key pool (attention sinks: the gather path) keeps the attended-length buckets."""
+  sink pool's decode (the gather path: ring and shift) keeps the attended-length buckets."""
   from models import cpu_paged_attention
   kw = dict(max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len)
   engine = Engine(UnshardedStep(CFG), params, EngineConfig(**kw))
   sinks = Engine(UnshardedStep(CFG), params, EngineConfig(**kw, sinks=True))
-  assert engine.length_free == cpu_paged_attention.available()
-  assert not sinks.length_free
-  model = lambda e: [b for b in e.buckets(2, 32) if b[0] in ("prefill", "decode")]
-  rows_chunks = {(b[0], b[1], b[2]) for b in model(sinks)}
-  assert len(model(sinks)) > len(rows_chunks)  # several attended lengths per (rows, chunk)
-  if engine.length_free:
-    assert {b[3] for b in model(engine)} == {CFG.max_seq_len}
-    assert {(b[0], b[1], b[2]) for b in model(engine)} == rows_chunks
-    assert len(model(engine)) == len(rows_chunks)
+  native = cpu_paged_attention.available()
+  assert engine.length_free == {"prefill": native, "decode": native}
+  assert sinks.length_free == {"prefill": native, "decode": False}
+  model = lambda e, p: [b for b in e.buckets(2, 32) if b[0] == p]
+  rows_chunks = lambda e, p: {b[:3] for b in model(e, p)}
+  assert len(model(sinks, "decode")) > len(rows_chunks(sinks, "decode"))  # several lengths
+  if native:
+    for e, phases in ((engine, ("prefill", "decode")), (sinks, ("prefill",))):
+      for p in phases:
+        assert {b[3] for b in model(e, p)} == {CFG.max_seq_len}
+        assert len(model(e, p)) == len(rows_chunks(e, p)) > 1
