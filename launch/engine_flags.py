@@ -85,7 +85,7 @@ KV_DTYPE = flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16",
                              "scales)")
 SCAN = flags.DEFINE_bool("scan_layers", False, "mode single: one lax.scan over stacked layers "
                          "(compile time independent of depth; see BUILD_NOTES)")
-SINKS = flags.DEFINE_bool("attention_sinks", False, "a raw-key KV pool: requests may ask for "
+SINKS = flags.DEFINE_bool("attention_sinks", False, "a sink KV pool: requests may ask for "
                           "attention sinks + a window (StreamingLLM; mode single only)")
 COMPILE_CACHE = flags.DEFINE_string(
     "compile_cache_dir", None, "JAX's persistent compilation cache (default: "

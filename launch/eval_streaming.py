@@ -4,7 +4,7 @@
   python -m launch.eval_streaming --windows 64,256 --sinks 4 --max_tokens 1024
 
 The project's English passages (``--text``, passages joined) are one stream, fed one token at a
-time (``models.streaming.stream_nll``: a sink paged pool, keys rotated by in-cache position,
+time (``models.streaming.stream_nll``: a sink paged pool, RoPE at in-cache positions,
 the window's pages a ring) under, for each ``--windows`` entry W, ``sinks + window W`` and
 ``window W`` alone; full attention (one causal forward of the same tokens) is the reference.
 Perplexities are over the tokens past the first W (where the policies differ from full

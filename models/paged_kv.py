@@ -22,16 +22,17 @@ Contract:
   * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
     page is the null page, past the table (``>= max_len``, but for a window row's ring), or
     padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it
-    never lands on page 0 or on another slot's page. That a real token has a page is the allocator's job (``serving.kv_pages``
-    refuses to extend a sequence past its capacity); ``unbacked`` counts the tokens of a chunk
-    that would be dropped, for a debug check before the step.
+    never lands on page 0 or on another slot's page. That a real token has a page is the
+    allocator's job (``serving.kv_pages`` refuses to extend a sequence past its capacity);
+    ``unbacked`` counts the tokens of a chunk that would be dropped, for a debug check before
+    the step.
   * ``read(layer, attend_len, dtype=None)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``
     (``dtype``: of an int8 pool's dequantized values, default float32): a gather of the first
     ``ceil(attend_len / Z)`` table entries of every slot into contiguous ``[B, K, S, H]``.
     Cost: it materialises the attended context once per layer and step, i.e. one extra write and
     read of ``2 * B * K * attend_len * H`` elements over the contiguous cache's slice (decode at
     batch 8, context 2048, ``small`` bf16: 4 MiB per layer); ``notes_paged_kv.md`` has the
-    measured price. A paged attention kernel that walks the table per key block would remove it.
+    measured price; ``attend`` avoids it wherever the native kernel runs.
   * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
     On XLA:CPU (``native_attention``) every query, decode and prefill chunk alike, runs
     ``models.cpu_paged_attention``: it walks the table itself and reads only the keys the query
@@ -47,12 +48,13 @@ Attention sinks (StreamingLLM). ``init_paged(sink_pool=True)`` makes a sink pool
 queries are rotated by their in-cache position (``rope_positions``); a decode query's logit
 against a key must be the one of both at their in-cache positions, and RoPE's logit depends
 only on the difference, so ``attend`` rotates each gathered key by (in-cache less absolute
-position): ``-shift`` for a window key, 0 for a sink. Per row, ``sinks`` and ``window`` (``[B]`` int32,
-``window == 0``: plain causal attention) keep the first ``sinks`` positions and the last
-``window``. In-cache positions: while the row is at most ``sinks + window`` long they are the
-absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at ``t``, a sink
-keeps its own, a window key at ``p`` is at ``p - shift`` and the query at ``t - shift =
-sinks + window - 1`` (``rope_positions``): the kept list indexed from 0, as the paper does.
+position): ``-shift`` for a window key, 0 for a sink. Per row, ``sinks`` and ``window``
+(``[B]`` int32, ``window == 0``: plain causal attention) keep the first ``sinks`` positions and
+the last ``window``. In-cache positions: while the row is at most ``sinks + window`` long they
+are the absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at
+``t``, a sink keeps its own, a window key at ``p`` is at ``p - shift`` and the query at ``t -
+shift = sinks + window - 1`` (``rope_positions``): the kept list indexed from 0, as the paper
+does.
 Causality and the window are masks on absolute positions (``attention.KeyPositions``).
 A window row uses ``R = ring_entries(window, Z)`` table entries: entry 0 (positions [0, Z),
 the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`` reuses at
@@ -60,7 +62,9 @@ the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`
 each cache position back to the absolute position it holds). Limits: ``sinks <= Z``; a chunk of
 more than one query (prefill) must not pass ``sinks + window`` (so it needs no shift: its keys
 are at their absolute positions, and the native kernel runs it as in any pool); decode has no
-limit and takes the gather path (the native kernel knows no ring and no shift).
+limit: its rows with a window take the gather path (the native kernel knows no ring and no
+shift) over ``attend_len`` positions, which need cover only their rings (``rings_only``), and
+the rows without one the kernel.
 """
 
 from __future__ import annotations
@@ -209,13 +213,20 @@ class PagedKV:
     return (_gather(self.k_pages, layer, ids_BM, attend_len, dtype),
             _gather(self.v_pages, layer, ids_BM, attend_len, dtype))
 
-
   def native_attention(self, n_heads: int, t: int) -> bool:
     """Whether ``attend`` runs ``models.cpu_paged_attention`` for chunks of ``t`` queries of
     ``n_heads`` heads (not a sink pool's decode; the kernel available and taking the shapes).
     Its cost follows each query's position, not ``attend_len``, so a caller may pass
     ``max_len`` rather than bucketing."""
-    return ((t > 1 or not self.sink_pool) and cpu_paged_attention.available()
+    return (t > 1 or not self.sink_pool) and self._kernel(n_heads)
+
+  def rings_only(self, n_heads: int) -> bool:
+    """Whether a decode ``attend_len`` need cover only the rows with a window (their rings): a
+    sink pool's rows without one run the native kernel over all their keys."""
+    return self.sink_pool and self._kernel(n_heads)
+
+  def _kernel(self, n_heads: int) -> bool:
+    return (cpu_paged_attention.available()
             and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
                                               self.k_pages.shape[4], pages_dtype(self.k_pages)))
 
@@ -228,7 +239,14 @@ class PagedKV:
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
                                               self.page_table, pos_BT, layer, attend_len)
     if self.sink_pool:
-      return self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
+      out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
+      if self.rings_only(n):  # decode: rows without a window through the kernel, all keys
+        ring_B = self._policy()[1] > 0
+        full_BTNH = cpu_paged_attention.attend_paged(
+            q_BTNH, self.k_pages, self.v_pages, self.page_table,
+            jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len)  # -1: no work
+        out_BTNH = jnp.where(ring_B[:, None, None, None], out_BTNH, full_BTNH)
+      return out_BTNH
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
     seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
     return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)

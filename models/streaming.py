@@ -6,8 +6,8 @@ Contract:
   * ``stream_nll(params, ids, cfg=, policies=, page_size=) -> [len(policies), len(ids) - 1]``
     negative log-likelihoods of each next token, one batch row per policy, the text fed one
     token at a time (teacher-forced decode steps in one ``lax.scan``) over a sink paged pool
-    (``models.paged_kv``: keys stored before RoPE, rotated by their in-cache position, the
-    window's pages a ring). With only window policies the table is the largest
+    (``models.paged_kv``: queries and keys at their in-cache positions, the window's pages a
+    ring). With only window policies the table is the largest
     ``ring_pages`` (bounded, whatever the text's length); a full-attention row makes it cover
     the whole text (attention then reads all of it every step: slower).
   * ``ring_pages(policy, page_size)``: the table entries a window row needs (the sink page plus

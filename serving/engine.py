@@ -53,8 +53,10 @@ Contract (JetStream's shape, driven by ``serving.scheduler``'s plans):
     where greedy-or-sampled and logprobs-or-not are run-time switches (``lax.cond``), not
     program variants, so the set is exactly ``buckets()``.
     ``warmup()`` compiles every bucket a plan can reach before serving by running each with all
-    rows inactive (no state changes); ``seal()`` closes the set at readiness, after which a
-    dispatch outside it is logged and counted (``unwarmed``).
+    rows inactive (no state changes); ``seal()`` closes the set at readiness. After it, a model
+    program outside the set runs as the smallest warmed one that covers it (more rows, a
+    longer chunk or attended length; counted in ``covered``), and one nothing covers is logged
+    and counted (``unwarmed``) and compiles.
 """
 
 from __future__ import annotations
@@ -290,11 +292,13 @@ class Engine:
     n = step.cfg.num_heads
     self.length_free = {"prefill": self.kv.native_attention(n, 2),
                         "decode": (self.kv_dec if decode else self.kv).native_attention(n, 1)}
+    self._rings_only = self.kv.rings_only(n)  # a sink pool's decode attends the rings only
     self._table = np.full((config.max_slots, config.pages_per_seq), config.num_pages, np.int32)
     self._held: collections.deque[_Pending] = collections.deque()
     self._shapes: set[tuple] = set()
     self.sealed = False  # set by seal(): the program set is closed (readiness)
     self.unwarmed = 0  # dispatches after seal() of a program warm-up did not compile
+    self.covered = 0  # after seal(), programs run as a larger warmed one (``_cover``)
     self._warm_logits: dict[tuple[str, int], jax.Array] = {}  # warm-up: for the samplers
     self.copied_pages = 0  # plan copies run, and the seconds they took
     self.copy_seconds = 0.0
@@ -330,6 +334,7 @@ class Engine:
                maximum=self.config.max_seq_tokens)
     end = max(self._row_end(c.slot, c.start + len(c.token_ids)) for c in chunks)
     attend = self._attend(end, "prefill")
+    _, r, t, attend = self._cover(("prefill", r, t, attend), pad_rows=self.kv_shards == 1)
     toks = np.zeros((r, t), np.int32)
     slots = np.full((r,), self.config.max_slots, np.int32)
     start = np.zeros((r,), np.int32)
@@ -350,6 +355,22 @@ class Engine:
         jax.device_put(want), _want_lp(rows), valid_vocab=self.valid_vocab)
     self.insert(chunks)
     return _Part(tok_R, rows, lp)
+
+  def _cover(self, key: tuple, pad_rows: bool) -> tuple:
+    """After ``seal()``, a model program warm-up did not compile runs as the smallest warmed one
+    of its phase that covers it: as many rows or more (only where ``pad_rows``: one shard, so
+    extra rows are inactive slots), a chunk and an attended length at least as long (padding
+    is masked). Only a program nothing covers compiles while serving (``_dispatch``)."""
+    if not self.sealed or key in self._shapes:
+      return key
+    fits = [k for k in self._shapes if k[0] == key[0] and len(k) == len(key)
+            and all(a >= b for a, b in zip(k[1:], key[1:])) and (pad_rows or k[1] == key[1])]
+    if not fits:
+      return key
+    best = min(fits, key=lambda k: (int(np.prod(k[1:])), k))
+    self.covered += 1
+    _log.warning("program %s was not compiled at warm-up: run as %s", key, best)
+    return best
 
   def _dispatch(self, key: tuple) -> None:
     """Counts a program dispatch; after ``seal()`` one that warm-up did not compile is logged
@@ -383,7 +404,10 @@ class Engine:
       row_of = [r.slot for r in rows]
     else:
       n, row_of = self._arrange([r.slot for r in rows], shards, cap=self.config.max_slots)
-    attend = self._attend(max(self._row_end(r.slot, r.position + 1) for r in rows), "decode")
+    attend = self._attend(max((self._row_end(r.slot, r.position + 1) for r in rows
+                               if not self._rings_only or self._policy_host[1, r.slot]),
+                              default=1), "decode")
+    _, n, attend = self._cover(("decode", n, attend), pad_rows=shards == 1)
     slots = np.full((n,), self.config.max_slots, np.int32)
     if shards == 1:
       slots[:] = np.arange(n)

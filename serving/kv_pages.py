@@ -30,7 +30,7 @@ Contract:
     than its whole sub-pool holds: reject at arrival, or stop it; preempting others cannot help),
     ``"no_pages"`` (the sub-pool is full now: preempt or wait). Misuse
     (unknown or duplicate id, negative counts) raises ``ValueError``.
-  * **Ring sequences** (attention sinks, ``allocate(..., ring=R)``): a window row of a raw-key
+  * **Ring sequences** (attention sinks, ``allocate(..., ring=R)``): a window row of a sink
     pool (``models.paged_kv``) holds exactly ``R`` pages from its first step, whatever its
     length: positions past ``R * page_size`` wrap onto pages 1..R-1 on the device, so ``extend``
     only counts tokens, never takes pages nor refuses for capacity. Ring sequences share no page

@@ -21,7 +21,7 @@ import numpy as np
 import prometheus_client as prom
 import pytest
 
-from models import attention, paged_kv as PK, transformer as T
+from models import attention, cpu_paged_attention, paged_kv as PK, transformer as T
 from models.config import get_preset
 from models.step import UnshardedStep
 from models.tokenizer import ByteTokenizer
@@ -337,3 +337,43 @@ def test_the_frontend_streams_past_the_context(loop):
     assert len(ids) == 100 and final.finish_reason is FinishReason.LENGTH
   finally:
     loop.stop(timeout=10)
+
+
+@pytest.mark.skipif(not cpu_paged_attention.available(),
+                    reason="native paged attention unavailable (CPU / compiler)")
+def test_decode_attends_the_rings_only_and_full_rows_see_every_key(params, monkeypatch):
+  """A sink pool's decode batch: one row with sinks + a window (wrapped many times) beside rows
+  without a window whose context is longer than the ring. ``attend_len`` covers the ring only
+  (``rings_only``, what the engine passes); the full rows still see every key (the kernel), and
+  every row equals its float64 reference. Control: the gather path alone at the same
+  ``attend_len`` truncates the full rows."""
+  z, m, n, stream_len = 4, 16, 3, 48
+  ring = PK.ring_entries(WINDOW, z) * z  # 20 positions
+  rng = np.random.default_rng(5)
+  ids = rng.integers(0, CFG.vocab_size, (n, stream_len)).astype(np.int32)
+  table = jnp.arange(n * m, dtype=jnp.int32).reshape(n, m)
+
+  def run(native):
+    kv = PK.init_paged(CFG, n, n * m + 1, z, m, jnp.float32, sink_pool=True).replace(
+        page_table=table, sinks=jnp.asarray([SINKS, 0, 0], jnp.int32),
+        window=jnp.asarray([WINDOW, 0, 0], jnp.int32))
+    assert kv.rings_only(CFG.num_heads) == native
+    lg, kv = T.prefill(params, jnp.asarray(ids[:, :PROMPT]), kv, None,
+                       jnp.full((n,), PROMPT, jnp.int32), cfg=CFG, attend_len=m * z,
+                       all_logits=True)
+    steps = [np.asarray(lg)]
+    decode = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=CFG, attend_len=ring))
+    for i in range(PROMPT, stream_len):
+      lg, kv = decode(params, jnp.asarray(ids[:, i]), kv)
+      steps.append(np.asarray(lg)[:, None])
+    return np.concatenate(steps, axis=1)
+
+  got = run(True)
+  refs = [reference_stream(params, CFG, ids[0], SINKS, WINDOW)] + [
+      reference_stream(params, CFG, ids[r], 0, 0) for r in (1, 2)]
+  for r in range(n):
+    _close(got[r], refs[r], f"row {r}")
+  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")
+  control = run(False)
+  err = np.max(np.abs(control[1] - refs[1]))
+  assert err > 100 * TOL * max(1.0, float(np.max(np.abs(refs[1]))))

@@ -232,3 +232,34 @@ def test_native_attention_makes_one_program_per_rows_and_chunk(params):
       for p in phases:
         assert {b[3] for b in model(e, p)} == {CFG.max_seq_len}
         assert len(model(e, p)) == len(rows_chunks(e, p)) > 1
+
+
+def test_a_program_outside_the_sealed_set_runs_as_a_larger_warmed_one(params):
+  """A hole in the warmed set (here made by hand: the 1- and 2-row decode programs and the
+  16-token chunks forgotten after warm-up) never compiles while serving: the step runs as the
+  smallest warmed program that covers it (more rows, a longer chunk), and the tokens are the
+  reference's."""
+  pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=40, max_chunk=32,
+                    max_prefill_chunks=1)
+  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+      max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
+  engine.warmup(max_prefill_rows=1, max_chunk=32, threads=1)
+  holes = {k for k in engine._shapes if (k[0] == "decode" and k[1] < 4)
+           or (k[0] == "prefill" and k[2] == 16)}
+  assert holes
+  engine._shapes -= holes
+  engine.seal()
+  reqs = _requests(np.random.default_rng(5), n=3)
+  for r in reqs:
+    sched.add(r, RequestTrace(r.request_id))
+  outs = run_to_completion(sched, engine.execute)
+  for res in engine.flush():
+    outs += sched.update(res)
+  assert engine.covered > 0 and engine.unwarmed == 0
+  assert not holes & engine._shapes  # nothing outside the set was dispatched
+  got = {}
+  for o in outs:
+    got.setdefault(o.request_id, []).extend(o.token_ids)
+  for r in reqs:
+    assert _compare(params, r, _reference(params, r), got[r.request_id]) in ("equal", "near-tie")
