@@ -70,6 +70,19 @@ def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8):
   return got, traces, engine
 
 
+def _drive(sched, engine, reqs) -> dict[str, list[int]]:
+  """Every request through ``sched`` and ``engine`` to the end: the ids each one got."""
+  for r in reqs:
+    sched.add(r, RequestTrace(r.request_id))
+  outs = run_to_completion(sched, engine.execute)
+  for res in engine.flush():
+    outs += sched.update(res)
+  got: dict[str, list[int]] = {}
+  for o in outs:
+    got.setdefault(o.request_id, []).extend(o.token_ids)
+  return got
+
+
 def _reference(params, req):
   gen = Generator(CFG, params, max_len=CFG.max_seq_len, steps_per_call=4)
   return [int(s[0]) for s in gen.stream([list(req.prompt_ids)], req.stop.max_tokens,
@@ -199,16 +212,9 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
   finally:
     jax.monitoring.unregister_event_duration_listener(on_event)
   reqs = _requests(np.random.default_rng(2), n=6)
-  for r in reqs:
-    sched.add(r, RequestTrace(r.request_id))
-  outs = run_to_completion(sched, engine.execute)
-  for res in engine.flush():
-    outs += sched.update(res)
+  got = _drive(sched, engine, reqs)
   assert engine.programs == n, "serving compiled a program the warm-up missed"
   assert warm > 0
-  got = {}
-  for o in outs:
-    got.setdefault(o.request_id, []).extend(o.token_ids)
   for r in reqs[:2]:  # the warm-up changed no state
     assert got[r.request_id] == _reference(params, r)
 
@@ -251,15 +257,8 @@ def test_a_program_outside_the_sealed_set_runs_as_a_larger_warmed_one(params):
   engine._shapes -= holes
   engine.seal()
   reqs = _requests(np.random.default_rng(5), n=3)
-  for r in reqs:
-    sched.add(r, RequestTrace(r.request_id))
-  outs = run_to_completion(sched, engine.execute)
-  for res in engine.flush():
-    outs += sched.update(res)
+  got = _drive(sched, engine, reqs)
   assert engine.covered > 0 and engine.unwarmed == 0
   assert not holes & engine._shapes  # nothing outside the set was dispatched
-  got = {}
-  for o in outs:
-    got.setdefault(o.request_id, []).extend(o.token_ids)
   for r in reqs:
     assert _compare(params, r, _reference(params, r), got[r.request_id]) in ("equal", "near-tie")
