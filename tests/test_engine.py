@@ -28,6 +28,7 @@ from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler, run_to_completion
 from serving.stop import StopCriteria
+from tests.sched_steps import serve_all
 
 CFG = get_preset("tiny").replace(max_seq_len=128)
 MARGIN_EPS = 1e-4
@@ -68,19 +69,6 @@ def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8):
     got.setdefault(o.request_id, []).extend(o.token_ids)
   assert pool.pages_used == 0 and sched.idle
   return got, traces, engine
-
-
-def _drive(sched, engine, reqs) -> dict[str, list[int]]:
-  """Every request through ``sched`` and ``engine`` to the end: the ids each one got."""
-  for r in reqs:
-    sched.add(r, RequestTrace(r.request_id))
-  outs = run_to_completion(sched, engine.execute)
-  for res in engine.flush():
-    outs += sched.update(res)
-  got: dict[str, list[int]] = {}
-  for o in outs:
-    got.setdefault(o.request_id, []).extend(o.token_ids)
-  return got
 
 
 def _reference(params, req):
@@ -212,7 +200,7 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
   finally:
     jax.monitoring.unregister_event_duration_listener(on_event)
   reqs = _requests(np.random.default_rng(2), n=6)
-  got = _drive(sched, engine, reqs)
+  got = serve_all(sched, engine, reqs)
   assert engine.programs == n, "serving compiled a program the warm-up missed"
   assert warm > 0
   for r in reqs[:2]:  # the warm-up changed no state
@@ -257,7 +245,7 @@ def test_a_program_outside_the_sealed_set_runs_as_a_larger_warmed_one(params):
   engine._shapes -= holes
   engine.seal()
   reqs = _requests(np.random.default_rng(5), n=3)
-  got = _drive(sched, engine, reqs)
+  got = serve_all(sched, engine, reqs)
   assert engine.covered > 0 and engine.unwarmed == 0
   assert not holes & engine._shapes  # nothing outside the set was dispatched
   for r in reqs:

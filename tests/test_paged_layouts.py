@@ -242,11 +242,11 @@ def test_engine_over_the_sharded_step(mesh8):
   from models.tokenizer import ByteTokenizer
   from serving.engine import Engine, EngineConfig, PhaseDecode
   from serving.kv_pages import PageBudget, PagePool
-  from serving.lifecycle import RequestTrace
   from serving.request import Request
   from serving.sampling import SamplingParams
-  from serving.scheduler import Scheduler, run_to_completion
+  from serving.scheduler import Scheduler
   from serving.stop import StopCriteria
+  from tests.sched_steps import serve_all
 
   params = init_params(CFG, jax.random.key(3), jnp.float32)
   rng = np.random.default_rng(5)
@@ -260,14 +260,7 @@ def test_engine_over_the_sharded_step(mesh8):
     engine = Engine(step, params, EngineConfig(max_slots=8, num_pages=pages, page_size=8,
                                                max_seq_tokens=CFG.max_seq_len, lag=1),
                     decode=decode)
-    for r in reqs:
-      assert sched.add(r, RequestTrace(r.request_id)) is None
-    outs = run_to_completion(sched, engine.execute)
-    for res in engine.flush():
-      outs += sched.update(res)
-    got: dict[str, list[int]] = {}
-    for o in outs:
-      got.setdefault(o.request_id, []).extend(o.token_ids)
+    got = serve_all(sched, engine, reqs)
     assert pool.pages_used == 0 and sched.idle
     return got, engine
 
