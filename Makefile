@@ -47,8 +47,8 @@ test: $(VENV)/.stamp $(REF_VENV)/.stamp
 test-slow: $(VENV)/.stamp $(REF_VENV)/.stamp
 	$(PYTEST) -m slow; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
-# The gRPC modules are checked in (tests/test_proto.py checks they are current); regenerate after a .proto edit.
-PROTOS := serving/proto/phaseserve/v1/generation.proto serving/proto/jetstream/jetstream.proto
+# The gRPC modules are checked in (tests/serving/api/test_proto.py checks they are current); regenerate after a .proto edit.
+PROTOS := serving/api/proto/phaseserve/v1/generation.proto serving/api/proto/jetstream/jetstream.proto
 proto: $(VENV)/.stamp
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
@@ -56,20 +56,20 @@ JS_VENV := .venv-jetstream
 JS_PY := $(JS_VENV)/bin/python
 # JetStream's client benchmark runs in its own venv: a full lock, installed without the resolver
 # (tensorflow-cpu stands in for the tensorflow that tensorflow-text declares).
-$(JS_VENV)/.stamp: launch/jetstream_bench/requirements.txt
+$(JS_VENV)/.stamp: launch/lab/jetstream_bench/requirements.txt
 	@test -n "$(PYTHON311)" || { echo "error: Python 3.11 not found (set PYTHON311=...)"; exit 1; }
 	rm -rf $(JS_VENV)
 	$(PYTHON311) -m venv $(JS_VENV)
 	$(JS_PY) -m pip install -q --upgrade pip
-	$(JS_PY) -m pip install -q --no-deps -r launch/jetstream_bench/requirements.txt
+	$(JS_PY) -m pip install -q --no-deps -r launch/lab/jetstream_bench/requirements.txt
 	touch $@
 
 # JetStream's own benchmarks/benchmark_serving.py (PyPI google-jetstream 0.2.2), unchanged, against
 # launch.server --model tiny on this CPU; not part of `make test`. Results in build/jetstream_bench/.
 jetstream-bench: $(VENV)/.stamp $(JS_VENV)/.stamp
-	bash launch/jetstream_bench/run.sh
+	bash launch/lab/jetstream_bench/run.sh
 
-# Other engines for launch.bench_peers (benchmarks, never project dependencies; not part of `make test`).
+# Other engines for launch.lab.bench_peers (benchmarks, never project dependencies; not part of `make test`).
 PEERS := .peers
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_DIR := $(PEERS)/llamacpp
@@ -106,10 +106,10 @@ peers-vllm: $(VLLM_VENV)/.stamp
 
 # Every peer side by side on the embedded model; peers not built are reported `not installed`.
 bench-peers: $(VENV)/.stamp $(REF_VENV)/.stamp
-	$(PY) -m launch.bench_peers --model smollm2-135m --out build/peers
+	$(PY) -m launch.lab.bench_peers --model smollm2-135m --out build/peers
 
 bench: $(VENV)/.stamp
-	$(PY) -m launch.bench_model --model small --json
+	$(PY) -m launch.lab.bench_model --model small --json
 
 clean:
 	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(PEERS) tests/_ref_artifacts

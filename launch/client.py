@@ -43,10 +43,10 @@ def _channel(grpc):
 
 def main(argv: list[str]) -> None:
   import grpc
-  from serving.proto.jetstream import jetstream_pb2 as js
-  from serving.proto.jetstream import jetstream_pb2_grpc as js_grpc
-  from serving.proto.phaseserve.v1 import generation_pb2 as pb
-  from serving.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
+  from serving.api.proto.jetstream import jetstream_pb2 as js
+  from serving.api.proto.jetstream import jetstream_pb2_grpc as js_grpc
+  from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
+  from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
   if len(argv) != 2:
     raise CliError("give the prompt as the one argument")
   prompt = argv[1]

@@ -2,9 +2,9 @@
 
 Contract: importing this module defines ``--coordinator_address``, ``--num_processes``,
 ``--process_id`` and ``--heartbeat_timeout_s`` once. ``join() -> Cluster`` (after the fake-device
-flags are applied, before any JAX computation) calls ``partitioning.multihost.initialize`` (a
+flags are applied, before any JAX computation) calls ``partitioning.distributed.initialize`` (a
 no-op for one process) and then makes every process use process 0's CPU lowering policy
-(``models.cpu_lowering``: measured, so it could differ per process, and it decides the traced
+(``models.cpu.lowering``: measured, so it could differ per process, and it decides the traced
 programs, which must be identical everywhere). Bad values raise ``CliError``.
 
   # a TPU pod slice, the same command on every host (JAX finds the others):
@@ -21,7 +21,7 @@ import dataclasses
 from absl import flags
 
 from launch.cli import CliError
-from partitioning.multihost import Cluster
+from partitioning.distributed import Cluster
 
 COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0's jax.distributed coordinator "
@@ -46,13 +46,13 @@ def cluster() -> Cluster:
 
 
 def join() -> Cluster:
-  from partitioning import multihost
+  from partitioning import distributed as multihost
   c = cluster()
   multihost.initialize(c)
   if c.multi:
     import jax
     if jax.default_backend() == "cpu":
-      from models import cpu_lowering
+      from models.cpu import lowering as cpu_lowering
       fields = multihost.agree("cpu_lowering",
                                lambda: dataclasses.asdict(cpu_lowering.policy()))
       cpu_lowering.set_policy(cpu_lowering.CpuPolicy(**fields))

@@ -22,7 +22,7 @@ import os
 
 
 def default_directory() -> str:
-  from models import cpu_lowering
+  from models.cpu import lowering as cpu_lowering
   cpu = hashlib.sha256(cpu_lowering.cpu_model().encode()).hexdigest()[:16]
   return os.path.join(cpu_lowering.cache_dir(), "jax", cpu)
 

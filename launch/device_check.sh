@@ -15,10 +15,10 @@ assert jax.default_backend() != 'cpu', 'no accelerator visible'"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python -m pytest -q -x -p no:cacheprovider \
   tests/test_transformer.py tests/test_attention.py tests/test_paged_kv.py tests/test_engine.py \
   tests/test_precision.py 2>&1 | tail -3
-timeout 240 python -m launch.bench_model --model small --json --dtype bfloat16 --quantize both \
+timeout 240 python -m launch.lab.bench_model --model small --json --dtype bfloat16 --quantize both \
   --prefill_tokens 128,512,2048 --prefill_batches 1,8 --decode_batches 1,8,64 \
   > "$OUT/bench_model.json" && tail -c 2000 "$OUT/bench_model.json"
-timeout 240 python -m launch.bench_engine --model small --json --sections decode,continuous \
+timeout 240 python -m launch.lab.bench_engine --model small --json --sections decode,continuous \
   --trace_requests 64 --slots 32 > "$OUT/bench_engine.json" && tail -c 2000 "$OUT/bench_engine.json"
-python -m launch.plan --model palm-8b --hardware h200 --chips 1 --phase decode --batch 64 \
+python -m launch.lab.plan --model palm-8b --hardware h200 --chips 1 --phase decode --batch 64 \
   --context 2048 --weights int8 --json > "$OUT/plan_h200.json"

@@ -29,8 +29,8 @@ from launch.cli import CliError
 if TYPE_CHECKING:
   import prometheus_client as prom
   from models.config import ModelConfig
-  from models.tokenizer import Tokenizer
-  from serving.deployment import Steps
+  from models.text.tokenizer import Tokenizer
+  from partitioning.deployment import Steps
   from serving.loop import ServingLoop
 
 MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .gguf or checkpoint")
@@ -55,8 +55,8 @@ WARMUP_THREADS = flags.DEFINE_integer(
     "warmup_threads", 0, "programs the warm-up compiles side by side (0: the CPU count, at most 4)",
     lower_bound=0)
 CALIBRATION = flags.DEFINE_string(
-    "calibration", "auto", "the planner's calibration: a launch.calibrate JSON; 'auto': the one "
-    "installed for --hardware (launch.calibrate --install), if any; 'none': uncalibrated")
+    "calibration", "auto", "the planner's calibration: a launch.lab.calibrate JSON; 'auto': the one "
+    "installed for --hardware (launch.lab.calibrate --install), if any; 'none': uncalibrated")
 MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode batch rows", lower_bound=1)
 PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
 KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
@@ -114,9 +114,9 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
           max_traces: int | None = None) -> Built:
   import jax
   import jax.numpy as jnp
-  from models.loader import load_config, load_model
+  from models.io.loader import load_config, load_model
   from serving import stack
-  from serving.deployment import Deployment, check_multiprocess, make_steps
+  from partitioning.deployment import Deployment, check_multiprocess, make_steps
   cache = compile_cache.configure(COMPILE_CACHE.value)
   logging.info("compilation cache: %s", cache or "off")
   dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16

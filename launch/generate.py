@@ -25,7 +25,7 @@ from launch import cli
 from launch.cli import CliError
 
 if TYPE_CHECKING:
-  from models.tokenizer import Tokenizer
+  from models.text.tokenizer import Tokenizer
 
 _MODEL = flags.DEFINE_string(
     "model", "tiny", "smollm2-135m (trained), a random preset (tiny, small), a .gguf file or a "
@@ -89,8 +89,8 @@ def _prompt_ids(tokenizer: Tokenizer) -> list[int]:
 
 def run() -> dict:
   import jax.numpy as jnp
-  from models.loader import load_model
-  from models.tokenizer import StreamDecoder
+  from models.io.loader import load_model
+  from models.text.tokenizer import StreamDecoder
   from models.precision import int8_mode_of
   from serving.generator import Generator
   from serving.sampling import SamplingParams

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Iterator
 
 from absl import flags, logging
 
-from launch import cli, engine_flags as ef, machine
+from launch import cli, engine_flags as ef
+from launch import machine
 from launch.cli import CliError
 
 if TYPE_CHECKING:
-  from models.tokenizer import Tokenizer
+  from models.text.tokenizer import Tokenizer
   from serving.request import Request
 
 _REQUESTS = flags.DEFINE_string("requests", None, "JSONL file, one request per line")

@@ -1,5 +1,5 @@
 """The gRPC service: phaseserve's API and JetStream's on one port, with health and reflection;
-with ``--http_port``, OpenAI's HTTP API beside it (``serving.http_server``) over the same engine.
+with ``--http_port``, OpenAI's HTTP API beside it (``serving.api.http_server``) over the same engine.
 
   python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100 \
       --http_port 8000
@@ -94,7 +94,7 @@ _FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request
 
 def _info(cfg, steps, loop, limits, classes, version):
   from serving import stack
-  from serving.proto.phaseserve.v1 import generation_pb2 as pb
+  from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
   import jax
   d = steps.description
   layout = lambda p: (f"{d[p]['ffn']}:{d[p]['attn']}" if isinstance(d.get(p), dict)
@@ -152,12 +152,13 @@ def main(argv: list[str]) -> None:
   cluster = cluster_flags.join()
   import importlib.metadata
   import prometheus_client as prom
-  from serving import admission, grpc_server, stack
-  from serving.auth import ApiKeys
-  from serving.faults import FaultInjector
-  from serving.frontend import Frontend, FrontendConfig
-  from serving.usage import UsageLog
-  from serving.validation import Limits
+  from serving.api import admission, grpc_server
+  from serving import stack
+  from serving.api.auth import ApiKeys
+  from serving.api.faults import FaultInjector
+  from serving.api.frontend import Frontend, FrontendConfig
+  from serving.api.usage import UsageLog
+  from serving.api.validation import Limits
 
   try:
     classes = admission.parse_classes(_SLO_CLASSES.value)
@@ -177,7 +178,7 @@ def main(argv: list[str]) -> None:
                    max_traces=1024)
   cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
   if cluster.multi:
-    from partitioning.multihost import Broadcast, is_leader
+    from partitioning.distributed import Broadcast, is_leader
     from serving.multihost import LeaderEngine
     if not is_leader():
       _follow(built, Broadcast("engine"))
@@ -215,7 +216,7 @@ def main(argv: list[str]) -> None:
     raise CliError(f"cannot serve on {_HOST.value}:{_PORT.value}: {e}")
   http = None
   if _HTTP_PORT.value is not None:
-    from serving import http_server
+    from serving.api import http_server
     try:
       http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
           _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,

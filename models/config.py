@@ -85,7 +85,7 @@ _PRESETS: dict[str, ModelConfig] = {
         num_kv_heads=1, head_dim=64, mlp_dim=2048, norm_eps=1e-5, rope_theta=10_000.0,
         tie_embeddings=False, max_seq_len=2048),
     # Hugging Face's SmolLM2-135M-Instruct (Llama, GQA 9/3, tied embeddings). The name resolves to
-    # the trained weights of the installed GGUF file (``models.loader``); the shape alone serves
+    # the trained weights of the installed GGUF file (``models.io.loader``); the shape alone serves
     # benchmarks and the cost model.
     "smollm2-135m": ModelConfig(
         name="smollm2-135m", vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9,
@@ -113,7 +113,7 @@ PRESET_NAMES = tuple(_PRESETS)
 # presets (the CLIs that build a model from ``PRESET_NAMES`` must not offer them).
 _SHAPES: dict[str, ModelConfig] = {
     # Meta's Llama 3 70B (GQA 64/8, head dim 128, SwiGLU 28672, untied 128256 vocab): the
-    # 70B-class model of ``launch.simulate``'s comparison (BUILD_NOTES "Capacity simulator").
+    # 70B-class model of ``launch.lab.simulate``'s comparison (BUILD_NOTES "Capacity simulator").
     "llama-3-70b": ModelConfig(
         name="llama-3-70b", vocab_size=128_256, embed_dim=8192, num_layers=80, num_heads=64,
         num_kv_heads=8, head_dim=128, mlp_dim=28_672, rope_theta=500_000.0, max_seq_len=8192),

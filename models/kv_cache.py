@@ -16,7 +16,7 @@ Contract:
     with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
     (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
     layer ``layer``; a store may compute it without ``read``: both stores do for decode on
-    XLA:CPU, with ``models.cpu_paged_attention``),
+    XLA:CPU, with ``models.cpu.paged_attention``),
     and ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
     ``t`` tokens per row (absolute positions, write positions with padding routed to ``PAD_POS``,
@@ -32,7 +32,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models import attention, cpu_paged_attention
+from models import attention
+from models.cpu import paged_attention as cpu_paged_attention
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")

@@ -35,7 +35,7 @@ Contract:
     measured price; ``attend`` avoids it wherever the native kernel runs.
   * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
     On XLA:CPU (``native_attention``) every query, decode and prefill chunk alike, runs
-    ``models.cpu_paged_attention``: it walks the table itself and reads only the keys the query
+    ``models.cpu.paged_attention``: it walks the table itself and reads only the keys the query
     sees (no gather; ``attend_len`` is only a bound); otherwise ``read`` then
     ``models.attention.attend``.
   * Pages shared by several slots (a fork) are only ever read: the allocator copies a partly
@@ -74,7 +74,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import attention, cpu_paged_attention, kv_cache, quant
+from models import attention, kv_cache, quant
+from models.cpu import paged_attention as cpu_paged_attention
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import rotate, rotation
@@ -214,7 +215,7 @@ class PagedKV:
             _gather(self.v_pages, layer, ids_BM, attend_len, dtype))
 
   def native_attention(self, n_heads: int, t: int) -> bool:
-    """Whether ``attend`` runs ``models.cpu_paged_attention`` for chunks of ``t`` queries of
+    """Whether ``attend`` runs ``models.cpu.paged_attention`` for chunks of ``t`` queries of
     ``n_heads`` heads (not a sink pool's decode; the kernel available and taking the shapes).
     Its cost follows each query's position, not ``attend_len``, so a caller may pass
     ``max_len`` rather than bucketing."""

@@ -14,7 +14,7 @@ Contract:
     fast int8 kernel; see "Compute policy" below).
 
 Compute policy (how ``einsum`` lowers; results are those of the plain einsum up to rounding). On
-XLA:CPU the knobs named below are fields of ``models.cpu_lowering.policy()``, chosen by a
+XLA:CPU the knobs named below are fields of ``models.cpu.lowering.policy()``, chosen by a
 start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` fixes them to
 ``cpu_lowering.DEFAULT``), read once per trace:
   * Every weight einsum becomes ONE 2D ``dot_general`` ``[M, K] x [K, N]`` (or ``[N, K]`` when the
@@ -26,7 +26,7 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     result in the activation dtype. So f32 params compute in f32 and bf16 params in bf16 (prefill:
     XLA:CPU's YNNPACK bf16 kernels, about twice the f32 FLOP/s; the dot lowering is the
     policy's ``float_prefill`` / ``f32_prefill``). On XLA:CPU, up to the policy's ``float_native_max_rows`` (bf16) /
-    ``f32_native_max_rows`` rows (decode) go to the native kernel of ``models.cpu_kernels``
+    ``f32_native_max_rows`` rows (decode) go to the native kernel of ``models.cpu.kernels``
     (same products and f32 accumulation; it reads bf16 weights at memory bandwidth, where XLA's
     bf16 dot reaches about half, and f32 weights a little faster than XLA's f32 matrix-vector).
   * int8, ``act_quant=False`` (weight-only, the default of ``models.precision`` on every
@@ -39,7 +39,7 @@ start-up measurement per machine (cached on disk; ``PHASESERVE_CPU_AUTOTUNE=0`` 
     is quantized to int8 with its own scale (amax / 127), the dot is int8 x int8 -> int32 (exact),
     and ``row_scale * col_scale`` is applied in f32. On XLA:CPU, up to the policy's
     ``int8_native_max_rows`` (``[K, N]`` weights) / ``int8_nk_native_max_rows`` (``[N, K]``, the
-    tied unembedding) rows (decode) go to the native kernels of ``models.cpu_kernels`` when
+    tied unembedding) rows (decode) go to the native kernels of ``models.cpu.kernels`` when
     available (the same quantization, int32 sums and scaling in one call; they read the int8
     weight at memory bandwidth, XLA's int8 dot does not); otherwise the rows are padded with
     zeros to a multiple of the policy's ``int8_row_multiple``, since with few rows XLA:CPU picks
@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import cpu_kernels, cpu_lowering
+from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
 
 
 @flax.struct.dataclass
@@ -96,7 +96,7 @@ class QuantArray:
 
 Weight = jax.Array | QuantArray
 
-# The XLA:CPU knobs (see "Compute policy") are ``models.cpu_lowering.policy()``, measured per
+# The XLA:CPU knobs (see "Compute policy") are ``models.cpu.lowering.policy()``, measured per
 # machine (``cpu_lowering.DEFAULT`` holds the values these names had when they were constants).
 
 
@@ -202,7 +202,7 @@ def _weight_2d(mm: _Matmul, w: jax.Array) -> jax.Array:
 
 
 def _native_kernel(mm: _Matmul, x_dtype, w: Weight, pol: cpu_lowering.CpuPolicy) -> str | None:
-  """Which ``models.cpu_kernels`` kernel computes this product on XLA:CPU under ``pol``:
+  """Which ``models.cpu.kernels`` kernel computes this product on XLA:CPU under ``pol``:
   ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``float`` / ``float_nk`` (float or
   weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None (XLA's dot)."""
   if not _on_cpu():

@@ -9,7 +9,7 @@ own jitted programs, with ``attend_len`` static.
     active row at position ``kv.lengths[b]``.
   * ``place_params(params)`` puts params where the step expects them (its resident layout).
   * ``param_sharding(path, sds) -> Sharding``: that layout per param (``keystr`` path in the
-    float or int8 tree), the ``models.placement.Target`` loaders make params straight into, so
+    float or int8 tree), the ``models.io.placement.Target`` loaders make params straight into, so
     ``place_params`` of what they return moves nothing. ``stacked_params``: the step wants
     ``models.weights.stack_layers``' form (then ``path`` is the stacked tree's).
   * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False)``: an empty
@@ -24,10 +24,11 @@ models, so serving receives a step and never imports one).
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import transformer
 from models.config import ModelConfig
@@ -54,6 +55,18 @@ class Step(Protocol):
               dtype: jnp.dtype, sink_pool: bool = False) -> PagedKV: ...
 
   def describe(self) -> dict[str, object]: ...
+
+
+# Moves pages (source pool, destination pool, source page ids, destination page ids) -> destination.
+Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseDecode:
+  """Decode in its own step and pool (disaggregated phases); ``transfer`` moves prefilled pages
+  into that pool."""
+  step: Step
+  transfer: Transfer
 
 
 @dataclasses.dataclass(frozen=True)

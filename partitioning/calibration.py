@@ -22,13 +22,13 @@ Contract:
     than free parameters. ``FREE`` leaves ``overlap`` out (opt in by naming it).
   * ``errors(calibration, samples) -> list[float]``: calibrated / measured per sample.
   * ``save(calibration, path)`` / ``load(path)``: JSON. The planner (``planner.plan(...,
-    calibration=)``), ``launch.sweep_frontier --calibration`` and ``launch.plan --calibration``
+    calibration=)``), ``launch.lab.sweep_frontier --calibration`` and ``launch.lab.plan --calibration``
     use a loaded calibration when one is given.
-  * Installed calibrations: ``default_path(hardware)`` is where ``launch.calibrate --install``
+  * Installed calibrations: ``default_path(hardware)`` is where ``launch.lab.calibrate --install``
     saves a hardware's calibration (``$PHASESERVE_CALIBRATION_DIR/<hardware>.json``, default
     ``~/.cache/phaseserve/calibration``); ``resolve(spec, hardware)`` turns a ``--calibration``
     flag into ``(calibration or None, where)``: ``"auto"`` the installed one if it exists,
-    ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.plan``,
+    ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.lab.plan``,
     ``sweep_frontier``, ``simulate``, the server's layout choice) default to ``"auto"``, so a
     calibration is used whenever one exists. A calibration fitted for other hardware is refused
     (``ValueError``).

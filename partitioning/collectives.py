@@ -62,7 +62,7 @@ _PERMUTABLE = ("mlp", "heads")  # dims every user permutes alike; see comm.gathe
 
 def _shard_map(f, mesh: Mesh, in_specs, out_specs):
   # Replication checking is off: its typing rules (all_gather's output type) differ between jax
-  # versions; correctness of every layout is checked numerically in tests/test_layouts.py.
+  # versions; correctness of every layout is checked numerically in tests/partitioning/test_layouts.py.
   if hasattr(jax, "shard_map"):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
   from jax.experimental.shard_map import shard_map  # jax < 0.7

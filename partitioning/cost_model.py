@@ -146,7 +146,7 @@ def ffn_batch_chips(layout: str, mesh: Mesh) -> int:
 # for the no-fallback case the cost model assumes (every sharded dimension divides; then every
 # mesh axis shards either the query heads or the residual batch, so no named axis is idle).
 # layouts.py imports JAX and needs a real Mesh, so it is not imported here;
-# tests/test_cost_model.py::test_attention_axes_agree_with_make_plan checks the agreement.
+# tests/partitioning/test_cost_model.py::test_attention_axes_agree_with_make_plan checks the agreement.
 
 
 def _live(mesh: Mesh, axes: str) -> str:

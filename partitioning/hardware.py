@@ -7,7 +7,7 @@ Contract:
   * ``get_hardware(name)`` returns a preset (``HARDWARE_NAMES``); ``"local"`` runs
     ``measure_local()`` on the current default JAX device (seconds of benchmarking).
   * ``measure_matmul_peak(dtype, size) -> FLOP/s`` and ``measure_read_bandwidth(nbytes) -> bytes/s``
-    are shared with ``launch/bench_model.py``; both time jitted work on the default device and
+    are shared with ``launch/lab/bench_model.py``; both time jitted work on the default device and
     return the best of a few repetitions.
 
 JAX is imported lazily inside the measuring functions so that the cost model and planner (pure

@@ -18,7 +18,7 @@ Contract:
     int8 ``scale``) and size-1 mesh axes are silently unsharded.
   * ``param_specs`` / ``param_shardings`` give the params pytree's specs / ``NamedSharding``s
     (``QuantArray(quant=..., scale=...)`` for int8 leaves), e.g. for
-    ``models.checkpoint.restore_params(path, shardings=param_shardings(cfg, mesh, "ws_2d"))``.
+    ``models.io.checkpoint.restore_params(path, shardings=param_shardings(cfg, mesh, "ws_2d"))``.
   * ``make_plan(cfg, mesh, ffn, attn, batch) -> StepPlan``: the effective mesh axes of every
     sharded dimension of one step (after fallbacks), which ``partitioning.collectives`` follows;
     ``cache_sharding`` places the KV cache ``[L, B, K, S, H]`` as ``[L, B.ab, K, S, H]``: batch-

@@ -131,7 +131,7 @@ class PagedShardedStep:
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> NamedSharding:
     """The resident sharding of the param at ``path`` (float or int8 tree): the
-    ``models.placement.Target`` loaders make params straight into (then ``place_params`` is a
+    ``models.io.placement.Target`` loaders make params straight into (then ``place_params`` is a
     no-op)."""
     del sds
     return _param_sharding_table(self.cfg, self.mesh, self.ffn)[path]

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.paged_kv import PagedKV, Pages, copy_pages, ring_entries
-from models.step import Step
+from models.step import PhaseDecode, Step
 from models.transformer import bucket
 from models.weights import Params
 from serving.host_tier import HostStore
@@ -204,16 +204,6 @@ def _to_host(a: jax.Array) -> np.ndarray:
 
 
 LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [B], top ids [B, n], top [B, n]
-Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
-
-
-@dataclasses.dataclass(frozen=True)
-class PhaseDecode:
-  """Decode in its own step and pool; ``transfer`` moves pages into it (see the contract)."""
-  step: Step
-  transfer: Transfer
-
-
 Row = tuple[str, int, int]  # (request id, row of the call, top-n logprobs it asked for)
 
 

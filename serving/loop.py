@@ -37,7 +37,7 @@ Contract:
     ``phaseserve_internal_errors_total{part}``): the step-cost model, metrics, lifecycle traces
     and ``on_output`` callbacks. An exception there is logged and counted; a callback that
     raises cancels its own request (its pages are freed) and the loop goes on.
-  * ``cost_model`` (``serving.admission.StepCostModel``) is fitted to every busy step's wall time
+  * ``cost_model`` (``serving.step_cost.StepCostModel``) is fitted to every busy step's wall time
     and composition (prefill tokens, decode rows), for admission predictions and the TPOT-aware
     prefill budget; a call during which the engine compiled a program (its ``programs`` count
     grew) is not a sample.
@@ -53,7 +53,7 @@ import time
 from typing import Callable
 
 from serving.engine import Engine
-from serving.admission import StepCostModel
+from serving.step_cost import StepCostModel
 from serving.guard import Guard
 from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput, Usage

@@ -3,7 +3,7 @@
 JAX's multi-controller model needs every process to launch the same programs, with the same
 arguments, in the same order (each then runs its own devices' part; the collectives meet across
 processes). phaseserve keeps ONE scheduler (process 0's): its plans are never re-derived on the
-other processes, they are broadcast (``partitioning.multihost.Broadcast`` over the runtime's
+other processes, they are broadcast (``partitioning.distributed.Broadcast`` over the runtime's
 key-value store, ``serving.plan_codec``'s JSON form).
 
 Contract:
@@ -16,7 +16,7 @@ Contract:
     returns the number of calls run. A call that raises is logged and the next one runs: process 0
     fails the same way, and its loop's fault handling (``reset``) is published like any call. It waits for the next call in slices of ``POLL_S`` and
     returns early when ``should_stop()`` is true (a signal). A dead process 0 is detected by the
-    distributed runtime (heartbeats; see ``partitioning.multihost``), which ends this process
+    distributed runtime (heartbeats; see ``partitioning.distributed``), which ends this process
     with an error rather than leaving it blocked.
   * Results: every process computes each step's results (``Engine`` reads outputs with
     ``_to_host``, a local copy or a gather); only process 0's go to the scheduler.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from partitioning.multihost import Broadcast
+from partitioning.distributed import Broadcast
 from serving import plan_codec
 from serving.engine import Engine
 from serving.scheduler import StepPlan, StepResult

@@ -11,7 +11,7 @@ Contract (vLLM v1's loop; the engine is ``serving.engine``, or any object runnin
     ``max_step_tokens`` goes to prefill chunks (at most ``max_chunk`` tokens each, at most
     ``max_prefill_chunks`` per step; when the step decodes and ``prefill_limit`` is set, at
     most ``prefill_limit(decode rows)`` prefill tokens in all, None meaning no limit: the
-    TPOT-aware budget of ``serving.admission.tpot_prefill_limit``; ``last_prefill_limit`` is
+    TPOT-aware budget of ``serving.step_cost.tpot_prefill_limit``; ``last_prefill_limit`` is
     what it said for the last plan): sequences in
     the middle of their prompt first, then waiting requests by priority, FCFS within one, while a
     slot (a row of the decode batch; the lowest free one, so active slots stay compact) is free.
@@ -72,7 +72,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from models.tokenizer import Tokenizer
+from models.text.tokenizer import Tokenizer
 from serving.kv_pages import PageCopy, PagePool, Refusal, ring_entries
 from serving.lifecycle import RequestTrace
 from serving.prefix_cache import Match, PageLoad, PageSpill, PrefixCache

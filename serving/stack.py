@@ -1,7 +1,7 @@
 """Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
 
 Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards=1, max_traces=None)
--> ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``serving.deployment.make_steps`` for
+-> ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``partitioning.deployment.make_steps`` for
 meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
 ``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
 ``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
@@ -20,13 +20,13 @@ import dataclasses
 import jax.numpy as jnp
 import prometheus_client as prom
 
-from models.step import Step
-from models.tokenizer import Tokenizer
+from models.step import PhaseDecode, Step
+from models.text.tokenizer import Tokenizer
 from models.weights import Params
-from serving.admission import StepCostModel, tpot_prefill_limit
+from serving.step_cost import StepCostModel, tpot_prefill_limit
 from serving.compiles import (ProgramCounter, map_count, mapping_warning, max_map_count,
                               trim_heap)
-from serving.engine import Engine, EngineConfig, PhaseDecode
+from serving.engine import Engine, EngineConfig
 from serving.guard import Guard
 from serving.kv_pages import PagePool, page_budget
 from serving.lifecycle import Metrics
@@ -56,7 +56,7 @@ class ServingConfig:
   attention_sinks: bool = False  # a sink pool: requests may ask for sinks + a window
   # TPOT-aware prefill budget (0: off): a step that decodes carries only the prefill tokens
   # the loop's fitted step-cost model says keep it within this many ms, but at least
-  # min_prefill_tokens (serving.admission.tpot_prefill_limit).
+  # min_prefill_tokens (serving.step_cost.tpot_prefill_limit).
   tpot_target_ms: float = 0.0
   min_prefill_tokens: int = 32
 

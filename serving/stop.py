@@ -10,7 +10,7 @@ Stop ids and strings are ignored until ``min_tokens`` ids have been generated.
 Output accounting (as JetStream and vLLM): ``token_ids`` include the id that ended the sequence
 (``all_ids``); the text excludes a stop id's text and everything from a matched stop string on.
 Text is released only once it can no longer be the start of a stop string, and never with a
-partial UTF-8 character (``models.tokenizer.StreamDecoder``). The concatenated ``text`` of every
+partial UTF-8 character (``models.text.tokenizer.StreamDecoder``). The concatenated ``text`` of every
 step is the final text.
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 import enum
 from typing import Sequence
 
-from models.tokenizer import StreamDecoder, Tokenizer
+from models.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class FinishReason(str, enum.Enum):

@@ -7,8 +7,8 @@ os.environ["XLA_FLAGS"] = (
 # CPU unless asked to test the accelerator (launch/device_check.sh sets PHASESERVE_TEST_ACCELERATOR=1).
 if os.environ.get("PHASESERVE_TEST_ACCELERATOR") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A fixed CPU lowering policy (models.cpu_lowering.DEFAULT) for every test and the CLIs they start:
-# deterministic, and no start-up measurement on a loaded CI machine; tests/test_cpu_lowering.py
+# A fixed CPU lowering policy (models.cpu.lowering.DEFAULT) for every test and the CLIs they start:
+# deterministic, and no start-up measurement on a loaded CI machine; tests/models/cpu/test_cpu_lowering.py
 # exercises the measurement itself.
 os.environ.setdefault("PHASESERVE_CPU_AUTOTUNE", "0")
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from models import cpu_kernels, cpu_lowering
+from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="native CPU kernels unavailable here (CPU / compiler)")

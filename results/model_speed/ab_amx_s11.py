@@ -1,5 +1,5 @@
 """The session-11 A/B of the AMX kernel in the serving engine (BUILD_NOTES "AMX tiles for decode
-batches"): ``launch.bench_engine``'s decode section with this machine's measured CPU lowering
+batches"): ``launch.lab.bench_engine``'s decode section with this machine's measured CPU lowering
 policy (variant ``amx``) or the same policy with the AMX ranges set to 0 (``off``), each in its
 own process, alternated:
 
@@ -11,7 +11,7 @@ import sys
 
 from absl import app
 
-from models import cpu_lowering
+from models.cpu import lowering as cpu_lowering
 
 variant, dtype, quantize = sys.argv[1:4]
 measured = cpu_lowering.policy()
@@ -19,7 +19,7 @@ if variant == "off":
   cpu_lowering.set_policy(dataclasses.replace(measured, amx_min_rows=0, amx_max_rows=0,
                                               amx_int8_min_rows=0, amx_int8_max_rows=0))
 print(variant, cpu_lowering.policy(), flush=True)
-from launch import bench_engine  # noqa: E402
+from launch.lab import bench_engine
 
 app.run(bench_engine.main, argv=["bench_engine", "--model", "smollm2-135m", "--dtype", dtype,
                                  "--quantize", quantize, "--sections", "decode",

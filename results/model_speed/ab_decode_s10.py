@@ -1,5 +1,5 @@
 """The session-10 A/B of SmolLM2-135M decode on XLA:CPU (BUILD_NOTES "Grouped native matmuls and
-the contiguous cache on the native attention"): ``launch.bench_model``'s decode measurement with
+the contiguous cache on the native attention"): ``launch.lab.bench_model``'s decode measurement with
 the two changes (variant ``new``) or with both undone in-process (``sep_xla``: ``quant.einsums``
 as separate ``einsum`` calls, ``KVCache.attend`` through ``models.attention.attend``). Run the
 variants alternately, each in its own process:
@@ -16,7 +16,7 @@ if "sep" in variant:
   quant.einsums = lambda specs, x, ws: [quant.einsum(s, x, w) for s, w in zip(specs, ws)]
 if "xla" in variant:
   kv_cache.KVCache.attend = lambda self, l, q, pos, al: attention.attend(q, *self.read(l, al), pos)
-from launch import bench_model as bm  # noqa: E402
+from launch.lab import bench_model as bm
 
 cfg_b = bm.BenchConfig(model="smollm2-135m", dtypes=("bfloat16",), quantize="all",
                        decode_batches=(1, 8), steps=16, repeats=7)

@@ -7,7 +7,7 @@ XLA's bf16 dot, the native float kernel (up to 32 rows) and the AMX kernel, best
 """
 import time, sys, jax, jax.numpy as jnp, numpy as np
 from jax import lax
-from models import cpu_kernels as ck
+from models.cpu import kernels as ck
 L=30
 rng=np.random.default_rng(0)
 dt=jnp.int8 if "int8" in sys.argv else jnp.bfloat16

@@ -1,5 +1,5 @@
 """Hugging Face transformers (PyTorch CPU) on the same shape, for side-by-side comparison with
-``launch.bench_model``. Runs in the Python 3.11 reference env (``.venv-ref``), never in the project.
+``launch.lab.bench_model``. Runs in the Python 3.11 reference env (``.venv-ref``), never in the project.
 
   .venv-ref/bin/python tests/reference/bench_hf.py --dtype bfloat16 --json
 
@@ -8,7 +8,7 @@
 Prints one JSON object: prefill tokens/s per batch and decode ms/token per batch (greedy,
 ``generate`` with the KV cache), random weights of the ``small`` Llama shape by default, or the
 Hugging Face checkpoint directory ``--checkpoint`` (loaded in ``--dtype``; the shape flags are
-then ignored). ``--cache static`` (``launch.bench_peers`` passes it) runs ``generate`` with
+then ignored). ``--cache static`` (``launch.lab.bench_peers`` passes it) runs ``generate`` with
 transformers' static KV cache (``cache_implementation="static"``); where that raises, the
 dynamic cache is used and ``cache`` in the output says so with the error. ``--last_logits``: the
 timed prefill forward computes only the last position's logits (``logits_to_keep=1``, as

@@ -1,10 +1,10 @@
-"""The flags every worker takes (tests/multiproc.py appends them) -> ``partitioning.multihost.Cluster``."""
+"""The flags every worker takes (tests/multiproc.py appends them) -> ``partitioning.distributed.Cluster``."""
 
 from __future__ import annotations
 
 import argparse
 
-from partitioning.multihost import Cluster
+from partitioning.distributed import Cluster
 
 
 def parser(description: str) -> argparse.ArgumentParser:

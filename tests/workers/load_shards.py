@@ -4,7 +4,7 @@ one ``RESULT {json}`` line: the peak anonymous memory beyond the bytes placed so
 control, beyond the final total), bytes placed / read / held by this process's devices, the
 largest tensor, and (``--sums``) every weight's global sum for the caller to check.
 
-``--mode sharded`` is the direct path (``models.hf_import`` / ``models.checkpoint`` with target
+``--mode sharded`` is the direct path (``models.io.hf_import`` / ``models.io.checkpoint`` with target
 shardings); ``--mode naive`` the whole-copy control: load every array on the first device, then
 ``device_put`` into the shardings (one process only).
 """
@@ -13,7 +13,7 @@ import json
 import math
 import time
 
-from partitioning.multihost import initialize
+from partitioning.distributed import initialize
 from tests.workers.args import cluster, parser
 
 
@@ -32,7 +32,7 @@ def main() -> None:
   import jax.numpy as jnp
   import numpy as np
 
-  from models import checkpoint, hf_import, loader
+  from models.io import checkpoint, hf_import, loader
   from models.quant import QuantArray
   from models.weights import abstract_params
   from partitioning.layouts import param_shardings
@@ -69,7 +69,7 @@ def main() -> None:
       watch.placed(sum(s.data.nbytes for a in jax.tree.leaves(params)
                        for s in a.addressable_shards))
     elif args.kind == "init":
-      from models import placement
+      from models.io import placement
       params = placement.init_params(cfg, jax.random.key(0), dtype, shardings,
                                      quantized=args.quantize, progress=progress)
     elif args.kind == "hf":

@@ -2,7 +2,7 @@
 
 import jax
 
-from partitioning.multihost import initialize, is_leader
+from partitioning.distributed import initialize, is_leader
 from tests.workers.args import cluster, parser
 
 

@@ -1,13 +1,13 @@
-"""Worker: the partitioned paged prefill + decode of tests/test_paged_layouts.py on the global mesh.
+"""Worker: the partitioned paged prefill + decode of tests/partitioning/test_paged_layouts.py on the global mesh.
 
 Every process runs the same programs; the logits and the KV lengths are gathered and process 0
 writes them to ``--out`` (an .npz, keys ``<ffn>-<attn>-<f32|int8>/<l1|l2|l3|lengths>``) for
-tests/test_multihost.py to compare with one process over 8 devices.
+tests/e2e/test_multihost.py to compare with one process over 8 devices.
 """
 
 import jax
 
-from partitioning.multihost import initialize, is_leader
+from partitioning.distributed import initialize, is_leader
 from tests.workers.args import cluster, parser
 
 CASES = (("ws_2d", "batch_z", False), ("ws_1d", "heads", True))  # (ffn, attn, int8 weights)

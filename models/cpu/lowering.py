@@ -1,0 +1,518 @@
+"""Per-machine choice of how ``models.quant.einsum`` lowers each matmul shape class on XLA:CPU.
+
+Contract:
+  * ``policy() -> CpuPolicy`` is the process-wide choice, decided once (first call) and then
+    returned from memory; ``quant.einsum`` reads it at trace time, so it never runs per call and
+    never causes a retrace (jit caches are not keyed on it: fix it before the first trace).
+    Decided as follows, first match wins:
+      1. a policy fixed with ``set_policy(p)`` / ``use_policy(p)`` (tests, experiments);
+      2. the default backend is not CPU, or ``PHASESERVE_CPU_AUTOTUNE=0``: ``DEFAULT`` (the
+         constants hand-tuned on an AMD EPYC Zen 4 in Nov 2026), nothing measured;
+      3. the disk cache ``<cache dir>/cpu_lowering.json`` (``$PHASESERVE_CACHE_DIR``, default
+         ``~/.cache/phaseserve``) holds an entry for this machine's key: CPU model string
+         (``model name``, family, model, AVX-512/AMX flags), jax + jaxlib versions, the
+         ``models.cpu.kernels`` source hash, whether the native kernels are available, and
+         ``VERSION`` of this module's candidates;
+      4. ``autotune()``: measured now (about 5-15 s on a 2-core machine) and stored in the cache.
+    Any failure while measuring or reading the cache falls back to ``DEFAULT`` (logged once).
+    ``PHASESERVE_CPU_AUTOTUNE=1`` (the default) allows 3 and 4; ``refresh`` re-measures.
+  * ``report() -> dict`` (JSON-able): the chosen value of every field, where it came from
+    (``source``: default | fixed | cache | measured), the cache key and path, and the best
+    time (ms, minimum of round-robin rounds) of every candidate measured for each shape class.
+  * Shape classes and candidates (``CpuPolicy`` fields):
+      - ``float_prefill`` (bf16) / ``f32_prefill`` (f32 activations; no ``xw_nacc``) for float
+        weights and rows above the native limit: ``xw`` = one
+        ``dot_general`` ``x[M, K] . w[K, N]`` with f32 accumulation (``preferred_element_type``);
+        ``xw_nacc`` = the same with the result in the activation dtype (no f32 accumulation
+        asked for; bf16 only); ``wx`` = ``w[K, N]`` as the left operand (``[N, M]``, transposed
+        after); ``wt`` = the weight transposed to ``[N, K]`` inside the computation (a
+        temporary per call, never a second resident copy) and contracted on its trailing axis,
+        as a minimal loop with ``[out, in]`` storage does. Weights stay as stored in every case.
+      - ``float_native_max_rows`` / ``f32_native_max_rows``: up to this many rows, bf16 / f32
+        ``[K, N]`` weights go to the native float kernel (0: never); measured native vs XLA at
+        1, 8, 16 rows (f32: 1 and 8); ``f32_native_min_rows`` is 2 where XLA's f32
+        matrix-vector product beats the native kernel at one row.
+      - ``bf16_min_rows``: XLA bf16 dots with fewer rows are zero-padded to this many.
+      - ``int8_native_max_rows`` / ``int8_nk_native_max_rows``: W8A8 rows up to which the native
+        kernel is used for ``[K, N]`` / ``[N, K]`` (tied unembedding) int8 weights.
+      - ``int8_row_multiple``: XLA's W8A8 int8 dot pads rows to a multiple of this.
+      - ``amx_min_rows`` / ``amx_max_rows`` (bf16 weights) and ``amx_int8_min_rows`` /
+        ``amx_int8_max_rows`` (weight-only int8): bf16 activations with this many rows times a
+        ``[K, N]`` weight go to ``cpu_kernels.matmul_amx_group`` (AMX tiles; only where the
+        CPU has AMX). Measured at 8, 16, 32, 64, 128, 256, 512 rows (decode batches and the prefill chunks of a
+        serving step) against what that count would
+        otherwise use (the native float kernel or XLA's dot): the range is the first run of
+        counts where AMX is faster by ``MARGIN``; 0 / 0 (never) in ``DEFAULT``.
+      - ``int8_prefetch_l1``: the native ``[K, N]`` W8A8 kernel prefetches the next weight block
+        into L1 instead of L2: chosen when L1 is faster by ``MARGIN`` at 1 row and not slower
+        by more than that at 8 (L2 was faster on Zen 4, L1 ~13% faster at 1 row on Zen 5).
+    Robust to a shared machine: candidates are timed round-robin and compared by their best
+    time, and a measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN`` (10%).
+    A crossover is the largest measured row count up to which the native kernel is chosen at
+    every count (no extrapolation beyond the largest count measured).
+  * Every candidate computes the plain einsum up to summation order (``xw_nacc``: up to the
+    accumulation precision XLA picks for a bf16 result); int8 candidates give bit-identical
+    results. ``tests/models/cpu/test_cpu_lowering.py`` checks each against the reference einsum within a
+    stated relative tolerance.
+No measuring or compiling happens at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import time
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.cpu import kernels as cpu_kernels, json_cache, build as native_build
+
+VERSION = 6
+CACHE_FILE = "cpu_lowering.json"
+FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
+F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPolicy:
+  float_prefill: str = "xw"  # bf16 (and any non-f32 float) activations
+  f32_prefill: str = "xw"
+  float_native_max_rows: int = 16
+  f32_native_max_rows: int = 16
+  f32_native_min_rows: int = 1
+  bf16_min_rows: int = 2
+  int8_native_max_rows: int = 16
+  int8_nk_native_max_rows: int = 16
+  int8_row_multiple: int = 8
+  int8_prefetch_l1: bool = False  # the [K, N] W8A8 kernel prefetches into L1, not L2
+  # AMX (bf16 activations, [K, N] weights): rows in [min, max] go to cpu_kernels.matmul_amx_group;
+  # bf16 weights, then weight-only int8. 0 / 0: never (DEFAULT: the AMD EPYC it was tuned on
+  # has no AMX; measured where the CPU has it).
+  amx_min_rows: int = 0
+  amx_max_rows: int = 0
+  amx_int8_min_rows: int = 0
+  amx_int8_max_rows: int = 0
+
+  def __post_init__(self) -> None:
+    if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
+      raise ValueError(f"float_prefill / f32_prefill must be in {FLOAT_PREFILL} / "
+                       f"{F32_PREFILL}, got {self.float_prefill!r} / {self.f32_prefill!r}")
+    if min(self.bf16_min_rows, self.int8_row_multiple) < 1:
+      raise ValueError("bf16_min_rows and int8_row_multiple must be >= 1")
+
+
+DEFAULT = CpuPolicy()
+
+_lock = threading.RLock()
+_state: dict[str, object] = {}
+_log = logging.getLogger(__name__)
+
+
+# ---- the lowerings (used by models.quant.einsum and measured here) -----------------------------
+
+def float_dot(x2: jax.Array, w2: jax.Array, w_kn: bool, method: str) -> jax.Array:
+  """f32 ``[M, N]`` = ``x2 [M, K]`` times ``w2`` (``[K, N]`` if ``w_kn`` else ``[N, K]``), both
+  in the activation dtype, lowered as ``method`` (see ``float_prefill``)."""
+  kdim = 0 if w_kn else 1
+  if method == "xw":
+    return lax.dot_general(x2, w2, (((1,), (kdim,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+  if method == "xw_nacc":
+    return lax.dot_general(x2, w2, (((1,), (kdim,)), ((), ()))).astype(jnp.float32)
+  if method == "wx":
+    y = lax.dot_general(w2, x2, (((kdim,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.T
+  if method == "wt":
+    wt = w2.T if w_kn else w2  # [N, K]; a temporary of this call
+    return lax.dot_general(x2, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  raise ValueError(f"unknown float lowering {method!r}")
+
+
+def pad_rows(x2: jax.Array, multiple: int) -> jax.Array:
+  pad = -x2.shape[0] % multiple
+  return jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
+
+
+def quantize_activations(x32: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """Dynamic symmetric int8 per token: amax over the contracted ``axes`` maps to 127."""
+  amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+  x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  return jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8), x_scale
+
+
+def w8a8_xla(x32: jax.Array, wq: jax.Array, w_scale_1N: jax.Array, w_kn: bool,
+             row_multiple: int) -> jax.Array:
+  """W8A8 through XLA's int8 dot, rows zero-padded to ``row_multiple``: f32 ``[M, N]``."""
+  m = x32.shape[0]
+  xq, x_scale = quantize_activations(x32, (1,))
+  xq = pad_rows(xq, row_multiple)
+  dims = (((1,), (0 if w_kn else 1,)), ((), ()))
+  acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.int32)[:m]
+  return acc.astype(jnp.float32) * x_scale * w_scale_1N
+
+
+# ---- the policy --------------------------------------------------------------------------------
+
+def cache_dir() -> str:
+  return os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "phaseserve")
+
+
+def cpu_model() -> str:
+  """``model name`` / family / model of the first CPU and its AVX-512 + AMX flags."""
+  fields: dict[str, str] = {}
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if ":" not in line:
+          if fields:
+            break
+          continue
+        k, v = (s.strip() for s in line.split(":", 1))
+        if k in ("model name", "cpu family", "model", "flags") and k not in fields:
+          fields[k] = v
+  except OSError:
+    pass
+  flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "amx")))
+  return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} "
+          f"model {fields.get('model', '?')}; {' '.join(flags)})")
+
+
+def cache_key() -> str:
+  import jaxlib
+  kernels = hashlib.sha256((native_build.source("matmul_kernels")
+                            + native_build.source("amx_matmul")).encode()).hexdigest()[:12]
+  parts = [cpu_model(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+           f"kernels {kernels}", f"native {cpu_kernels.available()}",
+           f"amx {cpu_kernels.amx_available()}", f"v{VERSION}"]
+  return " | ".join(parts)
+
+
+def set_policy(p: CpuPolicy | None) -> None:
+  """Fixes the policy (``None``: decide again on the next ``policy()``). Affects traces made
+  after the call only."""
+  with _lock:
+    _state.clear()
+    if p is not None:
+      _state.update(policy=p, source="fixed", measurements={}, key=None, path=None)
+
+
+@contextlib.contextmanager
+def use_policy(p: CpuPolicy) -> Iterator[CpuPolicy]:
+  """``set_policy(p)`` for the duration of a ``with`` block, then the previous state."""
+  with _lock:
+    saved = dict(_state)
+    set_policy(p)
+  try:
+    yield p
+  finally:
+    with _lock:
+      _state.clear()
+      _state.update(saved)
+
+
+def enabled() -> bool:
+  return (os.environ.get("PHASESERVE_CPU_AUTOTUNE", "1") != "0"
+          and jax.default_backend() == "cpu")
+
+
+def policy(refresh: bool = False) -> CpuPolicy:
+  """The process-wide policy (see the module contract)."""
+  with _lock:
+    if "policy" in _state and not refresh:
+      return _state["policy"]  # type: ignore[return-value]
+    if _state.get("source") == "fixed" and not refresh:
+      return _state["policy"]  # type: ignore[return-value]
+    _state.update(policy=DEFAULT, source="default", measurements={}, key=None, path=None)
+    if not enabled():
+      return DEFAULT
+    path = os.path.join(cache_dir(), CACHE_FILE)
+    try:
+      key = cache_key()
+      _state.update(key=key, path=path)
+      entry = None if refresh else _load(path).get(key)
+      if entry is not None:
+        _state.update(policy=CpuPolicy(**entry["policy"]), source="cache",
+                      measurements=entry.get("measurements", {}))
+      else:
+        # Eager even when first asked for inside a jit trace.
+        with jax.ensure_compile_time_eval():
+          p, meas, seconds = autotune()
+        _store(path, key, {"policy": dataclasses.asdict(p), "measurements": meas,
+                           "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+        _state.update(policy=p, source="measured", measurements=meas)
+    except Exception as e:  # noqa: BLE001 - any failure means today's constants
+      _log.warning("CPU lowering autotune failed, using the defaults: %s", e)
+      _state.update(policy=DEFAULT, source="default")
+    return _state["policy"]  # type: ignore[return-value]
+
+
+def report() -> dict:
+  """JSON-able: the policy, its source, the cache key/path and the measured medians (ms)."""
+  p = policy()
+  with _lock:
+    return {"policy": dataclasses.asdict(p), "source": _state.get("source"),
+            "key": _state.get("key"), "cache_path": _state.get("path"),
+            "native_kernels": cpu_kernels.available() if jax.default_backend() == "cpu" else False,
+            "amx_kernel": cpu_kernels.amx_available() if jax.default_backend() == "cpu" else False,
+            "measurements": _state.get("measurements", {})}
+
+
+def _load(path: str) -> dict:
+  return json_cache.load(path)
+
+
+def _store(path: str, key: str, entry: dict) -> None:
+  json_cache.store(path, key, entry)
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+MARGIN = 0.10  # a measured choice replaces DEFAULT's only when at least this much faster
+
+
+def _race(cands: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+  """Best (minimum) ms of each candidate, timed round-robin after one warm-up call each: on a
+  shared machine other load only ever adds time, so the minimum is the stable statistic."""
+  for f in cands.values():
+    jax.block_until_ready(f())
+  times: dict[str, list[float]] = {k: [] for k in cands}
+  for _ in range(rounds):
+    for k, f in cands.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f())
+      times[k].append((time.perf_counter() - t0) * 1e3)
+  return {k: min(v) for k, v in times.items()}
+
+
+def _pick(res: dict[str, float], default: str, margin: float = MARGIN) -> str:
+  """The fastest candidate, unless ``default`` is within ``margin`` of it."""
+  best = min(res, key=res.get)
+  return default if default in res and res[default] <= res[best] * (1 + margin) else best
+
+
+def _crossover(native: dict[int, float], xla: dict[int, float], default_max: int,
+               margin: float = MARGIN) -> int:
+  """Largest measured row count up to which native is chosen at every count: up to
+  ``default_max`` unless XLA is faster by more than ``margin``, beyond it only when native is
+  faster by more than ``margin`` (a hysteresis towards ``DEFAULT``)."""
+  best = 0
+  for m in sorted(native):
+    keep = (native[m] <= xla[m] * (1 + margin) if m <= default_max
+            else native[m] * (1 + margin) < xla[m])
+    if not keep:
+      break
+    best = m
+  return best
+
+
+def _amx_range(amx: dict[int, float], other: dict[int, float], margin: float = MARGIN
+               ) -> tuple[int, int]:
+  """The row counts for the AMX kernel: from the smallest measured count where it is faster
+  than the path it would replace by more than ``margin``, up to the last count of the run of
+  such wins that follows; (0, 0) when it never wins. No extrapolation past a measured count."""
+  lo = hi = 0
+  for m in sorted(amx):
+    if amx[m] * (1 + margin) < other[m]:
+      lo, hi = (lo or m), m
+    elif lo:
+      break
+  return lo, hi
+
+
+def _chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
+           ws: list[jax.Array]) -> jax.Array:
+  """``step(x, w)`` over the weights in sequence, each input depending on the previous output
+  (as a model's layers do; XLA may not run them concurrently)."""
+  y = x
+  for w in ws:
+    out = step(y, w)
+    y = x + (out[:, :1] * 0).astype(x.dtype)
+  return y
+
+
+def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: int
+           ) -> list[jax.Array]:
+  n = max(1, total_bytes // one_bytes)
+  return [make(jax.random.key(i)) for i in range(n)]
+
+
+def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 512,
+             stream_bytes: int = 48 * 2**20, rows: tuple[int, ...] = (1, 8, 16)
+             ) -> tuple[CpuPolicy, dict, float]:
+  """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
+  Decode-shaped classes stream ``stream_bytes`` of weights per call (more than the L3 of the
+  machines seen) so they measure memory-bound behaviour; prefill uses one ``[prefill_rows, k] x
+  [k, n]`` product."""
+  t0 = time.perf_counter()
+  meas: dict[str, dict[str, float]] = {}
+  native = cpu_kernels.available()
+  key = jax.random.key(0)
+
+  # Float prefill, per activation dtype (bf16: float_prefill, f32: f32_prefill).
+  chosen: dict[str, str] = {}
+  for dt, methods, default in ((jnp.bfloat16, FLOAT_PREFILL, DEFAULT.float_prefill),
+                               (jnp.float32, F32_PREFILL, DEFAULT.f32_prefill)):
+    x = jax.random.normal(key, (prefill_rows, k), dt)
+    w = jax.random.normal(key, (k, n), dt)
+    fns = {m: jax.jit(lambda x, w, m=m: float_dot(x, w, True, m)) for m in methods}
+    res = _race({m: (lambda f=f: f(x, w)) for m, f in fns.items()}, rounds)
+    meas[f"float_prefill_{jnp.dtype(dt).name}"] = res
+    chosen[jnp.dtype(dt).name] = _pick(res, default)
+  float_prefill, f32_prefill = chosen["bfloat16"], chosen["float32"]
+
+  # bf16 XLA decode padding (the path without native kernels).
+  ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
+  x1 = jax.random.normal(key, (1, k), jnp.bfloat16)
+
+  def xla_stack(pad: int):
+    f = jax.jit(lambda x, ws: _chain(
+        lambda y, w: float_dot(pad_rows(y, pad), w, True, "xw")[:1], x, ws))
+    return lambda: f(x1, ws)
+
+  res = _race({str(p): xla_stack(p) for p in (1, 2, 8)}, rounds)
+  meas["bf16_xla_1row_pad"] = res
+  bf16_min_rows = int(_pick(res, str(DEFAULT.bf16_min_rows)))
+
+  float_max = f32_max = 0
+  f32_min = 1
+  int8_max = 0
+  int8_nk_max = 0
+  prefetch_l1 = DEFAULT.int8_prefetch_l1
+  if native:
+    # Float decode rows: native vs XLA (bf16 weights; f32 checked at the smallest count).
+    crossovers = []
+    for dt, counts in ((jnp.bfloat16, rows), (jnp.float32, rows[:2])):
+      isz = jnp.dtype(dt).itemsize
+      wst = ws if dt == jnp.bfloat16 else _stack(
+          lambda kk: jax.random.normal(kk, (k, n), dt), stream_bytes, k * n * isz)
+      nat, xla = {}, {}
+      for m in counts:
+        xm = jax.random.normal(key, (m, k), dt)
+        fn = jax.jit(lambda x, ws: _chain(
+            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
+        fx = jax.jit(lambda x, ws: _chain(
+            lambda y, w: float_dot(pad_rows(y, bf16_min_rows) if y.dtype == jnp.bfloat16
+                                   else y, w, True, "xw")[:y.shape[0]], x, ws))
+        r = _race({"native": lambda: fn(xm, wst), "xla": lambda: fx(xm, wst)}, rounds)
+        nat[m], xla[m] = r["native"], r["xla"]
+        meas[f"float_decode_{jnp.dtype(dt).name}_{m}rows"] = r
+      crossovers.append(_crossover(nat, xla, DEFAULT.float_native_max_rows))
+    float_max, f32_max = crossovers
+    f32_1 = meas["float_decode_float32_1rows"]
+    if f32_1["native"] > f32_1["xla"] * (1 + MARGIN):  # XLA's f32 matrix-vector wins at 1 row
+      f32_min = 2
+      f32_8 = meas[f"float_decode_float32_{rows[1]}rows"]
+      f32_max = rows[1] if f32_8["native"] <= f32_8["xla"] * (1 + MARGIN) else 0
+    if f32_max == rows[1]:  # native chosen at every f32 count measured: up to bf16's limit
+      f32_max = max(f32_max, float_max)
+    del ws
+
+    # int8 W8A8 decode rows, [K, N] and [N, K] weights: native vs XLA padded to 8.
+    for name, w_kn, shape in (("int8_kn", True, (k, n)), ("int8_nk", False, (4 * n, k))):
+      wq = _stack(lambda kk: jax.random.randint(kk, shape, -127, 128, jnp.int8), stream_bytes,
+                  shape[0] * shape[1])
+      nn = shape[1] if w_kn else shape[0]
+      sc = jnp.full((nn,), 0.01, jnp.float32)
+      nat, xla = {}, {}
+      for m in rows:
+        xm = jax.random.normal(key, (m, k), jnp.float32)
+        kern = cpu_kernels.matmul_w8a8 if w_kn else cpu_kernels.matmul_w8a8_nk
+        fn = jax.jit(lambda x, ws, kern=kern: _chain(lambda y, w: kern(y, w, sc), x, ws))
+        fx = jax.jit(lambda x, ws, w_kn=w_kn: _chain(
+            lambda y, w: w8a8_xla(y, w, sc[None], w_kn, 8), x, ws))
+        r = _race({"native": lambda: fn(xm, wq), "xla": lambda: fx(xm, wq)}, rounds)
+        nat[m], xla[m] = r["native"], r["xla"]
+        meas[f"{name}_decode_{m}rows"] = r
+      if w_kn:
+        int8_max = _crossover(nat, xla, DEFAULT.int8_native_max_rows)
+        # Prefetch target of the same kernel: L2 (DEFAULT) vs L1. L1 must win at 1 row (the
+        # batch-1 decode) by MARGIN and not lose by more than MARGIN at the second count.
+        pf: dict[int, dict[str, float]] = {}
+        for m in rows[:2]:
+          xm = jax.random.normal(key, (m, k), jnp.float32)
+          fl = {str(l1): jax.jit(lambda x, ws, l1=l1: _chain(
+              lambda y, w: cpu_kernels.matmul_w8a8(y, w, sc, prefetch_l1=l1), x, ws))
+                for l1 in (False, True)}
+          # A ~10% effect: twice the rounds of the other classes.
+          pf[m] = _race({key_: (lambda f=f: f(xm, wq)) for key_, f in fl.items()}, 2 * rounds)
+          meas[f"int8_kn_prefetch_l1_{m}rows"] = pf[m]
+        one, two = pf[rows[0]], pf[rows[1]]
+        prefetch_l1 = (one["True"] * (1 + MARGIN) < one["False"]
+                       and two["True"] <= two["False"] * (1 + MARGIN))
+      else:
+        int8_nk_max = _crossover(nat, xla, DEFAULT.int8_nk_native_max_rows)
+      del wq
+
+  # AMX for decode batches: against what each row count would otherwise use.
+  amx_bf16 = amx_int8 = (0, 0)
+  if native and cpu_kernels.amx_available():
+    amx_bf16, amx_int8 = _measure_amx(meas, rounds, k, n, stream_bytes, float_prefill,
+                                      float_max, int8_max)
+
+  # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
+  wq1 = jax.random.randint(key, (k, n), -127, 128, jnp.int8)
+  sc = jnp.full((n,), 0.01, jnp.float32)
+  score: dict[str, float] = {}
+  for m in ((prefill_rows - 3,) if native else (1, prefill_rows - 3)):
+    xm = jax.random.normal(key, (m, k), jnp.float32)
+    fns = {p: jax.jit(lambda x, w, p=p: w8a8_xla(x, w, sc[None], True, p)) for p in (1, 8, 32)}
+    r = _race({str(p): (lambda f=f: f(xm, wq1)) for p, f in fns.items()}, rounds)
+    meas[f"int8_xla_row_multiple_{m}rows"] = r
+    best = min(r.values())
+    for p, v in r.items():
+      score[p] = score.get(p, 0.0) + v / best
+  int8_row_multiple = int(_pick(score, str(DEFAULT.int8_row_multiple)))
+
+  p = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
+                float_native_max_rows=float_max,
+                f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
+                bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
+                int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
+                int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
+                amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1])
+  return p, meas, time.perf_counter() - t0
+
+
+def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
+                 float_max: int, int8_max: int,
+                 rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+                 ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """AMX vs the incumbent at each of ``rows`` (bf16 activations; bf16 weights: the native
+  float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only
+  int8: the native float kernel on the int8 values up to ``int8_max``, else XLA's dot of the
+  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows of
+  each (``_amx_range``)."""
+  key = jax.random.key(0)
+  out = []
+  for name, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
+    if wdt == jnp.int8:
+      ws = _stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8), stream_bytes,
+                  k * n)
+    else:
+      ws = _stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
+    amx, other = {}, {}
+    for m in rows:
+      xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+      fa = jax.jit(lambda x, ws: _chain(lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0],
+                                        x, ws))
+      if m <= nat_max:
+        fo = jax.jit(lambda x, ws: _chain(
+            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
+      else:
+        method = float_prefill if wdt == jnp.bfloat16 else "xw"  # as models.quant lowers them
+        fo = jax.jit(lambda x, ws, method=method: _chain(
+            lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method), x, ws))
+      r = _race({"amx": lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
+      amx[m], other[m] = r["amx"], r["incumbent"]
+      meas[f"amx_{name}_{m}rows"] = r
+    out.append(_amx_range(amx, other))
+    del ws
+  return out[0], out[1]

@@ -1,0 +1,156 @@
+"""Where the phases run: one device, one mesh with a layout per phase, or two sub-meshes.
+
+Contract: ``Deployment`` names the mode and (optionally) each phase's layout as ``"ffn:attn"``;
+``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized)`` returns
+``Steps(step, decode, kv_shards, describe)`` for ``serving.engine.Engine(step, ...,
+decode=decode)``:
+  * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: its params
+    stacked, one ``lax.scan`` over the layers per program).
+  * ``interleaved``: one mesh over ``devices`` (default all); prefill and decode each in its own
+    layout (``partitioning.paged_step.phase_steps``: one resident params copy when the layouts
+    share a stored weight layout, else decode kept in the prefill layout's family). When the two
+    layouts shard the KV pool alike, the engine keeps one pool; otherwise decode gets its own pool
+    and the inserted pages are re-laid into it (``transfer_pages``).
+  * ``disaggregated`` (Splitwise): the first ``prefill_devices`` devices (default half) run
+    prefill, the rest decode, each with its own params copy and pool; KV pages move at insert.
+A layout left unset is chosen by ``partitioning.planner`` for the live mesh and the phase's
+shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
+``hardware`` preset (``local`` measures this machine once), calibrated by ``calibration``
+(default ``auto``: the one installed for that hardware, if any), and the reason is reported. Under
+several processes the choice is process 0's (``partitioning.distributed.agree``), so every process
+builds the same programs; ``check_multiprocess`` says which deployments run over processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Sequence
+
+import jax
+
+from models.config import ModelConfig
+from models.step import PhaseDecode, Step, UnshardedStep
+
+
+Mode = Literal["single", "interleaved", "disaggregated"]
+MODES: tuple[Mode, ...] = ("single", "interleaved", "disaggregated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+  mode: Mode = "single"
+  prefill_layout: str | None = None  # "ffn:attn", e.g. "ws_2d:heads"; None = planner
+  decode_layout: str | None = None
+  prefill_devices: int | None = None  # disaggregated: devices for prefill (default half)
+  hardware: str = "local"
+  scan_layers: bool = False  # single: one lax.scan over stacked layers (models.transformer)
+  # The planner's calibration (``partitioning.calibration.resolve``): "auto" = the one installed
+  # for ``hardware`` if any, "none", or a launch.lab.calibrate JSON path.
+  calibration: str = "auto"
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+    if self.scan_layers and self.mode != "single":
+      raise ValueError("scan_layers runs in mode single only (the sharded step loops)")
+    for name in ("prefill_layout", "decode_layout"):
+      v = getattr(self, name)
+      if v is not None and len(v.split(":")) != 2:
+        raise ValueError(f"{name} must be 'ffn:attn' (e.g. ws_2d:batch_xyz), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  step: Step
+  decode: PhaseDecode | None
+  kv_shards: int
+  description: dict[str, object]
+
+
+def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
+            batch: int, context: int, quantized: bool, hardware: str,
+            family: str | None = None,
+            calibration: str = "auto") -> tuple[tuple[str, str], str]:
+  """The given layout, or the planner's best on ``mesh``, the shape that will run it (another
+  ordering of the same chips could make the pair invalid there, or cost it differently); with
+  ``family`` (an FFN layout), only the layouts storing the weights as it does, so one resident
+  params copy serves both phases and the pair that runs is the pair that was costed."""
+  if given is not None:
+    ffn, attn = given.split(":")
+    return (ffn, attn), "given"
+  from partitioning.calibration import resolve
+  from partitioning.hardware import get_hardware
+  from partitioning.planner import plan
+  chips = mesh[0] * mesh[1] * mesh[2]
+  hw = get_hardware(hardware)
+  cal, calibrated_by = resolve(calibration, hw.name)
+  ffns = None
+  if family is not None:
+    from partitioning.layouts import FFN_LAYOUTS, get_ffn_layout
+    stored = get_ffn_layout(family).stored
+    ffns = [name for name, lay in FFN_LAYOUTS.items() if lay.stored == stored]
+  best = plan(cfg, hw, chips, phase, batch, context,  # type: ignore[arg-type]
+              weights="int8" if quantized else "bf16", meshes=[mesh], layouts=ffns,
+              calibration=cal).best
+  how = "" if cal is None else f", calibrated by {calibrated_by}"
+  return (best.layout, best.attention), (
+      f"planner ({hardware}{how}): {best.layout}+{best.attention}, predicted "
+      f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
+
+
+def check_multiprocess(deployment: Deployment, host_tier_bytes: int = 0) -> None:
+  """Under several processes (``jax.distributed``): ``interleaved`` only, no host tier
+  (``ValueError`` naming why). ``single`` runs on one device; ``disaggregated`` copies KV pages
+  between two disjoint device sets, which multi-controller JAX does between processes only on
+  TPU's TFRT runtime (XLA:CPU: "input and target sharding should have the same set of
+  devices"); the host tier reads pool pages into this process's memory."""
+  if jax.process_count() == 1:
+    return
+  if deployment.mode != "interleaved":
+    raise ValueError(f"mode {deployment.mode!r} does not run over {jax.process_count()} "
+                     "processes: use --mode interleaved (one mesh over every process's devices)")
+  if host_tier_bytes:
+    raise ValueError("the host tier (--host_tier_bytes) does not run over several processes")
+
+
+def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_chunk: int,
+               max_context: int, quantized: bool,
+               devices: Sequence[jax.Device] | None = None) -> Steps:
+  if deployment.mode == "single":
+    step = UnshardedStep(cfg, deployment.scan_layers)
+    return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
+  from partitioning import paged_step as PS
+  from partitioning.mesh import make_mesh, make_submeshes, mesh_shape
+  devices = list(jax.devices() if devices is None else devices)
+  if deployment.mode == "interleaved":
+    pre_mesh = dec_mesh = make_mesh(devices)
+  else:
+    n_pre = deployment.prefill_devices or len(devices) // 2
+    pre_mesh, dec_mesh = make_submeshes(devices, n_pre)
+  from partitioning.distributed import agree
+
+  def choose() -> list[object]:
+    pre = _choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
+                  max_chunk, quantized, deployment.hardware,
+                  calibration=deployment.calibration)
+    # One mesh: decode shares prefill's resident params, so it is chosen in that family.
+    family = pre[0][0] if deployment.mode == "interleaved" else None
+    return [pre, _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh),
+                         max_slots, max_context, quantized, deployment.hardware, family,
+                         deployment.calibration)]
+
+  # A bad --calibration fails on every process here, not on process 0 alone inside ``agree``
+  # (the others would wait for its answer until the timeout).
+  if deployment.prefill_layout is None or deployment.decode_layout is None:
+    from partitioning.calibration import resolve
+    resolve(deployment.calibration, deployment.hardware)
+  # Process 0's choice everywhere (``hardware="local"`` is measured: it could differ).
+  (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)
+  pre, dec = tuple(pre), tuple(dec)
+  steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
+                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None)
+  one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
+  decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
+  desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,
+          "kv_pools": 1 if one_pool else 2, **steps.describe(quantized)}
+  return Steps(steps.prefill, decode, steps.kv_shards(), desc)

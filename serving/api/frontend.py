@@ -1,0 +1,572 @@
+"""The protocol-neutral service: admission, streams, usage, drain and health over one ServingLoop.
+
+Contract: ``Frontend(loop, tokenizer, FrontendConfig, metrics_registry, usage_log)`` is what
+every wire API (``serving.api.grpc_service``, ``serving.api.jetstream_service``) calls; they only
+translate messages and statuses.
+  * ``generate(args, key, client_request_id, api) -> Stream`` checks, in order: the service
+    state (``UNAVAILABLE`` while loading, draining or failed), the request
+    (``serving.api.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
+    quota, and the predicted SLO miss (``serving.api.admission``: ``RESOURCE_EXHAUSTED`` with the
+    prediction; the backlog and this request's prompt net of the prefix-cache hit it would get,
+    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds
+    ``seed + i``) to the loop. A refused request never reaches the engine, and gets its usage
+    record.
+  * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
+    output, then raises ``ServiceError`` if the request ended in error. The buffer between the
+    loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
+    output older than ``stream_stall_s``, the request is cancelled (``slow_consumer``: its pages
+    are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
+    sample in the loop; pages are free before the next step. ``Stream.poll()`` is the same
+    stream without blocking (an asyncio consumer): the next ``(index, output)``, ``None`` while
+    none is ready, ``Stream.END`` once all is read (or ``ServiceError``); ``on_ready(fn)`` calls
+    ``fn()`` from the loop's thread whenever there is something new to poll (``fn`` must not
+    block: ``loop.call_soon_threadsafe``), ``off_ready(fn)`` stops it.
+  * Every request that passes authentication ends on one path (``_end``), exactly once: the
+    usage record (``serving.api.usage``), the per-request metrics, the quota settlement. One usage
+    rule (``Stream.usage()``) for the record, the quota and every API's response: the prompt
+    counted once however many samples, the completion summed over the samples,
+    ``cached_tokens`` sample 0's prompt tokens served from the prefix cache (samples 1..n-1
+    reuse the pages sample 0 wrote, so it never exceeds the prompt).
+  * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
+    its first output arrives, so they reuse its prompt pages instead of prefilling it again.
+  * ``prediction_error()`` compares each admitted request's predicted TTFT with its actual one
+    (also the ``phaseserve_ttft_prediction_ratio`` histogram: actual / predicted).
+  * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
+    ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
+    lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
+    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog
+    thread (``start_watchdog``) fails every live stream (``UNAVAILABLE``) and turns the state
+    to ``failed`` when the loop thread has not gone round for ``watchdog_s`` (a hung engine
+    step, compile or deadlock) or the loop is dead (``ServingLoop.dead``: failed and not
+    restarting); the server then exits for its supervisor (``launch.server``).
+  * Early rejection (``early_reject``) refuses a request whose prediction misses its class,
+    never on an idle server (nothing queued, running, arriving or held back): there is nothing
+    to protect, the estimate was fitted to a load that is gone, and refusing on it could refuse
+    forever (no step would run to refresh it). A failure of the prediction itself admits the
+    request (counted by the loop's ``guard``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import logging
+import secrets
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+import prometheus_client as prom
+
+from models.text.tokenizer import Tokenizer
+from serving.api import admission
+from serving.api.admission import SloClass
+from serving.api.auth import KeyInfo, OverQuota, Quotas
+from serving.kv_pages import ring_entries
+from serving.lifecycle import RequestTrace
+from serving.loop import ServingLoop
+from serving.request import Request, RequestOutput, Usage
+from serving.api.service_metrics import LiveGauges, ServiceMetrics
+from serving.stop import FinishReason
+from serving.api.usage import UsageLog
+from serving.api.validation import GenerateArgs, InvalidArgument, Limits, Validated, validate
+
+_log = logging.getLogger(__name__)
+
+
+class Status(str, enum.Enum):
+  OK = "ok"
+  INVALID_ARGUMENT = "invalid_argument"
+  REJECTED = "rejected"  # queue full, quota, predicted SLO miss: RESOURCE_EXHAUSTED
+  CANCELLED = "cancelled"
+  DEADLINE_EXCEEDED = "deadline_exceeded"
+  SLOW_CONSUMER = "slow_consumer"
+  ERROR = "error"  # an engine fault: INTERNAL
+  UNAVAILABLE = "unavailable"  # loading, draining, engine down
+
+
+class ServiceError(Exception):
+  """``reason`` is the refusal's ``phaseserve_rejections_total`` label (``queue_full``,
+  ``quota``, ``slo``, ...) when the request was refused at arrival, else ``""``."""
+
+  def __init__(self, status: Status, message: str, reason: str = ""):
+    super().__init__(message)
+    self.status = status
+    self.message = message
+    self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendConfig:
+  limits: Limits
+  slo_classes: tuple[SloClass, ...] = admission.MLPERF_CLASSES
+  slo_scale: float = 1.0  # multiplies every SLO target (small machines)
+  early_reject: bool = True
+  max_queue: int = 256  # requests waiting for their first prefill chunk
+  stream_buffer_bytes: int = 1 << 20
+  stream_stall_s: float = 30.0
+  watchdog_s: float = 60.0
+  fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.api.faults)
+
+
+def _size(out: RequestOutput) -> int:
+  """About what an output costs in the buffer and on the wire."""
+  return 64 + len(out.text) + 4 * len(out.token_ids) + sum(16 + 8 * len(lp.top)
+                                                           for lp in out.logprobs)
+
+
+class Stream:
+  """One client call: ``n`` samples' outputs through one bounded buffer."""
+
+  END = object()  # poll(): every output has been read and the stream ended OK
+
+  def __init__(self, frontend: "Frontend", request_id: str, v: Validated, key: KeyInfo,
+               client_request_id: str, api: str, quota: list[float] | None, user: str = ""):
+    self.frontend = frontend
+    self.request_id = request_id
+    self.validated = v
+    self.key = key
+    self.client_request_id = client_request_id
+    self.api = api
+    self.quota = quota
+    self.user = user
+    self.ids = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
+    self.traces: list[RequestTrace] = []
+    self.finals: list[RequestOutput | None] = [None] * v.n
+    self.completion = [0] * v.n
+    self.backlog = 0  # prefill tokens it adds to the backlog until its first output
+    self.predicted_ttft: float | None = None
+    self._cond = threading.Condition()
+    self._items: collections.deque[tuple[int, RequestOutput, float]] = collections.deque()
+    self._bytes = 0
+    self._stop: tuple[Status, str] | None = None  # why the stream was stopped early
+    self._deferred: list[tuple[int, Request]] = []  # samples waiting for sample 0's prefill
+    self._wakers: list[Callable[[], None]] = []  # on_ready callbacks
+    self.ended = False
+    self.status = Status.OK
+    self.message = ""
+
+  # -- the loop thread's side -----------------------------------------------------------------
+
+  def _callback(self, index: int) -> Callable[[RequestOutput], None]:
+    return lambda out: self._push(index, out)
+
+  def _release_deferred(self) -> None:
+    with self._cond:
+      deferred, self._deferred = self._deferred, []
+      stopped = self._stop is not None
+    self.frontend._unhold(len(deferred))
+    for i, req in deferred:
+      if stopped:  # cancelled before it was submitted: it ends here
+        self._push(i, RequestOutput(req.request_id, finish_reason=FinishReason.CANCELLED,
+                                    message=self._stop[1] if self._stop else ""))
+      else:
+        self.frontend.loop.submit(req, self._callback(i), self.traces[i])
+
+  def _push(self, index: int, out: RequestOutput) -> None:
+    now = time.monotonic()
+    if index == 0 and self._deferred:
+      self._release_deferred()  # sample 0's prompt is prefilled (or it ended)
+    with self._cond:
+      if self.ended:
+        return
+      self._items.append((index, out, now))
+      self._bytes += _size(out)
+      self.completion[index] += len(out.token_ids)
+      if out.finished:
+        self.finals[index] = out
+      done = all(f is not None for f in self.finals)
+      # A finished request holds no engine resources: its last outputs wait for the reader
+      # however slow it is (only a stream still generating is cut off as a slow consumer).
+      slow = not done and self._stop is None and (
+          self._bytes > self.frontend.config.stream_buffer_bytes or
+          now - self._items[0][2] > self.frontend.config.stream_stall_s)
+      self._cond.notify_all()
+    self._wake()
+    if self.backlog and (out.token_ids or out.finished):
+      self.frontend._prefilled(self)
+    if slow:
+      self.cancel(Status.SLOW_CONSUMER, "the client is not reading its stream")
+    if done:
+      self.frontend._end(self)
+
+  # -- the consumer's side --------------------------------------------------------------------
+
+  def cancel(self, status: Status, message: str) -> None:
+    with self._cond:
+      if self.ended or self._stop is not None:
+        return
+      self._stop = (status, message)
+      deferred = {i for i, _ in self._deferred}
+      pending = [rid for i, (rid, f) in enumerate(zip(self.ids, self.finals))
+                 if f is None and i not in deferred]
+    for rid in pending:
+      self.frontend.loop.cancel(rid)
+    if deferred:
+      self._release_deferred()
+
+  def abort(self, status: Status, message: str) -> None:
+    """Ends the stream now, without waiting for the loop (watchdog, drain's last resort)."""
+    with self._cond:
+      if self._stop is None:
+        self._stop = (status, message)
+    self.frontend._end(self)
+
+  def on_ready(self, fn: Callable[[], None]) -> None:
+    with self._cond:
+      self._wakers.append(fn)
+    fn()  # whatever is already buffered (or the end) is there to poll now
+
+  def off_ready(self, fn: Callable[[], None]) -> None:
+    with self._cond:
+      if fn in self._wakers:
+        self._wakers.remove(fn)
+
+  def _wake(self) -> None:
+    with self._cond:
+      wakers = list(self._wakers)
+    for fn in wakers:
+      try:
+        fn()
+      except Exception:  # e.g. the consumer's event loop has closed: the stream goes on
+        _log.debug("stream waker failed", exc_info=True)
+
+  def poll(self) -> "tuple[int, RequestOutput] | None | object":
+    with self._cond:
+      if self._items:
+        index, out, _ = self._items.popleft()
+        self._bytes -= _size(out)
+        return index, out
+      if not self.ended:
+        return None
+      if self.status is not Status.OK:
+        raise ServiceError(self.status, self.message)
+      return Stream.END
+
+  def events(self, poll_s: float = 0.1) -> Iterator[tuple[int, RequestOutput]]:
+    while True:
+      with self._cond:
+        while not self._items and not self.ended:
+          self._cond.wait(poll_s)
+        if self._items:
+          index, out, _ = self._items.popleft()
+          self._bytes -= _size(out)
+        elif self.ended:
+          if self.status is not Status.OK:
+            raise ServiceError(self.status, self.message)
+          return
+        else:
+          continue
+      yield index, out
+
+  def timings(self) -> dict[str, float | None]:
+    """Sample 0's timings (every sample shares the prompt's queue and prefill)."""
+    return self.traces[0].timings() if self.traces else {}
+
+  def usage(self) -> Usage:
+    """The request's usage (the module's one rule): the prompt once, the completion summed
+    over the samples, ``cached_tokens`` sample 0's."""
+    first = self.finals[0]
+    cached = first.usage.cached_tokens if first is not None and first.usage is not None else 0
+    return Usage(len(self.validated.prompt_ids), sum(self.completion), cached)
+
+
+class Frontend:
+  def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
+               registry: prom.CollectorRegistry, usage: UsageLog | None = None):
+    self.loop = loop
+    self.tokenizer = tokenizer
+    self.config = config
+    self.usage = usage or UsageLog(None)
+    self.quotas = Quotas()
+    self.classes = {c.name: c for c in config.slo_classes}
+    if set(self.classes) != set(config.limits.slo_classes):
+      raise ValueError("FrontendConfig: limits.slo_classes must name the SLO classes")
+    self.state = "loading"
+    self._listeners: list[Callable[[str], None]] = []
+    self._lock = threading.Lock()
+    self._live: dict[str, Stream] = {}
+    self._backlog = 0
+    self._held = 0  # samples held back for a sibling's prefill (Stream._deferred), not yet queued
+    self._ids = itertools.count()
+    self._prefix = secrets.token_hex(3)
+    self._hurry = threading.Event()
+    self._watchdog: threading.Thread | None = None
+    self._stop_watchdog = threading.Event()
+    self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.api.faults)
+    self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
+    # The scheduler is read at each use: the loop may rebuild it (ServingLoop.rebuild).
+    self.metrics = ServiceMetrics(registry, LiveGauges(
+        waiting=lambda: loop.scheduler.num_waiting + loop.num_arriving,
+        slots_used_fraction=lambda: loop.scheduler.num_running / loop.scheduler.max_slots,
+        live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
+    if loop.scheduler.prefix_cache is not None:
+      per_page = loop.scheduler.pool.budget.bytes_per_page
+      self.metrics.host_tier_bytes.set_function(
+          lambda: loop.scheduler.prefix_cache.host_pages_used * per_page)
+
+  # -- state ----------------------------------------------------------------------------------
+
+  def on_state(self, fn: Callable[[str], None]) -> None:
+    self._listeners.append(fn)
+    fn(self.state)
+
+  def set_state(self, state: str) -> None:
+    with self._lock:
+      if self.state == state or (self.state == "failed" and state != "failed"):
+        return
+      self.state = state
+    _log.warning("service state: %s", state)
+    for fn in self._listeners:
+      fn(state)
+
+  @property
+  def live(self) -> int:
+    return len(self._live)
+
+  # -- admission ------------------------------------------------------------------------------
+
+  def _refuse(self, status: Status, reason: str, message: str, key: KeyInfo,
+              client_request_id: str, api: str, slo: str = "", prompt_tokens: int = 0,
+              user: str = "") -> None:
+    self.metrics.rejections.labels(reason=reason).inc()
+    self.metrics.requests.labels(status=status.value, finish_reason="", slo_class=slo).inc()
+    self.loop.guard.call("usage", self.usage.write, {"request_id": "", "client_request_id": client_request_id,
+                      "api_key": key.name, "api": api, "slo_class": slo, "status": status.value,
+                      "message": message, "prompt_tokens": prompt_tokens, "cached_tokens": 0,
+                      "completion_tokens": 0, "finish_reason": [],
+                      **({"user": user} if user else {})})
+    raise ServiceError(status, message, reason)
+
+  def generate(self, args: GenerateArgs, key: KeyInfo, client_request_id: str = "",
+               api: str = "phaseserve", field_names: dict[str, str] | None = None,
+               user: str = "") -> Stream:
+    """``user``: the caller's end-user id (OpenAI's ``user``), kept in the usage record."""
+    refuse = lambda *a, **k: self._refuse(*a, user=user, **k)
+    if self.state != "serving":
+      why = {"loading": "the server is loading and warming up",
+             "draining": "the server is shutting down"}.get(self.state, "the engine is down")
+      refuse(Status.UNAVAILABLE, "unavailable", why, key, client_request_id, api)
+    try:
+      v = validate(args, self.tokenizer, self.config.limits, field_names)
+    except InvalidArgument as e:
+      refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
+    prompt = len(v.prompt_ids)
+    pool = self.loop.scheduler.pool
+    if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
+      refusal = pool.can_ever_fit(0, ring_entries(v.sinks.window, pool.page_size))
+      field = "attention_sinks.window"
+    else:
+      refusal = pool.can_ever_fit(prompt + v.stop.max_tokens)
+      field = "max_tokens"
+    if refusal is not None:
+      refuse(Status.INVALID_ARGUMENT, "invalid_argument",
+             f"{(field_names or {}).get(field, field)}: {refusal.message}",
+             key, client_request_id, api, v.slo_class, prompt)
+    sched = self.loop.scheduler
+    # Waiting: in the scheduler's queue, on their way to it, and samples held back for a sibling's
+    # prefill (they join the queue later, so they count now).
+    waiting = sched.num_waiting + self.loop.num_arriving + self._held
+    if waiting + v.n > self.config.max_queue:
+      refuse(Status.REJECTED, "queue_full",
+             f"the queue is full ({self.config.max_queue} requests waiting)", key,
+             client_request_id, api, v.slo_class, prompt)
+    slo = self.classes[v.slo_class]
+    # What this request adds to the prefill backlog: its prompt less the cached prefix it would
+    # reuse (a lock-free read of the loop's tree), and about one token per further sample.
+    new_tokens = prompt - self._cached_prefix(v.prompt_ids) + (v.n - 1)
+    pred = self.loop.guard.call("cost_model", admission.predict, admission.Load(
+        self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
+        model=self.loop.cost_model,
+        slot_wait_steps=sched.slot_wait_steps(waiting)))
+    if self.config.early_reject and pred is not None and not self._idle():
+      miss = pred.miss(slo, self.config.slo_scale)
+      if miss is not None:
+        refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
+               api, v.slo_class, prompt)
+    try:
+      quota = self.quotas.admit(key, prompt + v.n * v.stop.max_tokens, time.monotonic())
+    except OverQuota as e:
+      refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class, prompt)
+    rid = f"req-{self._prefix}-{next(self._ids)}"
+    stream = Stream(self, rid, v, key, client_request_id, api, quota, user)
+    stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s if pred else None
+    with self._lock:  # set_state takes the lock: drain sees this stream, or it is refused here
+      serving = self.state == "serving"
+      if serving:
+        self._live[rid] = stream
+        self._backlog += new_tokens
+    if not serving:  # a drain (or failure) began while this request was being admitted
+      self.quotas.settle(quota, 0)
+      refuse(Status.UNAVAILABLE, "unavailable", "the server is shutting down", key,
+             client_request_id, api, v.slo_class, prompt)
+    if self.config.fault_injection and client_request_id.startswith("fault:"):
+      for sid in stream.ids:
+        self.fault_ids[sid] = client_request_id.split(":", 1)[1]
+    # With the prefix cache, samples 1..n-1 wait for sample 0's prefill and then reuse its
+    # prompt pages (only the last prompt token is computed again for each).
+    share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
+    if share:  # counted before sample 0 is submitted, whose first output releases them
+      with self._lock:
+        self._held += v.n - 1
+    for i, sid in enumerate(stream.ids):
+      samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
+      # Only sample 0 of a session continues it (one conversation, one pinned path).
+      req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
+                    v.session_id if i == 0 else "", v.sinks)
+      trace = RequestTrace(sid, self.loop.clock, self.loop.guard.report)
+      trace.record("arrival")
+      stream.traces.append(trace)
+      if share and i > 0:
+        stream._deferred.append((i, req))
+      else:
+        self.loop.submit(req, stream._callback(i), trace)
+    return stream
+
+  def _idle(self) -> bool:
+    """Nothing queued, running, arriving or held back: early rejection has nothing to protect,
+    and its estimate was fitted to a load that is gone (extrapolated to one row it can be far
+    off, and with nothing admitted no step would ever refresh it)."""
+    loop, sched = self.loop, self.loop.scheduler
+    return not (sched.num_waiting or sched.num_running or loop.num_arriving or self._held)
+
+  def _unhold(self, samples: int) -> None:
+    if samples:
+      with self._lock:
+        self._held = max(0, self._held - samples)
+
+  def _cached_prefix(self, ids) -> int:
+    cache = self.loop.scheduler.prefix_cache
+    if cache is None:
+      return 0
+    try:
+      shard = cache.best_shard(ids)
+      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
+    except RuntimeError:  # the loop changed the tree under this read: no estimate
+      return 0
+
+  def _prefilled(self, stream: Stream) -> None:
+    with self._lock:
+      self._backlog = max(0, self._backlog - stream.backlog)
+      stream.backlog = 0
+
+  def prediction_error(self) -> dict[str, float | int | None]:
+    """The TTFT predictor against what admitted requests got: actual / predicted ratios."""
+    ratios = sorted(a / p for p, a in self.predictions if p > 0)
+    if not ratios:
+      return {"requests": 0, "median_ratio": None, "p10_ratio": None, "p90_ratio": None,
+              "median_abs_rel_error": None}
+    q = lambda x: ratios[min(len(ratios) - 1, int(x * (len(ratios) - 1)))]
+    errs = sorted(abs(r - 1) for r in ratios)
+    return {"requests": len(ratios), "median_ratio": round(q(0.5), 3),
+            "p10_ratio": round(q(0.1), 3), "p90_ratio": round(q(0.9), 3),
+            "median_abs_rel_error": round(errs[len(errs) // 2], 3)}
+
+  # -- the one end path -----------------------------------------------------------------------
+
+  def _end(self, stream: Stream) -> None:
+    with stream._cond:
+      if stream.ended:
+        return
+      stream.ended = True
+      never_submitted, stream._deferred = len(stream._deferred), []  # aborted while held back
+      reasons = [f.finish_reason for f in stream.finals if f is not None]
+      if stream._stop is not None:
+        stream.status, stream.message = stream._stop
+      elif FinishReason.ERROR in reasons or len(reasons) < len(stream.finals):
+        stream.status = Status.ERROR
+        stream.message = next((f.message for f in stream.finals
+                               if f is not None and f.finish_reason is FinishReason.ERROR),
+                              "the engine failed")
+      elif FinishReason.REJECTED in reasons:
+        stream.status = Status.REJECTED
+        stream.message = next(f.message for f in stream.finals if f is not None and
+                              f.finish_reason is FinishReason.REJECTED)
+      stream._cond.notify_all()
+    stream._wake()
+    self._unhold(never_submitted)
+    with self._lock:
+      self._live.pop(stream.request_id, None)
+      self._backlog = max(0, self._backlog - stream.backlog)
+      stream.backlog = 0
+    for sid in stream.ids:
+      self.fault_ids.pop(sid, None)
+    v = stream.validated
+    use = stream.usage()
+    self.metrics.prefix_hit_tokens.inc(  # every sample's hits: prefill the cache saved
+        sum(f.usage.cached_tokens for f in stream.finals if f is not None and f.usage))
+    self.quotas.settle(stream.quota, use.prompt_tokens + use.completion_tokens)
+    t = stream.timings()
+    if t.get("prefill_s") is not None:
+      self.metrics.prefill.observe(t["prefill_s"])
+    if t.get("ttft_s") is not None and stream.predicted_ttft:
+      self.predictions.append((stream.predicted_ttft, t["ttft_s"]))
+      self.metrics.ttft_prediction.observe(t["ttft_s"] / stream.predicted_ttft)
+    finish = [f.finish_reason.value if f is not None else "" for f in stream.finals]
+    for reason in finish:
+      self.metrics.requests.labels(status=stream.status.value, finish_reason=reason,
+                                   slo_class=v.slo_class).inc()
+    self.loop.guard.call("usage", self.usage.write, {
+        "request_id": stream.request_id, "client_request_id": stream.client_request_id,
+        "api_key": stream.key.name, "api": stream.api, "slo_class": v.slo_class,
+        "status": stream.status.value, "message": stream.message,
+        "prompt_tokens": use.prompt_tokens, "cached_tokens": use.cached_tokens,
+        "completion_tokens": use.completion_tokens,
+        "finish_reason": finish, "n": v.n, **({"user": stream.user} if stream.user else {}),
+        **{k: t.get(k) for k in ("queue_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s")}})
+
+  # -- shutdown and the watchdog --------------------------------------------------------------
+
+  def hurry(self) -> None:
+    """A second SIGTERM: stop waiting for the live streams."""
+    self._hurry.set()
+
+  def drain(self, grace_s: float) -> int:
+    """Returns how many streams had to be cancelled."""
+    self.set_state("draining")
+    deadline = time.monotonic() + grace_s
+    while self._live and time.monotonic() < deadline and not self._hurry.is_set():
+      self._hurry.wait(0.05)
+    rest = list(self._live.values())
+    for s in rest:
+      s.cancel(Status.UNAVAILABLE, "the server is shutting down")
+    deadline = time.monotonic() + 5.0
+    while self._live and time.monotonic() < deadline and self.loop.failed is None:
+      time.sleep(0.02)
+    for s in list(self._live.values()):
+      s.abort(Status.UNAVAILABLE, "the server is shutting down")
+    self.stop_watchdog()
+    return len(rest)
+
+  def start_watchdog(self, period_s: float = 0.1) -> None:
+    self._stop_watchdog.clear()
+    self._watchdog = threading.Thread(target=self._watch, args=(period_s,), daemon=True,
+                                      name="phaseserve-watchdog")
+    self._watchdog.start()
+
+  def stop_watchdog(self) -> None:
+    self._stop_watchdog.set()
+    if self._watchdog is not None and self._watchdog is not threading.current_thread():
+      self._watchdog.join()
+      self._watchdog = None
+
+  def _watch(self, period_s: float) -> None:
+    while not self._stop_watchdog.wait(period_s):
+      beat = self.loop.beat
+      why = self.loop.dead
+      if why is None and beat is not None and \
+          self.loop.clock() - beat > self.config.watchdog_s:
+        why = (f"the serving loop has not completed a step for more than "
+               f"{self.config.watchdog_s:g} s (a hung engine step, compile or deadlock); the "
+               "engine is considered hung")
+        self.loop.fail(why)
+      if why is not None:
+        self.set_state("failed")
+        for s in list(self._live.values()):
+          s.abort(Status.UNAVAILABLE, why)
+        return
+
+  def streams(self) -> Sequence[Stream]:
+    return list(self._live.values())

@@ -1,0 +1,363 @@
+"""The OpenAI-compatible HTTP server: aiohttp on its own asyncio loop thread, over the Frontend.
+
+Contract: ``serve(frontend, keys, registry, HttpOptions) -> RunningHttp`` binds ``host:port``
+(0: any free port; ``RunningHttp.port`` is the bound one; HTTPS with ``tls_cert`` and
+``tls_key``) and serves at once, in the same
+process and over the same ``serving.api.frontend.Frontend`` as the gRPC service (so validation,
+quotas, the KV budget, early rejection, drain, usage records and metrics are the same);
+``RunningHttp.stop(timeout)`` closes it. Routes:
+  * ``POST /v1/completions``, ``POST /v1/chat/completions``: ``Authorization: Bearer <key>``
+    (401), a body of at most ``max_body_bytes`` (413), parsed by ``serving.api.http_api``; then one
+    ``Frontend.generate`` per prompt. Non-streaming: one JSON body. ``stream: true``: the
+    status and headers are sent with the first output (so a refusal or a fault before it is a
+    plain HTTP error), then one ``data: {...}`` server-sent event per output, the usage chunk
+    when ``stream_options.include_usage``, and ``data: [DONE]``; a stream that fails after its
+    first event sends ``data: {"error": ...}`` and then ``data: [DONE]``.
+  * ``GET /v1/models`` (authenticated), ``GET /health`` (liveness: 200 unless the engine
+    failed), ``GET /ready`` (readiness: 200 only while serving; 503 while loading, draining or
+    failed), ``GET /metrics`` (the process's Prometheus registry).
+  * Errors are OpenAI's JSON shape (``serving.api.http_api.ApiError``) with the right status; an
+    unexpected exception is a 500 and is logged.
+``Frontend.generate`` is blocking and runs in a thread pool (``loop.run_in_executor``); a
+stream's outputs are read without a thread: the loop thread wakes the event loop
+(``Stream.on_ready`` -> ``call_soon_threadsafe``) and the handler polls (``Stream.poll``) one
+output per write, so unread outputs stay in the Stream's bounded buffer (its stall / size limits
+apply as in gRPC) and any number of live streams hold no threads.
+A client that closes the connection cancels the handler (aiohttp's ``handler_cancellation``;
+a write to a closed transport raises ``ConnectionResetError`` too): every sample still running
+is cancelled in the loop, whose scheduler frees its pages before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import ssl
+import threading
+import time
+from typing import Any, AsyncIterator, Sequence
+
+import prometheus_client as prom
+from aiohttp import web
+
+from serving.api import http_api
+from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
+from serving.api.frontend import Frontend, ServiceError, Status, Stream
+from serving.api.http_api import ApiError
+from serving.request import RequestOutput
+from serving.stop import FinishReason
+
+_log = logging.getLogger(__name__)
+_DONE = b"data: [DONE]\n\n"
+_OK_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpOptions:
+  model: str  # the served model's id (``model`` in requests, ``GET /v1/models``)
+  host: str = "127.0.0.1"
+  port: int = 0
+  max_body_bytes: int = 4 << 20
+  max_concurrent: int = 512  # threads for Frontend.generate calls (admission; streams hold none)
+  max_context: int = 0  # reported by /v1/models
+  shutdown_s: float = 2.0
+  tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
+  tls_key: str | None = None
+
+
+def _cancel_admitted(fut: asyncio.Future) -> None:
+  if not fut.cancelled() and fut.exception() is None:
+    fut.result().cancel(Status.CANCELLED, "the client closed the connection")
+
+
+def _sse(obj: Any) -> bytes:
+  return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _error_response(e: ApiError) -> web.Response:
+  return web.json_response(e.body(), status=e.status, headers=e.headers)
+
+
+class _Api:
+  def __init__(self, frontend: Frontend, keys: ApiKeys, registry: prom.CollectorRegistry,
+               options: HttpOptions):
+    self.frontend = frontend
+    self.keys = keys
+    self.registry = registry
+    self.options = options
+    self.created = int(time.time())
+    self.pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrent + 8,
+                                                      thread_name_prefix="http")
+
+  # -- plumbing -------------------------------------------------------------------------------
+
+  @web.middleware
+  async def errors(self, request: web.Request, handler) -> web.StreamResponse:
+    try:
+      return await handler(request)
+    except ApiError as e:
+      return _error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+      return _error_response(ApiError(413, f"the request body is larger than "
+                                      f"{self.options.max_body_bytes} bytes"))
+    except web.HTTPException as e:
+      if e.status < 400:
+        raise
+      return _error_response(ApiError(e.status, e.reason or "error",
+                                      "not_found_error" if e.status == 404 else
+                                      "invalid_request_error"))
+    except (asyncio.CancelledError, ConnectionResetError):
+      raise
+    except Exception as e:  # a bug: logged, answered in the API's shape
+      _log.exception("HTTP handler failed")
+      return _error_response(ApiError(500, f"internal error: {type(e).__name__}",
+                                      "server_error"))
+
+  def authenticate(self, request: web.Request) -> KeyInfo:
+    auth = request.headers.get("Authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    try:
+      return self.keys.authenticate(key)
+    except Unauthenticated as e:
+      self.frontend.metrics.rejections.labels(reason="unauthenticated").inc()
+      msg = str(e).replace("metadata 'authorization", "header 'Authorization")
+      raise ApiError(401, msg, "authentication_error", code="invalid_api_key") from None
+
+  async def body(self, request: web.Request) -> Any:
+    limit = self.options.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+      raise ApiError(413, f"the request body is larger than {limit} bytes")
+    data = await request.read()  # aiohttp refuses more than client_max_size (413 above)
+    return http_api.decode_body(data)
+
+  async def call(self, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+  # -- generation -----------------------------------------------------------------------------
+
+  async def admit(self, parsed: http_api.Parsed, key: KeyInfo,
+                  request: web.Request) -> list[Stream]:
+    rid = request.headers.get("X-Request-Id", "")[:256]
+    streams: list[Stream] = []
+    loop = asyncio.get_running_loop()
+    try:
+      for args in parsed.prompts:
+        fut = loop.run_in_executor(self.pool, self.frontend.generate, args, key, rid, "openai",
+                                   dict(parsed.field_names), parsed.user)
+        try:
+          streams.append(await asyncio.shield(fut))
+        except asyncio.CancelledError:  # the client left while it was being admitted
+          fut.add_done_callback(_cancel_admitted)
+          raise
+    except ServiceError as e:
+      for s in streams:  # one prompt of a batch was refused: so is the whole request
+        s.cancel(Status.CANCELLED, "another prompt of the request was refused")
+      raise http_api.api_error(e) from None
+    except BaseException:
+      for s in streams:
+        s.cancel(Status.CANCELLED, "cancelled by the client")
+      raise
+    return streams
+
+  async def events(self, streams: Sequence[Stream]
+                   ) -> AsyncIterator[tuple[int, int, RequestOutput]]:
+    """(prompt, sample, output) from every stream as they come; ServiceError at a failure."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    wake = lambda: loop.call_soon_threadsafe(ready.set)
+    for s in streams:
+      s.on_ready(wake)
+    live = list(range(len(streams)))
+    try:
+      while live:
+        ready.clear()  # before polling: a push after this sets it again, none is missed
+        got = False
+        for p in list(live):
+          item = streams[p].poll()  # raises the stream's ServiceError
+          if item is Stream.END:
+            live.remove(p)
+          elif item is not None:
+            got = True
+            yield p, item[0], item[1]  # type: ignore[index]
+        if live and not got:
+          await ready.wait()
+    finally:
+      for s in streams:
+        s.off_ready(wake)
+
+  async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    key = self.authenticate(request)
+    body = await self.body(request)
+    model = self.options.model
+    parsed = http_api.parse_chat(body, model) if chat else http_api.parse_completion(body, model)
+    streams = await self.admit(parsed, key, request)
+    shape = http_api.Response(parsed, model, streams[0].request_id, self.frontend.tokenizer)
+    try:
+      if parsed.stream:
+        return await self._stream(request, parsed, shape, streams)
+      try:
+        async for p, i, out in self.events(streams):
+          shape.add(shape.choice(p, i), out)
+      except ServiceError as e:
+        raise http_api.api_error(e) from None
+      return web.json_response(shape.body(streams), dumps=lambda o: json.dumps(
+          o, ensure_ascii=False))
+    finally:
+      for s in streams:  # the client went away (handler cancelled, reset on write)
+        if not s.ended:
+          s.cancel(Status.CANCELLED, "the client closed the connection")
+
+  async def _stream(self, request: web.Request, parsed: http_api.Parsed,
+                    shape: http_api.Response, streams: list[Stream]) -> web.StreamResponse:
+    events = self.events(streams)
+    resp: web.StreamResponse | None = None
+    held: list[dict[str, Any]] = []  # empty endings other than stop / length, before any event
+
+    async def start() -> web.StreamResponse:
+      r = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                      "Cache-Control": "no-cache"})
+      await r.prepare(request)
+      if parsed.chat:
+        for choice in range(len(streams) * parsed.n):
+          await r.write(_sse(shape.role_chunk(choice)))
+      return r
+
+    try:
+      async for p, i, out in events:
+        obj = shape.chunk(shape.choice(p, i), out)
+        if obj is None:
+          continue
+        if resp is None and out.finished and not out.text and \
+            out.finish_reason not in _OK_FINISH:
+          held.append(obj)  # a failed sample: the stream's error (a plain HTTP one) follows
+          continue
+        if resp is None:  # headers go with the first event: earlier failures are HTTP errors
+          resp = await start()
+        await resp.write(_sse(obj))
+    except ServiceError as e:
+      err = http_api.api_error(e)
+      if resp is None:
+        raise err from None
+      await resp.write(_sse(err.body()))
+      await resp.write(_DONE)
+      await resp.write_eof()
+      return resp
+    finally:
+      await events.aclose()
+    if resp is None:  # nothing but empty outputs (e.g. every sample stopped at once)
+      resp = await start()
+    for obj in held:
+      await resp.write(_sse(obj))
+    if parsed.include_usage:
+      await resp.write(_sse(shape.usage_chunk(streams)))
+    await resp.write(_DONE)
+    await resp.write_eof()
+    return resp
+
+  async def completions(self, request: web.Request) -> web.StreamResponse:
+    return await self.generate(request, chat=False)
+
+  async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    return await self.generate(request, chat=True)
+
+  # -- the rest -------------------------------------------------------------------------------
+
+  def _model(self) -> dict[str, Any]:
+    return {"id": self.options.model, "object": "model", "created": self.created,
+            "owned_by": "phaseserve", "max_model_len": self.options.max_context}
+
+  async def models(self, request: web.Request) -> web.Response:
+    self.authenticate(request)
+    return web.json_response({"object": "list", "data": [self._model()]})
+
+  async def model(self, request: web.Request) -> web.Response:
+    self.authenticate(request)
+    name = request.match_info["name"]
+    if name != self.options.model:
+      raise ApiError(404, f"The model {name!r} does not exist", param="model",
+                     code="model_not_found")
+    return web.json_response(self._model())
+
+  async def health(self, request: web.Request) -> web.Response:
+    state = self.frontend.state
+    return web.json_response({"status": state}, status=503 if state == "failed" else 200)
+
+  async def ready(self, request: web.Request) -> web.Response:
+    state = self.frontend.state
+    return web.json_response({"status": state}, status=200 if state == "serving" else 503)
+
+  async def metrics(self, request: web.Request) -> web.Response:
+    data = await self.call(prom.generate_latest, self.registry)
+    return web.Response(body=data, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
+
+  def app(self) -> web.Application:
+    app = web.Application(middlewares=[self.errors],
+                          client_max_size=self.options.max_body_bytes)
+    app.add_routes([web.post("/v1/completions", self.completions),
+                    web.post("/v1/chat/completions", self.chat_completions),
+                    web.get("/v1/models", self.models),
+                    web.get("/v1/models/{name:.+}", self.model),  # ids may hold "/"
+                    web.get("/health", self.health), web.get("/ready", self.ready),
+                    web.get("/metrics", self.metrics)])
+    return app
+
+
+class RunningHttp:
+  def __init__(self, api: _Api):
+    self._api = api
+    self._loop = asyncio.new_event_loop()
+    self._runner: web.AppRunner | None = None
+    self._started = threading.Event()
+    self._error: BaseException | None = None
+    self.port = 0
+    self._thread = threading.Thread(target=self._run, daemon=True, name="phaseserve-http")
+
+  def _run(self) -> None:
+    asyncio.set_event_loop(self._loop)
+    try:
+      opts = self._api.options
+      self._runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None,
+                                   shutdown_timeout=opts.shutdown_s)
+      self._loop.run_until_complete(self._runner.setup())
+      ctx = None
+      if opts.tls_cert or opts.tls_key:
+        if not (opts.tls_cert and opts.tls_key):
+          raise ValueError("TLS needs both a certificate and a key")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
+      site = web.TCPSite(self._runner, opts.host, opts.port, reuse_port=False,
+                         ssl_context=ctx)
+      self._loop.run_until_complete(site.start())
+      self.port = self._runner.addresses[0][1]
+    except BaseException as e:  # reported to serve()'s caller
+      self._error = e
+      self._started.set()
+      return
+    self._started.set()
+    self._loop.run_forever()
+
+  def start(self) -> "RunningHttp":
+    self._thread.start()
+    self._started.wait()
+    if self._error is not None:
+      raise OSError(f"cannot serve HTTP on {self._api.options.host}:{self._api.options.port}: "
+                    f"{self._error}")
+    return self
+
+  def stop(self, timeout: float = 5.0) -> None:
+    if self._runner is not None and self._thread.is_alive():
+      try:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout)
+      except Exception:  # closing anyway
+        _log.warning("HTTP server did not close cleanly", exc_info=True)
+      self._loop.call_soon_threadsafe(self._loop.stop)
+      self._thread.join(timeout)
+    self._api.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def serve(frontend: Frontend, keys: ApiKeys, registry: prom.CollectorRegistry,
+          options: HttpOptions) -> RunningHttp:
+  return RunningHttp(_Api(frontend, keys, registry, options)).start()

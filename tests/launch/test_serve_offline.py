@@ -1,0 +1,105 @@
+"""launch.serve_offline at tiny size: results in input order, bad lines named, pages back to 0,
+greedy tokens equal the generator's, a Chrome trace that parses with phases in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models.config import get_preset
+from models.text.tokenizer import ByteTokenizer
+from models.weights import init_params
+from serving.generator import Generator
+from serving.sampling import SamplingParams
+from tests.refenv import REPO
+
+LINES = [
+    {"prompt": "Hello there", "max_tokens": 12, "ignore_eos": True},
+    {"prompt_ids": [72, 105], "max_tokens": 5, "ignore_eos": True},
+    {"prompt": "abc", "max_tokens": "x"},
+    {"prompt": "Stop here", "max_tokens": 20, "temperature": 0.7, "seed": 3},
+    {"prompt": "no", "bogus": 1},
+    "not json",
+    {"prompt_ids": [1, 2, 999]},
+]
+
+
+def test_serve_offline_tiny(tmp_path):
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in LINES) + "\n")
+  trace = tmp_path / "trace.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
+                      "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
+                      "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace),
+                      "--max_context", "128", "--max_chunk", "32"],  # few buckets: suite time
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
+  summary = rows[-1]["summary"]
+  rows = rows[:-1]
+  assert [row["index"] for row in rows] == list(range(len(LINES)))
+  errors = {row["index"]: row["error"] for row in rows if "error" in row}
+  assert set(errors) == {2, 4, 5, 6}
+  assert "max_tokens" in errors[2] and "bogus" in errors[4] and "JSON" in errors[5]
+  assert "prompt_ids" in errors[6]
+  assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
+  assert summary["stack"]["max_prefill_chunks"] == 2
+  assert summary["programs_warmed"] > 0 and summary["mode"] == "single"
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)  # --param_seed 0
+  gen = Generator(cfg, params, steps_per_call=4)
+  tok = ByteTokenizer()
+  for i in (0, 1):
+    prompt = ([tok.bos_id] + tok.encode(LINES[i]["prompt"]) if "prompt" in LINES[i]
+              else LINES[i]["prompt_ids"])
+    want = [int(s[0]) for s in gen.stream([prompt], LINES[i]["max_tokens"], SamplingParams(),
+                                          stop_ids=())]
+    assert rows[i]["token_ids"] == want
+    assert rows[i]["finish_reason"] == "length" and rows[i]["ttft_ms"] > 0
+  assert rows[3]["finish_reason"] in ("stop", "length")
+  events = json.loads(trace.read_text())["traceEvents"]
+  spans = sorted((e for e in events if e["ph"] == "X" and e["pid"] == 1), key=lambda e: e["ts"])
+  assert [e["name"] for e in spans][0] == "queue" and spans[-1]["name"] == "decode"
+  assert "prefill" in [e["name"] for e in spans]
+
+
+def test_bad_flags_exit_2(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "requests" in r.stderr
+
+
+@pytest.mark.slow  # suite time: the disaggregated engine's tokens are checked in-process in test_paged_layouts
+def test_serve_offline_disaggregated_same_tokens(tmp_path):
+  """--mode disaggregated on 8 fake devices (prefill ws_2d+heads on 4, decode wg_xyz+batch_xyz
+  on the other 4): the same greedy tokens as the single-device run."""
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(json.dumps({"prompt_ids": list(range(3 + i, 20 + 3 * i)),
+                                         "max_tokens": 6, "ignore_eos": True})
+                            for i in range(4)) + "\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  base = [sys.executable, "-m", "launch.serve_offline", "--model", "tiny", "--requests",
+          str(reqs), "--json", "--kv_pages", "64", "--page_size", "16", "--max_slots", "8",
+          "--max_context", "128", "--nowarmup"]
+  runs = {}
+  for mode, extra in (("single", []), ("disaggregated", [
+      "--mode", "disaggregated", "--fake_devices", "8", "--prefill_layout", "ws_2d:heads",
+      "--decode_layout", "wg_xyz:batch_xyz"])):
+    r = subprocess.run(base + extra, cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
+    assert rows[-1]["summary"]["kv_pages_in_use"] == 0
+    runs[mode] = [row["token_ids"] for row in rows[:-1]]
+    if mode == "disaggregated":
+      dep = rows[-1]["summary"]["deployment"]
+      assert dep["mode"] == "disaggregated" and dep["kv_pools"] == 2
+  assert runs["single"] == runs["disaggregated"]

@@ -1,0 +1,196 @@
+"""The AMX kernel (``cpu_kernels.matmul_amx_group``) and how ``models.quant`` routes to it: the
+product of bf16 activations with bf16 or int8 ``[K, N]`` weights against an f64 reference for
+shapes off every tile boundary; ``einsum`` / ``einsums`` under a policy that enables it equal
+XLA's dot; the routing rules (bf16 activations, ``[K, N]``, weight-only int8, the row range);
+bad groups refused; and the policy's range rule. Skipped where the CPU has no AMX (the AMD EPYC
+machines): there the kernel is never chosen (``amx_available()`` is False)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
+from models import quant
+from models.quant import quantize_array
+from tests.cpu_policies import XLA_ONLY
+
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
+                               reason="no AMX on this CPU (or the OS refused its tile state)")
+AMX = dataclasses.replace(cpu_lowering.DEFAULT, amx_min_rows=4, amx_max_rows=96,
+                          amx_int8_min_rows=4, amx_int8_max_rows=96)
+
+
+def _rel_err(got, ref) -> float:
+  got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+  return float(np.max(np.abs(got - ref)) / max(1e-30, float(np.max(np.abs(ref)))))
+
+
+def _amx_calls(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).compile().as_text().count("phaseserve_amx_matmul_group")
+
+
+# Rows across the 16- and 32-row tile blocks (1, 17, 33, 64), K off the 32-row K step (100,
+# 31), N off the 16- and 32-column tiles (33, 17) and wider than one chunk (1536; 20000 with a
+# short K), and a group of several widths.
+@needs_amx
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("m,k,ns", [(1, 576, (576, 192, 192)), (17, 100, (33, 64)),
+                                    (33, 31, (17,)), (64, 1536, (576,)), (5, 40, (20000, 48))])
+def test_amx_group_equals_the_products(wdtype, m, k, ns):
+  rng = np.random.default_rng(m + k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  ws = [jnp.asarray(rng.integers(-127, 128, (k, n)) if wdtype == "int8"
+                    else rng.standard_normal((k, n)), wdtype) for n in ns]
+  got = jax.jit(cpu_kernels.matmul_amx_group)(x, ws)
+  assert [g.shape for g in got] == [(m, n) for n in ns]
+  for g, w in zip(got, ws):
+    ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    # bf16 x bf16 products are exact in f32 (int8 values are exact in bf16): f32 summation only.
+    assert _rel_err(g, ref) < 1e-5
+
+
+@needs_amx
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1000), (33, 100, 70), (64, 31, 33), (17, 64, 4097)])
+def test_amx_nk_equals_the_product(wdtype, m, k, n):
+  rng = np.random.default_rng(m * k + n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-127, 128, (n, k)) if wdtype == "int8"
+                  else rng.standard_normal((n, k)), wdtype)
+  got = jax.jit(cpu_kernels.matmul_amx_nk)(x, w)
+  ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+  assert got.shape == (m, n) and _rel_err(got, ref) < 1e-5
+
+
+@needs_amx
+def test_amx_group_refuses_bad_operands():
+  x = jnp.ones((4, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="matmul_amx_group"):
+    cpu_kernels.matmul_amx_group(x.astype(jnp.float32), [jnp.ones((8, 4), jnp.bfloat16)])
+  with pytest.raises(ValueError, match="matmul_amx_group"):
+    cpu_kernels.matmul_amx_group(x, [jnp.ones((8, 4), jnp.float32)])
+  with pytest.raises(ValueError, match="matmul_amx_group"):
+    cpu_kernels.matmul_amx_group(x, [jnp.ones((8, 4), jnp.bfloat16), jnp.ones((8, 4), jnp.int8)])
+  with pytest.raises(ValueError, match="matmul_amx_group"):
+    cpu_kernels.matmul_amx_group(x, [jnp.ones((7, 4), jnp.bfloat16)])
+  with pytest.raises(ValueError, match="matmul_amx_nk"):
+    cpu_kernels.matmul_amx_nk(x, jnp.ones((4, 7), jnp.bfloat16))
+
+
+def _layer(rng, quantize: bool):
+  """SmolLM2-like q / k / v and down weights, bf16 or weight-only int8."""
+  def w(*shape):
+    a = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
+    return quantize_array(a.astype(jnp.float32), (0,)) if quantize else a
+  return [w(64, 4, 16), w(64, 1, 16), w(64, 1, 16)], w(96, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("rows", [3, 24, 96, 97])
+def test_einsums_on_amx_equal_xla(quantize, rows):
+  rng = np.random.default_rng(rows)
+  qkv, down = _layer(rng, quantize)
+  x = jnp.asarray(rng.standard_normal((rows, 1, 64)), jnp.bfloat16)
+  h = jnp.asarray(rng.standard_normal((rows, 1, 96)), jnp.bfloat16)
+  specs = ["BTD,DNH->BTNH"] * 3
+
+  table = jnp.asarray(rng.standard_normal((96, 64)) * 0.05, jnp.bfloat16)  # a tied [V, D]
+  if quantize:
+    table = quantize_array(table.astype(jnp.float32), (1,))
+
+  def make():  # a new function per policy: jit's trace cache is not keyed on the policy
+    return lambda x, h: quant.einsums(specs, x, qkv) + [quant.einsum("BTF,FD->BTD", h, down),
+                                                         quant.einsum("BTD,VD->BTV", x, table)]
+
+  with cpu_lowering.use_policy(XLA_ONLY):
+    ref = jax.jit(make())(x, h)
+  with cpu_lowering.use_policy(AMX):
+    got = jax.jit(make())(x, h)
+    calls = _amx_calls(make(), x, h)
+  # In the range [4, 96]: one grouped call for q / k / v and one for down; outside it none.
+  assert calls == (2 if 4 <= rows <= 96 else 0)
+  for g, r in zip(got, ref):
+    assert g.dtype == jnp.bfloat16 and g.shape == r.shape
+    # Both are f32 sums of exact products rounded once to bf16: within a few bf16 ulps.
+    assert _rel_err(g, r) < 2 ** -6
+
+
+@needs_amx
+def test_amx_routing_rules():
+  rng = np.random.default_rng(0)
+  w_bf16 = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+  w_int8 = quantize_array(w_bf16.astype(jnp.float32), (0,))
+  w_w8a8 = dataclasses.replace(w_int8, act_quant=True)
+  x16 = jnp.ones((16, 64), jnp.bfloat16)
+  with cpu_lowering.use_policy(AMX):
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16) == 1
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8), x16) == 1
+    # Not: f32 activations (AMX would round them to bf16), W8A8, an [N, K] weight, too few rows.
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16),
+                      x16.astype(jnp.float32)) == 0
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_w8a8), x16) == 0
+    assert _amx_calls(lambda x: quant.einsum("MK,NK->MN", x, w_bf16.T), x16) == 0
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16[:3]) == 0
+    # [N, K] (a tied unembedding): weight-only int8 past the native [N, K] kernel's rows only.
+    w_nk = quantize_array(w_bf16.T.astype(jnp.float32), (1,))
+    x24 = jnp.ones((24, 64), jnp.bfloat16)
+    nk = lambda x: quant.einsum("MK,NK->MN", x, w_nk)  # noqa: E731
+    assert AMX.int8_nk_native_max_rows < 24
+    assert jax.jit(nk).lower(x24).compile().as_text().count("phaseserve_amx_matmul_nk") == 1
+    assert jax.jit(nk).lower(x16[:AMX.int8_nk_native_max_rows]).compile().as_text().count(
+        "phaseserve_amx_matmul_nk") == 0
+  with cpu_lowering.use_policy(dataclasses.replace(AMX, amx_max_rows=0)):
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16) == 0
+    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8), x16) == 1
+
+
+def test_amx_range_is_the_first_run_of_wins():
+  other = {8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0, 128: 10.0}
+  assert cpu_lowering._amx_range({8: 9.5, 16: 8.0, 32: 8.0, 64: 9.5, 128: 5.0}, other) == (16, 32)
+  assert cpu_lowering._amx_range({8: 5.0, 16: 5.0, 32: 5.0, 64: 5.0, 128: 5.0}, other) == (8, 128)
+  assert cpu_lowering._amx_range({m: 9.5 for m in other}, other) == (0, 0)  # within the margin
+
+
+@needs_amx
+def test_every_int8_value_is_exact():
+  """Each of the 256 int8 values (widened to bf16 inside the kernel) times one-hot rows of x:
+  the product must be the value itself."""
+  w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(8, 32)  # [K, N]
+  x = jnp.eye(8, dtype=jnp.bfloat16)  # row i picks weight row i
+  (y,) = jax.jit(cpu_kernels.matmul_amx_group)(x, [w])
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(w, np.float32))
+
+
+@needs_amx
+@pytest.mark.parametrize("quantize", [False, True])
+def test_decode_step_on_amx_equals_xla(quantize):
+  """A whole decode step of the tiny model (bf16, weight-only int8 too) at 24 rows: every
+  [K, N] matmul on AMX against XLA's dots."""
+  from models import weights
+  from models.config import get_preset
+  from models.kv_cache import init_cache
+  from models.transformer import decode_step
+
+  cfg = get_preset("tiny")
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                        weights.init_params(cfg, jax.random.key(0)))
+  if quantize:
+    params = weights.quantize(params, cfg)
+  rows = 24
+  toks = jax.random.randint(jax.random.key(1), (rows,), 0, cfg.vocab_size)
+  cache = init_cache(cfg, rows, 32, jnp.bfloat16).replace(lengths=jnp.full((rows,), 5, jnp.int32))
+
+  def run(policy):
+    with cpu_lowering.use_policy(policy):
+      step = jax.jit(lambda p, t, c: decode_step(p, t, c, cfg=cfg, attend_len=32)[0])
+      return step(params, toks, cache), step.lower(params, toks, cache).compile().as_text()
+
+  ref, _ = run(XLA_ONLY)
+  got, hlo = run(AMX)
+  assert hlo.count("phaseserve_amx_matmul_group") >= 3 * cfg.num_layers  # qkv, o, gate/up, down
+  # bf16 activations rounded at every layer on both sides, sums in different orders.
+  assert _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32)) < 2 ** -5
