@@ -5,7 +5,7 @@ Contract:
     call signature of ``models.transformer.jit_prefill`` (phase ``"prefill"``) or
     ``jit_decode_step`` (``"decode"``), the same semantics (logits and KV cache) and the cache
     donated. ``cfg=`` may still be passed and must equal the bound config. ``step.plan(batch)``
-    returns the ``layouts.StepPlan`` (effective axes and recorded fallbacks) it runs.
+    returns the ``layouts.LayoutPlan`` (effective axes and recorded fallbacks) it runs.
   * Inputs may live anywhere (jit moves them), but to avoid per-call transfers place the params
     with ``shard_params(params, cfg, mesh, layout)`` (the resident copy: ``ws_2d`` and every
     ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
@@ -20,7 +20,7 @@ Contract:
     communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
     summed over the embed shards and the GLU between the FFN's reduce-scatter and all-gather.
 
-Per layer (paper Sec. 3.2-3.3; ``{a}`` = partial sums over mesh axes a; names as in StepPlan):
+Per layer (paper Sec. 3.2-3.3; ``{a}`` = partial sums over mesh axes a; names as in LayoutPlan):
   x [B.rb, T, E.re] --reshard--> [B.rb, T, E.we] -> norm -> Q [B.rb, T, N.wh, H]{we}
   --RS(we) onto heads--> [B.rb, T, N.wh+we, H] --A2A(move)--> [B.ab, T, N, H] attends the cache
   [L, B.ab, K, S, H] --A2A(move)--> --AG(we)--> [B.rb, T, N.wh, H] -> o -> [B.rb, T, E.we]{wh}
@@ -53,7 +53,7 @@ from models.transformer import embed as embed_lookup
 from models.weights import Params
 from partitioning import comm
 from partitioning.layouts import (
-    AttnLayout, FfnLayout, Resolved, StepPlan, cache_sharding, cache_spec, get_attn_layout,
+    AttnLayout, FfnLayout, LayoutPlan, Resolved, cache_sharding, cache_spec, get_attn_layout,
     get_ffn_layout, make_plan, match_params, param_shardings, param_specs, spec_entry)
 
 Phase = Literal["prefill", "decode"]
@@ -101,7 +101,7 @@ def _norm(x: jax.Array, w: jax.Array, cfg: ModelConfig, axes: comm.Axes) -> jax.
   return rms_norm(x, w, cfg.norm_eps, cfg.norm_plus_one, psum=psum, dim=cfg.embed_dim)
 
 
-def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Array:
+def _embed(table, tokens_BT, plan: LayoutPlan, cfg: ModelConfig, dtype) -> jax.Array:
   # table [V.wv, E.we]; tokens [B.rb, T]. Each chip looks up the rows of its vocab shard.
   rows = table.shape[0]
   local_BT = tokens_BT - comm.linear_index(plan.wv) * rows
@@ -113,7 +113,7 @@ def _embed(table, tokens_BT, plan: StepPlan, cfg: ModelConfig, dtype) -> jax.Arr
 
 
 def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation,
-               plan: StepPlan,
+               plan: LayoutPlan,
                cfg: ModelConfig, attend_len: int):
   # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
   # q [B.rb, T, N.wh, H]{we}; k, v [B.rb, T, K, H]{we}
@@ -146,7 +146,7 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotatio
   return y, store
 
 
-def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
+def _mlp(h, layer, plan: LayoutPlan, cfg: ModelConfig) -> jax.Array:
   """[B.rb, T, E.we] -> [B.rb, T, E.we]{wf}."""
   if not plan.we:  # E is whole on every chip: models.layers.mlp on the F shard as is.
     return mlp(h, layer, cfg)
@@ -159,7 +159,7 @@ def _mlp(h, layer, plan: StepPlan, cfg: ModelConfig) -> jax.Array:
   return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
 
 
-def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: StepPlan,
+def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: LayoutPlan,
            cfg: ModelConfig, attend_len: int):
   # x: [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
@@ -177,7 +177,7 @@ def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, p
   return x, store
 
 
-def _unembed(x, top, last_B, plan: StepPlan, cfg: ModelConfig, all_logits: bool) -> jax.Array:
+def _unembed(x, top, last_B, plan: LayoutPlan, cfg: ModelConfig, all_logits: bool) -> jax.Array:
   # x: [B.rb, T, E.re] -> logits [B.ub, T, V.wv] (or [B.ub, V.wv]).
   if not all_logits:
     last = comm.slice_chunk(last_B, 0, plan.rb)
@@ -192,7 +192,7 @@ def _unembed(x, top, last_B, plan: StepPlan, cfg: ModelConfig, all_logits: bool)
 
 
 def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, store: KVStore, *,
-                plan: StepPlan, cfg: ModelConfig, stored, gathered, attend_len: int,
+                plan: LayoutPlan, cfg: ModelConfig, stored, gathered, attend_len: int,
                 all_logits: bool):
   top_keys = [k for k in params if k != "layers"]
   top = _gather({k: params[k] for k in top_keys}, {k: stored[k] for k in top_keys},
@@ -215,7 +215,7 @@ S = TypeVar("S")
 
 
 def sharded_forward(params: Params, tokens_BT: jax.Array, store: S, c: kv_cache.ChunkPositions,
-                    *, cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, plan: StepPlan,
+                    *, cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, plan: LayoutPlan,
                     attend_len: int, all_logits: bool, store_spec: S,
                     localize: Callable[[S], KVStore] | None = None,
                     merge: Callable[[S, KVStore], S] | None = None) -> tuple[jax.Array, S]:

@@ -7,8 +7,8 @@ raises ``ValueError`` for an invalid combination; ``check_layout`` (and its stru
 Pure arithmetic, no JAX.
 
 Layout names are a contract shared with the sharding code (use these exact strings):
-  feed-forward ``FFN_LAYOUTS``:  ws_1d, ws_2d, wg_x, wg_xy, wg_xyz
-  attention ``ATTENTION_LAYOUTS``: heads, batch_z, batch_yz, batch_xyz
+  feed-forward ``FFN_LAYOUT_NAMES``:  ws_1d, ws_2d, wg_x, wg_xy, wg_xyz
+  attention ``ATTN_LAYOUT_NAMES``: heads, batch_z, batch_yz, batch_xyz
 The mesh is ``(x, y, z)``, n = x*y*z chips. ``ws_1d`` runs on any mesh (its collectives span all
 n chips, as in ``partitioning/layouts.py``), so its FFN cost depends only on n.
 
@@ -47,9 +47,9 @@ rejects; with it ws_1d's cost also depends on the mesh shape, not only on n):
           wins at large T (prefill).
   attention all-to-all: the attention batch axes are the FFN's batch axes (ws_*: none; wg_*:
           their gathered axes; never moved back to heads) plus the attention layout's named axes
-          (``attention_batch_axes``, = ``StepPlan.ab = rb + move`` of ``layouts.make_plan``).
+          (``attention_batch_axes``, = ``LayoutPlan.ab = rb + move`` of ``layouts.make_plan``).
           Q (N*H) is moved heads -> batch over the named axes that are not already batch axes
-          (``all_to_all_axes`` = ``StepPlan.move``) and the output (N*H) back; the new K/V are
+          (``all_to_all_axes`` = ``LayoutPlan.move``) and the output (N*H) back; the new K/V are
           computed whole on every head shard and only sliced (no communication). A group of g
           chips moves T*2NH*a*g/n bytes (``Hardware.all_to_all_time``). So wg_xyz + any attention
           layout has no all-to-all, and wg_xy + batch_z/yz/xyz are one program.
@@ -92,12 +92,12 @@ from partitioning.hardware import Hardware
 
 Phase = Literal["prefill", "decode"]
 WeightsDtype = Literal["bf16", "int8"]
-FfnLayout = Literal["ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz"]
-AttentionLayout = Literal["heads", "batch_z", "batch_yz", "batch_xyz"]
-Mesh = tuple[int, int, int]
+FfnLayoutName = Literal["ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz"]
+AttnLayoutName = Literal["heads", "batch_z", "batch_yz", "batch_xyz"]
+MeshShape = tuple[int, int, int]
 
-FFN_LAYOUTS: tuple[FfnLayout, ...] = ("ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz")
-ATTENTION_LAYOUTS: tuple[AttentionLayout, ...] = ("heads", "batch_z", "batch_yz", "batch_xyz")
+FFN_LAYOUT_NAMES: tuple[FfnLayoutName, ...] = ("ws_1d", "ws_2d", "wg_x", "wg_xy", "wg_xyz")
+ATTN_LAYOUT_NAMES: tuple[AttnLayoutName, ...] = ("heads", "batch_z", "batch_yz", "batch_xyz")
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 WEIGHT_BYTES: dict[str, int] = {"bf16": 2, "int8": 1}
 
@@ -133,11 +133,11 @@ class StepCost:
   fits: bool
 
 
-def _axes_size(mesh: Mesh, axes: str) -> int:
+def _axes_size(mesh: MeshShape, axes: str) -> int:
   return math.prod(mesh[_AXES.index(a)] for a in axes)
 
 
-def ffn_batch_chips(layout: str, mesh: Mesh) -> int:
+def ffn_batch_chips(layout: str, mesh: MeshShape) -> int:
   """Chips the FFN layout shards the batch over (1 for weight-stationary layouts)."""
   return _axes_size(mesh, _FFN_BATCH_AXES[layout])
 
@@ -149,29 +149,29 @@ def ffn_batch_chips(layout: str, mesh: Mesh) -> int:
 # tests/partitioning/test_cost_model.py::test_attention_axes_agree_with_make_plan checks the agreement.
 
 
-def _live(mesh: Mesh, axes: str) -> str:
+def _live(mesh: MeshShape, axes: str) -> str:
   return "".join(a for a in axes if mesh[_AXES.index(a)] > 1)
 
 
-def all_to_all_axes(layout: str, attention: str, mesh: Mesh) -> str:
-  """Axes the attention all-to-all moves Q over (``StepPlan.move``): the attention layout's named
+def all_to_all_axes(layout: str, attention: str, mesh: MeshShape) -> str:
+  """Axes the attention all-to-all moves Q over (``LayoutPlan.move``): the attention layout's named
   axes that are not already batch axes of the FFN layout (size-1 axes dropped)."""
   rb = _FFN_BATCH_AXES[layout]
   return "".join(a for a in _live(mesh, _ATTN_BATCH_AXES[attention]) if a not in rb)
 
 
-def attention_batch_axes(layout: str, attention: str, mesh: Mesh) -> str:
-  """Axes the attention core and the KV cache shard the batch over (``StepPlan.ab``): the FFN's
+def attention_batch_axes(layout: str, attention: str, mesh: MeshShape) -> str:
+  """Axes the attention core and the KV cache shard the batch over (``LayoutPlan.ab``): the FFN's
   batch axes (kept: no layout moves the batch back to heads), then ``all_to_all_axes``."""
   return _live(mesh, _FFN_BATCH_AXES[layout]) + all_to_all_axes(layout, attention, mesh)
 
 
-def attention_batch_chips(layout: str, attention: str, mesh: Mesh) -> int:
+def attention_batch_chips(layout: str, attention: str, mesh: MeshShape) -> int:
   """Chips the attention core shards the batch (and the KV cache) over."""
   return _axes_size(mesh, attention_batch_axes(layout, attention, mesh))
 
 
-def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
+def structural_reason(layout: str, attention: str, mesh: MeshShape) -> str | None:
   """Why ``(layout, attention, mesh)`` is not a distinct plan on that mesh, or None.
 
   Covers unknown names, malformed meshes, and degenerate shapes that duplicate another layout
@@ -179,9 +179,9 @@ def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
   itself is valid on any mesh of more than one chip), so a planner
   enumerating every mesh can skip these silently and still see each plan once.
   """
-  if layout not in FFN_LAYOUTS:
+  if layout not in FFN_LAYOUT_NAMES:
     return f"unknown ffn layout {layout!r}"
-  if attention not in ATTENTION_LAYOUTS:
+  if attention not in ATTN_LAYOUT_NAMES:
     return f"unknown attention layout {attention!r}"
   if len(mesh) != 3 or any(int(d) != d or d < 1 for d in mesh):
     return f"mesh must be three positive ints, got {mesh!r}"
@@ -208,7 +208,7 @@ def structural_reason(layout: str, attention: str, mesh: Mesh) -> str | None:
   return None
 
 
-def check_layout(layout: str, attention: str, mesh: Mesh, batch: int) -> str | None:
+def check_layout(layout: str, attention: str, mesh: MeshShape, batch: int) -> str | None:
   """Why ``(layout, attention, mesh)`` is invalid for ``batch`` sequences, or None if valid.
 
   ``structural_reason`` first, then divisibility: the batch must split evenly over the
@@ -230,7 +230,7 @@ def check_layout(layout: str, attention: str, mesh: Mesh, batch: int) -> str | N
   return None
 
 
-def canonical_attention(layout: str, attention: str, mesh: Mesh) -> str:
+def canonical_attention(layout: str, attention: str, mesh: MeshShape) -> str:
   """The attention name of the program ``(layout, attention)`` runs on ``mesh``.
 
   Pairs with the same attention batch axes run the same program (e.g. ``wg_xyz`` + any attention
@@ -239,7 +239,7 @@ def canonical_attention(layout: str, attention: str, mesh: Mesh) -> str:
   ``batch_xyz``). The planner reports each program once, under this name.
   """
   axes = set(attention_batch_axes(layout, attention, mesh))
-  same = [a for a in ATTENTION_LAYOUTS if not structural_reason(layout, a, mesh)
+  same = [a for a in ATTN_LAYOUT_NAMES if not structural_reason(layout, a, mesh)
           and set(attention_batch_axes(layout, a, mesh)) == axes]
   return same[-1] if same else attention
 
@@ -287,8 +287,8 @@ def validate_workload(phase: str, batch: int, context: int, weights: str) -> Non
     raise ValueError(f"context must be >= {1 if phase == 'prefill' else 0} for {phase}")
 
 
-def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayout, attention: AttentionLayout,
-              mesh: Mesh, phase: Phase, batch: int, context: int,
+def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention: AttnLayoutName,
+              mesh: MeshShape, phase: Phase, batch: int, context: int,
               weights: WeightsDtype = "bf16") -> StepCost:
   """Predicted cost of one ``phase`` step; raises ValueError for invalid inputs."""
   validate_workload(phase, batch, context, weights)

@@ -19,7 +19,7 @@ Contract:
   * ``param_specs`` / ``param_shardings`` give the params pytree's specs / ``NamedSharding``s
     (``QuantArray(quant=..., scale=...)`` for int8 leaves), e.g. for
     ``models.io.checkpoint.restore_params(path, shardings=param_shardings(cfg, mesh, "ws_2d"))``.
-  * ``make_plan(cfg, mesh, ffn, attn, batch) -> StepPlan``: the effective mesh axes of every
+  * ``make_plan(cfg, mesh, ffn, attn, batch) -> LayoutPlan``: the effective mesh axes of every
     sharded dimension of one step (after fallbacks), which ``partitioning.collectives`` follows;
     ``cache_sharding`` places the KV cache ``[L, B, K, S, H]`` as ``[L, B.ab, K, S, H]``: batch-
     sharded over the attention batch axes, kv heads never sharded (multiquery: K = 1).
@@ -295,7 +295,7 @@ def match_params(tree: Params, params: Params) -> Params:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
+class LayoutPlan:
   """Effective mesh axes of every sharded dimension of one step, after fallbacks.
 
   Weights (after the per-layer gather): ``[E.we]``, heads ``N.wh``, mlp ``F.wf``, vocab ``V.wv``;
@@ -339,7 +339,7 @@ class StepPlan:
 
 @functools.lru_cache(maxsize=256)
 def _make_plan(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
-               batch: int) -> StepPlan:
+               batch: int) -> LayoutPlan:
   reasons: list[str] = []
 
   def fit(size, axes, what):
@@ -395,20 +395,20 @@ def _make_plan(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
                    f"{''.join(wanted)} (= {size(wanted)}); batch-sharded over "
                    f"{''.join(rb + move) or 'nothing'}")
   ub = rb + we if we and local_b % size(we) == 0 else rb
-  return StepPlan(ffn=ffn.name, attn=attn.name, batch=batch, rb=rb, re=re, we=we, wh=wh, wf=wf,
+  return LayoutPlan(ffn=ffn.name, attn=attn.name, batch=batch, rb=rb, re=re, we=we, wh=wh, wf=wf,
                   wv=wv, sh=sh, q_scatter=q_scatter, f_scatter=f_scatter, move=move,
                   ab=rb + move, ub=ub, reasons=tuple(reasons))
 
 
 def make_plan(cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout, attn: str | AttnLayout,
-              batch: int) -> StepPlan:
-  """The effective plan of one step of ``batch`` rows (see ``StepPlan``)."""
+              batch: int) -> LayoutPlan:
+  """The effective plan of one step of ``batch`` rows (see ``LayoutPlan``)."""
   if batch < 1:
     raise ValueError(f"batch must be >= 1, got {batch}")
   return _make_plan(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), batch)
 
 
-def cache_spec(plan: StepPlan) -> PartitionSpec:
+def cache_spec(plan: LayoutPlan) -> PartitionSpec:
   """``[L, B.ab, K, S, H]``."""
   return PartitionSpec(*(spec_entry(plan.ab) if a == "batch" else None for a in CACHE_AXES))
 
@@ -426,4 +426,4 @@ __all__ = [
     "Axes", "Rules", "FfnLayout", "AttnLayout", "FFN_LAYOUTS", "ATTN_LAYOUTS", "get_ffn_layout",
     "get_attn_layout", "parse_pairs", "Resolved", "resolve", "resolve_dim", "logical_to_spec",
     "logical_to_sharding", "param_specs", "param_shardings", "param_fallbacks", "match_params",
-    "StepPlan", "make_plan", "cache_spec", "cache_sharding", "axes_size", "spec_entry"]
+    "LayoutPlan", "make_plan", "cache_spec", "cache_sharding", "axes_size", "spec_entry"]

@@ -24,8 +24,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from partitioning.cost_model import MeshShape  # (x, y, z) chips: the cost model's, JAX-free
+
 MESH_AXES: tuple[str, str, str] = ("x", "y", "z")
-MeshShape = tuple[int, int, int]
 
 
 def _prime_factors(n: int) -> list[int]:

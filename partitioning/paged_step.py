@@ -6,7 +6,7 @@ Contract:
     ``shard_map``, the same math as ``make_sharded_step``) over a ``models.paged_kv.PagedKV``.
     ``prefill`` / ``decode`` are traceable (the engine calls them inside its jitted programs,
     ``attend_len`` static) and follow ``models.step.Step``.
-  * **Pool sharding.** ``kv_axes`` are the layout's attention batch axes (``StepPlan.ab`` of
+  * **Pool sharding.** ``kv_axes`` are the layout's attention batch axes (``LayoutPlan.ab`` of
     ``layouts.make_plan`` at a batch every axis divides); ``kv_shards`` is their size. The
     page axis of ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]`` is sharded over them:
     ``[L, P.ab, K, Z, H]``, shard ``s`` (the linear index over ``kv_axes``, major first) owns the
@@ -69,7 +69,7 @@ from models.weights import Params, abstract_params
 from partitioning import comm
 from partitioning.collectives import shard_params, sharded_forward
 from partitioning.layouts import (
-    AttnLayout, Axes, FfnLayout, StepPlan, axes_size, get_attn_layout, get_ffn_layout,
+    AttnLayout, Axes, FfnLayout, LayoutPlan, axes_size, get_attn_layout, get_ffn_layout,
     make_plan, param_fallbacks, param_shardings, spec_entry)
 from partitioning.mesh import mesh_shape
 from partitioning.planner import Candidate
@@ -90,7 +90,7 @@ class PagedShardedStep:
 
   # -- the pool's sharding ------------------------------------------------------------------
 
-  def plan(self, batch: int) -> StepPlan:
+  def plan(self, batch: int) -> LayoutPlan:
     return make_plan(self.cfg, self.mesh, self.ffn, self.attn, batch)
 
   @property

@@ -35,7 +35,7 @@ from typing import Literal, Sequence
 from models.config import ModelConfig
 from partitioning import cost_model
 from partitioning.cost_model import (
-    ATTENTION_LAYOUTS, FFN_LAYOUTS, AttentionLayout, FfnLayout, Mesh, Phase, StepCost,
+    ATTN_LAYOUT_NAMES, FFN_LAYOUT_NAMES, AttnLayoutName, FfnLayoutName, MeshShape, Phase, StepCost,
     WeightsDtype)
 from partitioning.calibration import Calibration
 from partitioning.hardware import Hardware
@@ -52,9 +52,9 @@ class NoFeasiblePlan(ValueError):
 class Candidate:
   """One evaluated (layout, attention, mesh) with its predicted cost."""
 
-  layout: FfnLayout
-  attention: AttentionLayout
-  mesh: Mesh
+  layout: FfnLayoutName
+  attention: AttnLayoutName
+  mesh: MeshShape
   cost: StepCost
 
   @property
@@ -98,7 +98,7 @@ class Dropped:
 
   layout: str
   attention: str
-  mesh: Mesh
+  mesh: MeshShape
   reason: str
 
 
@@ -132,7 +132,7 @@ class Plan:
     }
 
 
-def mesh_shapes(chips: int) -> tuple[Mesh, ...]:
+def mesh_shapes(chips: int) -> tuple[MeshShape, ...]:
   """Every ordered factorisation ``(x, y, z)`` of ``chips``, sorted."""
   shapes = []
   for x in range(1, chips + 1):
@@ -146,20 +146,20 @@ def mesh_shapes(chips: int) -> tuple[Mesh, ...]:
 
 
 def _sort_key(objective: Objective,
-              cand: Candidate) -> tuple[float, float, tuple[int, ...], int, int, Mesh]:
+              cand: Candidate) -> tuple[float, float, tuple[int, ...], int, int, MeshShape]:
   """Objective, then the other metric, then the most cubic mesh, then layout order."""
   primary, secondary = cand.latency_s, cand.cost_chip_s_per_token
   if objective == "cost":
     primary, secondary = secondary, primary
   return (primary, secondary, tuple(sorted(cand.mesh, reverse=True)),
-          FFN_LAYOUTS.index(cand.layout), ATTENTION_LAYOUTS.index(cand.attention), cand.mesh)
+          FFN_LAYOUT_NAMES.index(cand.layout), ATTN_LAYOUT_NAMES.index(cand.attention), cand.mesh)
 
 
 def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch: int,
          context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
          latency_bound_s: float | None = None, calibration: Calibration | None = None,
-         meshes: "Sequence[Mesh] | None" = None,
-         layouts: "Sequence[FfnLayout] | None" = None) -> Plan:
+         meshes: "Sequence[MeshShape] | None" = None,
+         layouts: "Sequence[FfnLayoutName] | None" = None) -> Plan:
   """Best layout for the workload; see the module docstring."""
   if chips < 1:
     raise ValueError(f"chips must be >= 1, got {chips}")
@@ -179,9 +179,9 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
     shapes = mesh_shapes(n) if meshes is None else [
         tuple(m) for m in meshes if m[0] * m[1] * m[2] == n]
     for mesh in shapes:
-      for layout in (FFN_LAYOUTS if layouts is None else
-                     [name for name in FFN_LAYOUTS if name in layouts]):
-        for attention in ATTENTION_LAYOUTS:
+      for layout in (FFN_LAYOUT_NAMES if layouts is None else
+                     [name for name in FFN_LAYOUT_NAMES if name in layouts]):
+        for attention in ATTN_LAYOUT_NAMES:
           if (cost_model.structural_reason(layout, attention, mesh)
               or cost_model.canonical_attention(layout, attention, mesh) != attention):
             continue  # not a distinct plan on this mesh (e.g. batch_z with z = 1 is heads)

@@ -3,7 +3,7 @@
 Contract:
   * ``autotune(cfg, mesh, phase, batch, seq, ...) -> AutotuneResult``: compiles and times every
     candidate ``(ffn, attn)`` pair (default: all of ``layouts.FFN_LAYOUTS x ATTN_LAYOUTS``;
-    pairs whose ``StepPlan`` is identical run the same program and are timed once, the others
+    pairs whose ``LayoutPlan`` is identical run the same program and are timed once, the others
     reported ``same_as`` it), picks the fastest and stores the result in a JSON file
     (``<cache_dir>/autotune.json``; default dir ``$PHASESERVE_CACHE_DIR`` or
     ``~/.cache/phaseserve``). The key is (model name + config hash, platform/device kind/count

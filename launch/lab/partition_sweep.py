@@ -188,7 +188,7 @@ def _plot(rows: Sequence[dict], path: str, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.4, 5.2))
-  markers = dict(zip(cost_model.FFN_LAYOUTS, "os^Dv"))
+  markers = dict(zip(cost_model.FFN_LAYOUT_NAMES, "os^Dv"))
   lo, hi = math.inf, 0.0
   for ffn, mk in markers.items():
     pts = [(r["predicted_s"], r["measured_s"]) for r in rows

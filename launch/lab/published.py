@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 from models.config import get_preset
 from partitioning import cost_model, planner
 from partitioning.calibration import IDENTITY, Calibration, Sample, errors, fit
-from partitioning.cost_model import AttentionLayout, FfnLayout, Mesh, Phase, WeightsDtype
+from partitioning.cost_model import AttnLayoutName, FfnLayoutName, MeshShape, Phase, WeightsDtype
 from partitioning.hardware import Hardware, get_hardware
 
 _TA = ("third-party transcription [T-a] (bzhng-development/summary-of-some-paper-in-cuda, "
@@ -49,7 +49,7 @@ _TA = ("third-party transcription [T-a] (bzhng-development/summary-of-some-paper
 _TAB = _TA + " and [T-b] (code index id 71242304072); they agree"
 _GENERATED = 64  # tokens generated per decode latency in Tables 2 and 3
 # TPU v4 slice shapes by chip count (the tables give counts only).
-_MESH: dict[int, Mesh] = {8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4)}
+_MESH: dict[int, MeshShape] = {8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +59,8 @@ class Published:
   phase: Phase
   batch: int
   weights: WeightsDtype
-  layout: FfnLayout
-  attention: AttentionLayout
+  layout: FfnLayoutName
+  attention: AttnLayoutName
   measured_s: float  # one step: the prompt pass (prefill) or one generated token (decode)
   mfu: float | None  # the published MFU
   figure: str  # the published figure as stated
@@ -70,7 +70,7 @@ class Published:
   hardware: str = "tpu-v4"
 
   @property
-  def mesh(self) -> Mesh:
+  def mesh(self) -> MeshShape:
     return _MESH[self.chips]
 
   @property
@@ -80,7 +80,7 @@ class Published:
 
 
 def _row(model: str, table: str, column: str, chips: int, phase: Phase, batch: int,
-         weights: WeightsDtype, layout: FfnLayout, attention: AttentionLayout,
+         weights: WeightsDtype, layout: FfnLayoutName, attention: AttnLayoutName,
          latency_s: float, mfu: float, confirmed: str = "") -> Published:
   """One table column; ``latency_s`` as the table states it (decode: 64 tokens)."""
   step_s = latency_s / _GENERATED if phase == "decode" else latency_s

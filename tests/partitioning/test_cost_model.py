@@ -197,7 +197,7 @@ def test_weight_gathered_attention_keeps_the_ffn_batch_axes():
   assert cost_model.attention_batch_axes("wg_x", "batch_z", mesh) == "xz"
   assert cost_model.all_to_all_axes("wg_xy", "batch_xyz", mesh) == "z"
   args = ("prefill", 64, 2048)
-  same = [step_cost(PALM, V4, "wg_xyz", a, mesh, *args) for a in cost_model.ATTENTION_LAYOUTS]
+  same = [step_cost(PALM, V4, "wg_xyz", a, mesh, *args) for a in cost_model.ATTN_LAYOUT_NAMES]
   assert all(c == same[0] for c in same) and same[0].all_to_all_s == 0
   zs = [step_cost(PALM, V4, "wg_xy", a, mesh, *args) for a in ("batch_z", "batch_yz", "batch_xyz")]
   assert all(c == zs[0] for c in zs) and zs[0].all_to_all_s > 0
@@ -232,8 +232,8 @@ def test_attention_axes_agree_with_make_plan(shape):
   mesh = _fake_mesh(shape)
   batch = 16
   programs: dict[tuple[str, str], set] = {}
-  for ffn in cost_model.FFN_LAYOUTS:
-    for attn in cost_model.ATTENTION_LAYOUTS:
+  for ffn in cost_model.FFN_LAYOUT_NAMES:
+    for attn in cost_model.ATTN_LAYOUT_NAMES:
       if structural_reason(ffn, attn, shape):
         continue
       plan = layouts.make_plan(cfg, mesh, ffn, attn, batch)

@@ -85,14 +85,14 @@ def mesh8():
 
 def test_layout_names_match_cost_model():
   from partitioning import cost_model
-  assert tuple(L.FFN_LAYOUTS) == tuple(cost_model.FFN_LAYOUTS)
-  assert tuple(L.ATTN_LAYOUTS) == tuple(cost_model.ATTENTION_LAYOUTS)
+  assert tuple(L.FFN_LAYOUTS) == tuple(cost_model.FFN_LAYOUT_NAMES)
+  assert tuple(L.ATTN_LAYOUTS) == tuple(cost_model.ATTN_LAYOUT_NAMES)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
 @pytest.mark.parametrize("ffn", list(L.FFN_LAYOUTS))
 def test_every_layout_matches_unsharded(mesh8, ffn, quantized):
-  """Every attention layout of ``ffn``; pairs with an identical StepPlan (same program: e.g.
+  """Every attention layout of ``ffn``; pairs with an identical LayoutPlan (same program: e.g.
   wg_xyz already shards the batch over every chip) are run once."""
   seen = {}
   for attn in L.ATTN_LAYOUTS:

@@ -142,7 +142,7 @@ def test_paged_sharded_matches_unsharded(mesh8, ffn, attn, quantized):
 @pytest.mark.parametrize("attn", ATTN[:3])
 def test_wg_xyz_runs_one_program_under_every_attention_layout(mesh8, attn):
   """wg_xyz's residual batch is already xyz, so every attention layout runs exactly the
-  collectives (StepPlan.key) and pool sharding of wg_xyz + batch_xyz, tested numerically above."""
+  collectives (LayoutPlan.key) and pool sharding of wg_xyz + batch_xyz, tested numerically above."""
   step = PS.PagedShardedStep.make(CFG, mesh8, "wg_xyz", attn)
   ref = PS.PagedShardedStep.make(CFG, mesh8, "wg_xyz", "batch_xyz")
   assert step.plan(B).key() == ref.plan(B).key() and step.kv_axes == ("x", "y", "z")

@@ -33,7 +33,7 @@ from typing import Protocol
 from models.config import ModelConfig
 from partitioning import cost_model, planner
 from partitioning.calibration import Calibration
-from partitioning.cost_model import AttentionLayout, FfnLayout, Mesh, StepCost, WeightsDtype
+from partitioning.cost_model import AttnLayoutName, FfnLayoutName, MeshShape, StepCost, WeightsDtype
 from partitioning.hardware import Hardware
 
 
@@ -56,9 +56,9 @@ class LinearStepTime:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseLayout:
-  layout: FfnLayout
-  attention: AttentionLayout
-  mesh: Mesh
+  layout: FfnLayoutName
+  attention: AttnLayoutName
+  mesh: MeshShape
 
   @property
   def unit(self) -> int:
