@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 from launch.lab.loadgen_lib import capacity as loadgen_capacity
 from launch.lab.loadgen_lib.report import percentile
 from launch.lab.loadgen_lib.slo import Slo
-from launch.lab.simulator.cluster import Deployment, Request, SimResult, simulate
+from launch.lab.simulator.cluster import SimDeployment, SimRequest, SimResult, simulate
 
-RequestsAt = Callable[[float], Sequence[Request]]
+RequestsAt = Callable[[float], Sequence[SimRequest]]
 
 
 def _stats(xs: list[float]) -> dict[str, float | None]:
@@ -75,7 +75,7 @@ class _Memory:
     return None
 
 
-def saturation_rate(requests: Sequence[Request], deployment: Deployment) -> float:
+def saturation_rate(requests: Sequence[SimRequest], deployment: SimDeployment) -> float:
   """Requests per second when every request arrives at once (the throughput ceiling)."""
   burst = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
   result = simulate(burst, deployment)
@@ -89,7 +89,7 @@ def default_search(ceiling_rps: float, steps: int = 6) -> loadgen_capacity.Searc
                                  steps=steps)
 
 
-def find_capacity(requests_at: RequestsAt, deployment: Deployment, slo: Slo,
+def find_capacity(requests_at: RequestsAt, deployment: SimDeployment, slo: Slo,
                   search: loadgen_capacity.Search | None = None) -> dict:
   """``{"best_rate_per_s", "rows": {rate: summary}, "ceiling_rps"}``; see the contract."""
   ceiling = None
@@ -122,7 +122,7 @@ def default_splits(instances: int, most: int = 7) -> tuple[int, ...]:
 
 
 def sweep_split(requests_at: RequestsAt, instances: int,
-                build: Callable[[int, int], Deployment], slo: Slo,
+                build: Callable[[int, int], SimDeployment], slo: Slo,
                 splits: Sequence[int] | None = None,
                 progress: Callable[[], None] | None = None) -> list[dict]:
   """One row per prefill instance count: ``{"prefill", "decode", "best_rate_per_s", ...}``."""

@@ -2,7 +2,7 @@
 
 Contract: ``simulate(requests, deployment, slo=None) -> SimResult``.
 
-* ``Deployment``: ``interleaved(n, ...)`` is ``n`` mixed instances (every instance prefills and
+* ``SimDeployment``: ``interleaved(n, ...)`` is ``n`` mixed instances (every instance prefills and
   decodes, chunked prefill inside the token budget); ``disaggregated(p, d, ...)`` is ``p``
   prefill instances and ``d`` decode instances (Splitwise / DistServe: decoupled pools, each
   running its own steps). A prompt's KV moves from its prefill instance to a decode instance
@@ -39,7 +39,7 @@ from serving.api import admission
 
 
 @dataclasses.dataclass(frozen=True)
-class Request:
+class SimRequest:
   arrival_s: float
   prompt_len: int
   output_len: int
@@ -57,7 +57,7 @@ class Pool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Deployment:
+class SimDeployment:
   pools: tuple[Pool, ...]
   link_bytes_per_s: float = 0.0  # per prefill instance; 0: transfers are free
   link_latency_s: float = 0.0
@@ -70,20 +70,20 @@ class Deployment:
 
   @staticmethod
   def interleaved(n: int, spec: EngineSpec, step_time: StepTime, kv_tokens: int, chips: int = 1,
-                  early_reject: bool = False) -> "Deployment":
+                  early_reject: bool = False) -> "SimDeployment":
     if n < 1:
       raise ValueError("an interleaved deployment needs >= 1 instance")
-    return Deployment((Pool("mixed", n, spec, step_time, kv_tokens, chips),),
+    return SimDeployment((Pool("mixed", n, spec, step_time, kv_tokens, chips),),
                       early_reject=early_reject)
 
   @staticmethod
   def disaggregated(prefill: Pool, decode: Pool, link_bytes_per_s: float,
                     kv_bytes_per_token: float, link_latency_s: float = 0.0,
-                    early_reject: bool = False) -> "Deployment":
+                    early_reject: bool = False) -> "SimDeployment":
     if prefill.role != "prefill" or decode.role != "decode" or min(prefill.count,
                                                                    decode.count) < 1:
       raise ValueError("a disaggregated deployment needs >= 1 prefill and >= 1 decode instance")
-    return Deployment((prefill, decode), link_bytes_per_s, link_latency_s, kv_bytes_per_token,
+    return SimDeployment((prefill, decode), link_bytes_per_s, link_latency_s, kv_bytes_per_token,
                       early_reject)
 
 
@@ -131,7 +131,7 @@ class SimResult:
 _ARRIVAL, _TRANSFER, _STEP = 0, 1, 2
 
 
-def simulate(requests: Sequence[Request], deployment: Deployment, slo: Slo | None = None
+def simulate(requests: Sequence[SimRequest], deployment: SimDeployment, slo: Slo | None = None
              ) -> SimResult:
   order = itertools.count()
   pools = []

@@ -24,7 +24,7 @@ from models.config import ModelConfig
 from partitioning.calibration import Calibration
 from partitioning.cost_model import WeightsDtype
 from partitioning.hardware import Hardware
-from launch.lab.simulator.cluster import Deployment, Pool
+from launch.lab.simulator.cluster import Pool, SimDeployment
 from launch.lab.simulator.instance import EngineSpec
 from launch.lab.simulator.step_time import CostModelStepTime, instance_chips, kv_bytes
 
@@ -77,19 +77,19 @@ class Planner:
       self._pools[role] = (st, kv)
     return self._pools[role]
 
-  def interleaved(self) -> Deployment:
+  def interleaved(self) -> SimDeployment:
     st, kv = self._pool("mixed", self.spec.mixed)
-    return Deployment.interleaved(self.instances, self.spec.mixed, st, kv,
+    return SimDeployment.interleaved(self.instances, self.spec.mixed, st, kv,
                                   self.chips_per_instance, self.spec.early_reject)
 
-  def disaggregated(self, prefill: int, decode: int) -> Deployment:
+  def disaggregated(self, prefill: int, decode: int) -> SimDeployment:
     if prefill + decode > self.instances:
       raise ValueError(f"{prefill} + {decode} instances > the cluster's {self.instances}")
     s = self.spec
     pst, pkv = self._pool("prefill", s.prefill)
     dst, dkv = self._pool("decode", s.decode)
     n = self.chips_per_instance
-    return Deployment.disaggregated(
+    return SimDeployment.disaggregated(
         Pool("prefill", prefill, s.prefill, pst, pkv, n), Pool("decode", decode, s.decode, dst,
                                                                 dkv, n),
         link_bytes_per_s=s.link_bytes_per_s_per_chip * n,

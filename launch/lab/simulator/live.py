@@ -1,7 +1,7 @@
 """The live engine on a trace, for checking the simulator against it (tests, validation runs).
 
 Contract: ``run_live(loop, requests, vocab, seed) -> LiveRun`` drives a ``serving.loop.
-ServingLoop`` in this thread on the real clock: each request (``cluster.Request``: random prompt
+ServingLoop`` in this thread on the real clock: each request (``cluster.SimRequest``: random prompt
 ids of its length, ``max_tokens`` its output, EOS ignored) is submitted at its arrival time
 (the loop idles until then), every loop iteration is timed with the composition of the step it
 ran (prefill tokens, decode rows), and each request's TTFT (first token - scheduled arrival) and
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from launch.lab.simulator.cluster import Request
+from launch.lab.simulator.cluster import SimRequest
 from launch.lab.simulator.step_time import LinearStepTime
 
 if TYPE_CHECKING:
@@ -41,9 +41,9 @@ class LiveRun:
   wall_s: float
 
 
-def run_live(loop: "ServingLoop", requests: Sequence[Request], vocab: int, seed: int = 0
+def run_live(loop: "ServingLoop", requests: Sequence[SimRequest], vocab: int, seed: int = 0
              ) -> LiveRun:
-  from serving.request import Request as EngineRequest
+  from serving.request import Request
   from serving.stop import StopCriteria
 
   rng = np.random.default_rng(seed)
@@ -66,7 +66,7 @@ def run_live(loop: "ServingLoop", requests: Sequence[Request], vocab: int, seed:
       now = time.monotonic() - t0
       while nxt < len(order) and requests[order[nxt]].arrival_s <= now:
         i = order[nxt]
-        loop.submit(EngineRequest(f"r{i}", prompts[i], stop=StopCriteria(
+        loop.submit(Request(f"r{i}", prompts[i], stop=StopCriteria(
             requests[i].output_len, ignore_eos=True)), lambda out: None)
         nxt += 1
       before, start = len(plans), time.monotonic()

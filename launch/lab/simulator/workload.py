@@ -24,7 +24,7 @@ import numpy as np
 
 from launch.lab.loadgen_lib.arrivals import Arrivals, arrival_times_s
 from launch.lab.loadgen_lib.workload import PROFILES, TraceRow
-from launch.lab.simulator.cluster import Request
+from launch.lab.simulator.cluster import SimRequest
 
 
 def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
@@ -54,7 +54,7 @@ def _cached(prompt: int, prefix: int, hit_rate: float, page_size: int) -> int:
 
 def from_profiles(mix: tuple[tuple[str, float], ...], rate: float, count: int, seed: int = 0,
                   length_scale: float = 1.0, process: str = "poisson", burstiness: float = 1.0,
-                  prefix_hit_rate: float = 0.0, page_size: int = 16) -> tuple[Request, ...]:
+                  prefix_hit_rate: float = 0.0, page_size: int = 16) -> tuple[SimRequest, ...]:
   if not 0.0 <= prefix_hit_rate < 1.0:
     raise ValueError(f"prefix_hit_rate must be in [0, 1), got {prefix_hit_rate}")
   lengths = np.random.default_rng(seed)
@@ -72,13 +72,13 @@ def from_profiles(mix: tuple[tuple[str, float], ...], rate: float, count: int, s
     output = prof.output.sample(lengths, length_scale)
     cached_prefix = prefix if prof.name in seen_prefix else 0
     seen_prefix.add(prof.name)
-    out.append(Request(float(t), prompt, output,
+    out.append(SimRequest(float(t), prompt, output,
                        _cached(prompt, cached_prefix, prefix_hit_rate, page_size)))
   return tuple(out)
 
 
 def from_trace(rows: tuple[TraceRow, ...], rate: float | None = None,
-               prefix_hit_rate: float = 0.0, page_size: int = 16) -> tuple[Request, ...]:
+               prefix_hit_rate: float = 0.0, page_size: int = 16) -> tuple[SimRequest, ...]:
   if not rows:
     raise ValueError("an empty trace")
   t0 = rows[0].arrival_s
@@ -88,11 +88,11 @@ def from_trace(rows: tuple[TraceRow, ...], rate: float | None = None,
     if len(rows) < 2 or span <= 0:
       raise ValueError("rescaling a trace's rate needs two or more distinct arrival times")
     scale = (len(rows) - 1) / span / rate
-  return tuple(Request((r.arrival_s - t0) * scale, r.prompt_len, r.output_len,
+  return tuple(SimRequest((r.arrival_s - t0) * scale, r.prompt_len, r.output_len,
                        _cached(r.prompt_len, 0, prefix_hit_rate, page_size)) for r in rows)
 
 
-def mean_tokens(requests: tuple[Request, ...]) -> tuple[float, float]:
+def mean_tokens(requests: tuple[SimRequest, ...]) -> tuple[float, float]:
   """Mean prompt and output lengths."""
   n = max(1, len(requests))
   return (sum(r.prompt_len for r in requests) / n, sum(r.output_len for r in requests) / n)

@@ -16,7 +16,7 @@ import pytest
 
 from launch.lab.loadgen_lib.slo import Slo
 from launch.lab.simulator import capacity, workload
-from launch.lab.simulator.cluster import Deployment, Pool, Request, simulate
+from launch.lab.simulator.cluster import Pool, SimDeployment, SimRequest, simulate
 from launch.lab.simulator.instance import EngineSpec
 from launch.lab.simulator.step_time import CostModelStepTime, LinearStepTime, kv_capacity_tokens
 from models.config import get_shape
@@ -31,51 +31,51 @@ SPEC = EngineSpec(max_slots=4, max_step_tokens=64, max_chunk=64, max_prefill_chu
 
 
 def _one(reqs, spec=SPEC, st=FLAT, kv=10_000, **kw):
-  return simulate(reqs, Deployment.interleaved(1, spec, st, kv), **kw).records
+  return simulate(reqs, SimDeployment.interleaved(1, spec, st, kv), **kw).records
 
 
 # -- the event model, by hand ---------------------------------------------------------------------
 
 
 def test_one_request_prefills_in_chunks_then_decodes_a_token_per_step():
-  (r,) = _one([Request(0.0, 100, 5)])  # 100 tokens: chunks of 64 + 36, then 4 decode steps
+  (r,) = _one([SimRequest(0.0, 100, 5)])  # 100 tokens: chunks of 64 + 36, then 4 decode steps
   assert r.ttft_s == pytest.approx(2 * A)
   assert r.tpot_s == pytest.approx(A) and r.e2e_s == pytest.approx(6 * A)
-  (r,) = _one([Request(0.0, 100, 1)])  # one token: done at the prompt's last step
+  (r,) = _one([SimRequest(0.0, 100, 1)])  # one token: done at the prompt's last step
   assert r.ttft_s == r.e2e_s == pytest.approx(2 * A) and r.tpot_s is None
 
 
 def test_the_token_budget_is_shared_decode_first_then_prefill_fcfs():
   # Two prompts of 40 arrive together; budget 64: step 0 = a 40 + b 24, step 1 = a's decode
   # row + b's last 16 (a gets its 2nd token), step 2 = both decode.
-  a, b = _one([Request(0.0, 40, 3), Request(0.0, 40, 3)])
+  a, b = _one([SimRequest(0.0, 40, 3), SimRequest(0.0, 40, 3)])
   assert a.ttft_s == pytest.approx(A) and b.ttft_s == pytest.approx(2 * A)
   assert a.e2e_s == pytest.approx(3 * A) and b.e2e_s == pytest.approx(4 * A)
 
 
 def test_step_time_follows_the_step_composition():
   st = LinearStepTime(0.001, 0.0001, 0.002)  # a + b * prefill tokens + c * decode rows
-  (r,) = _one([Request(0.0, 50, 3)], st=st)
+  (r,) = _one([SimRequest(0.0, 50, 3)], st=st)
   assert r.ttft_s == pytest.approx(0.001 + 50 * 0.0001)
   assert r.tpot_s == pytest.approx(0.001 + 0.002)
 
 
 def test_slots_and_kv_make_requests_wait_and_oversized_ones_are_rejected():
   one_slot = EngineSpec(max_slots=1, max_step_tokens=64, max_chunk=64)
-  a, b = _one([Request(0.0, 10, 4), Request(0.0, 10, 4)], spec=one_slot)
+  a, b = _one([SimRequest(0.0, 10, 4), SimRequest(0.0, 10, 4)], spec=one_slot)
   assert a.e2e_s == pytest.approx(4 * A)
   assert b.queue_s == pytest.approx(4 * A) and b.ttft_s == pytest.approx(5 * A)
   # KV for one request (10 + 4 tokens) at a time: the same serialisation through pages.
-  a, b = _one([Request(0.0, 10, 4), Request(0.0, 10, 4)], kv=20)
+  a, b = _one([SimRequest(0.0, 10, 4), SimRequest(0.0, 10, 4)], kv=20)
   assert b.ttft_s == pytest.approx(5 * A)
-  (c,) = _one([Request(0.0, 30, 4)], kv=20)
+  (c,) = _one([SimRequest(0.0, 30, 4)], kv=20)
   assert c.status == "rejected" and c.ttft_s is None
 
 
 def test_prefix_cache_hits_skip_prefill_tokens():
-  (r,) = _one([Request(0.0, 200, 2, cached_tokens=192)])  # 8 tokens left: one step
+  (r,) = _one([SimRequest(0.0, 200, 2, cached_tokens=192)])  # 8 tokens left: one step
   assert r.ttft_s == pytest.approx(A)
-  (r,) = _one([Request(0.0, 200, 2, cached_tokens=0)])  # 200 tokens: 4 chunks of <= 64
+  (r,) = _one([SimRequest(0.0, 200, 2, cached_tokens=0)])  # 200 tokens: 4 chunks of <= 64
   assert r.ttft_s == pytest.approx(4 * A)
 
 
@@ -84,9 +84,9 @@ def test_disaggregated_moves_kv_over_the_link_before_decoding():
              LinearStepTime(0.02, 0.0, 0.0), 10_000)
   dec = Pool("decode", 1, EngineSpec(max_slots=4, max_step_tokens=4, max_chunk=1),
              LinearStepTime(0.005, 0.0, 0.0), 10_000)
-  dep = Deployment.disaggregated(pre, dec, link_bytes_per_s=1e6, kv_bytes_per_token=100.0,
+  dep = SimDeployment.disaggregated(pre, dec, link_bytes_per_s=1e6, kv_bytes_per_token=100.0,
                                  link_latency_s=0.001)
-  (r,) = simulate([Request(0.0, 100, 5)], dep).records
+  (r,) = simulate([SimRequest(0.0, 100, 5)], dep).records
   transfer = 0.001 + 100 * 100.0 / 1e6  # latency + 10 kB at 1 MB/s
   assert r.ttft_s == pytest.approx(0.02)  # the prefill pool samples the first token
   assert r.e2e_s == pytest.approx(0.02 + transfer + 4 * 0.005)  # then 4 decode steps
@@ -94,26 +94,26 @@ def test_disaggregated_moves_kv_over_the_link_before_decoding():
   assert r.instance == "prefill0" and r.decode_instance == "decode0"
   # One link per prefill instance, FIFO: two prompts prefilled in one step, the second
   # transfer (7 ms) waits for the first, then decodes its one token (5 ms) alone.
-  a, b = simulate([Request(0.0, 60, 2), Request(0.0, 60, 2)], dep).records
+  a, b = simulate([SimRequest(0.0, 60, 2), SimRequest(0.0, 60, 2)], dep).records
   assert a.ttft_s == b.ttft_s == pytest.approx(0.02)
   assert a.e2e_s == pytest.approx(0.02 + 0.007 + 0.005)
   assert b.e2e_s - a.e2e_s == pytest.approx(0.007)
 
 
 def test_dispatch_spreads_requests_over_instances():
-  dep = Deployment.interleaved(2, SPEC, FLAT, 10_000)
-  recs = simulate([Request(0.0, 40, 3), Request(0.0, 40, 3)], dep).records
+  dep = SimDeployment.interleaved(2, SPEC, FLAT, 10_000)
+  recs = simulate([SimRequest(0.0, 40, 3), SimRequest(0.0, 40, 3)], dep).records
   assert {r.instance for r in recs} == {"mixed0", "mixed1"}
   assert all(r.ttft_s == pytest.approx(A) for r in recs)  # no sharing of a budget
 
 
 def test_early_rejection_refuses_what_would_miss_ttft():
   slo = Slo("t", ttft_s=0.1, tpot_s=1.0)
-  burst = [Request(0.001 * i, 200, 2) for i in range(60)]  # each prompt: 4 steps of 10 ms
+  burst = [SimRequest(0.001 * i, 200, 2) for i in range(60)]  # each prompt: 4 steps of 10 ms
   spec = EngineSpec(max_slots=64, max_step_tokens=64, max_chunk=64)
-  dep = Deployment.interleaved(1, spec, FLAT, 100_000)
+  dep = SimDeployment.interleaved(1, spec, FLAT, 100_000)
   off = simulate(burst, dep, slo).records
-  on = simulate(burst, Deployment.interleaved(1, spec, FLAT, 100_000, early_reject=True),
+  on = simulate(burst, SimDeployment.interleaved(1, spec, FLAT, 100_000, early_reject=True),
                 slo).records
   assert all(r.status == "ok" for r in off)
   assert max(r.ttft_s for r in off) > 1.0  # 60 x 4 steps queued
@@ -123,8 +123,8 @@ def test_early_rejection_refuses_what_would_miss_ttft():
   # Slots full: one slot held for 50 decode steps (0.5 s); the next request's predicted wait
   # for the slot (Scheduler.slot_wait_steps' estimate) misses the TTFT target.
   one = EngineSpec(max_slots=1, max_step_tokens=64, max_chunk=64)
-  a, b = simulate([Request(0.0, 10, 51), Request(0.15, 10, 2)],
-                  Deployment.interleaved(1, one, FLAT, 10_000, early_reject=True), slo).records
+  a, b = simulate([SimRequest(0.0, 10, 51), SimRequest(0.15, 10, 2)],
+                  SimDeployment.interleaved(1, one, FLAT, 10_000, early_reject=True), slo).records
   assert a.status == "ok" and b.status == "rejected"
 
 
@@ -141,7 +141,7 @@ def _real_scheduler(requests, costs, slots, step_tokens, chunk, chunks):
   from serving.kv_pages import PageBudget, PagePool
   from serving.lifecycle import Metrics
   from serving.loop import ServingLoop
-  from serving.request import Request as EngineRequest
+  from serving.request import Request
   from serving.scheduler import Scheduler
   from serving.stop import StopCriteria
 
@@ -155,7 +155,7 @@ def _real_scheduler(requests, costs, slots, step_tokens, chunk, chunks):
   while i < len(requests) or not loop.idle:
     if i < len(requests) and requests[i].arrival_s <= clock.t:
       r = requests[i]
-      loop.submit(EngineRequest(f"r{i}", tuple([7] * r.prompt_len),
+      loop.submit(Request(f"r{i}", tuple([7] * r.prompt_len),
                                 stop=StopCriteria(r.output_len, ignore_eos=True)), lambda o: None)
       i += 1
     elif not loop.step() and i < len(requests):
@@ -175,7 +175,7 @@ def test_lean_model_matches_the_real_scheduler_on_a_simulated_clock(rate):
                                 length_scale=0.25)
   ttft, tpot = _real_scheduler(reqs, costs, slots=8, step_tokens=128, chunk=64, chunks=4)
   spec = EngineSpec(max_slots=8, max_step_tokens=128, max_chunk=64, max_prefill_chunks=4)
-  recs = simulate(reqs, Deployment.interleaved(1, spec, LinearStepTime(*costs), 10**6)).records
+  recs = simulate(reqs, SimDeployment.interleaved(1, spec, LinearStepTime(*costs), 10**6)).records
   from launch.lab.loadgen_lib.report import percentile
   for q in (0.5, 0.9):
     assert percentile([r.ttft_s for r in recs], q) == pytest.approx(percentile(ttft, q), rel=0.2)
@@ -222,7 +222,7 @@ def test_capacity_search_brackets_the_slo_and_scales_with_instances():
   st = LinearStepTime(0.005, 0.00005, 0.0005)
   make = lambda r: workload.from_profiles(workload.parse_mix("interactive"), r,
                                           max(300, math.ceil(r * 20)), seed=1, length_scale=0.5)
-  one = capacity.find_capacity(make, Deployment.interleaved(1, spec, st, 10**6), slo)
+  one = capacity.find_capacity(make, SimDeployment.interleaved(1, spec, st, 10**6), slo)
   best = one["best_rate_per_s"]
   rows = one["rows"]
   assert rows[best]["meets_slo_p99"]
@@ -231,7 +231,7 @@ def test_capacity_search_brackets_the_slo_and_scales_with_instances():
   p, o = workload.mean_tokens(make(1.0))
   ceiling = 1 / (st.b * p + (st.a / spec.max_slots + st.c) * o)
   assert 0.3 * ceiling < best < 1.2 * ceiling
-  four = capacity.find_capacity(make, Deployment.interleaved(4, spec, st, 10**6), slo)
+  four = capacity.find_capacity(make, SimDeployment.interleaved(4, spec, st, 10**6), slo)
   # Four instances serve about four times as much (a little more: one queue feeds four).
   assert 3.5 * best < four["best_rate_per_s"] < 5.0 * best
 

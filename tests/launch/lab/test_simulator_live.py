@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from launch.lab.loadgen_lib.report import percentile
-from launch.lab.simulator.cluster import Deployment, Request, simulate
+from launch.lab.simulator.cluster import SimDeployment, SimRequest, simulate
 from launch.lab.simulator.instance import EngineSpec
 from launch.lab.simulator.live import fit_step_time, run_live
 from models.config import get_preset
@@ -27,10 +27,10 @@ FACTOR = 2.0
 SLOTS, STEP_TOKENS, CHUNK, CHUNKS, PAGES, PAGE = 4, 48, 32, 1, 64, 16
 
 
-def _trace(n: int, rate: float, seed: int) -> list[Request]:
+def _trace(n: int, rate: float, seed: int) -> list[SimRequest]:
   rng = np.random.default_rng(seed)
   arrivals = np.cumsum(rng.exponential(1 / rate, n))
-  return [Request(float(t), int(rng.integers(16, 96)), int(rng.integers(8, 24)))
+  return [SimRequest(float(t), int(rng.integers(16, 96)), int(rng.integers(8, 24)))
           for t in arrivals]
 
 
@@ -53,7 +53,7 @@ def test_simulated_p50_ttft_and_tpot_match_the_live_engine():
   assert step_time.b > 0  # prefill tokens cost time: the fit found the engine's shape
   spec = EngineSpec(max_slots=SLOTS, max_step_tokens=STEP_TOKENS, max_chunk=CHUNK,
                     max_prefill_chunks=CHUNKS)
-  sim = simulate(reqs, Deployment.interleaved(1, spec, step_time, PAGES * PAGE)).records
+  sim = simulate(reqs, SimDeployment.interleaved(1, spec, step_time, PAGES * PAGE)).records
   got = {"ttft": percentile([r.ttft_s for r in sim], 0.5),
          "tpot": percentile([r.tpot_s for r in sim if r.tpot_s is not None], 0.5)}
   want = {"ttft": percentile(list(live.ttft_s), 0.5), "tpot": percentile(list(live.tpot_s), 0.5)}
