@@ -288,8 +288,8 @@ def run() -> dict:
   if "decode" in _SECTIONS.value:
     out["decode"] = _decode_section(cfg, params, tok, rng)
   if "paged" in _SECTIONS.value:
-    from launch.lab import paged_timing
-    out["paged"] = paged_timing.run(_MODEL.value, _DTYPE.value, 8, _PAGED_CONTEXT.value,
+    from launch.lab import bench_pages
+    out["paged"] = bench_pages.run(_MODEL.value, _DTYPE.value, 8, _PAGED_CONTEXT.value,
                                    (_PAGE_SIZE.value,), 8, _ROUNDS.value)
   if "continuous" in _SECTIONS.value:
     out["continuous"] = _continuous_section(cfg, params, tok, rng)

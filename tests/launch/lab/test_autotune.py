@@ -8,7 +8,7 @@ import sys
 
 
 from models.config import get_preset
-from launch.lab import layout_autotune as at
+from launch.lab import tune_layouts as at
 from partitioning import collectives
 from partitioning.hardware import get_hardware
 from partitioning.mesh import make_mesh

@@ -133,10 +133,10 @@ def test_early_rejection_refuses_what_would_miss_ttft():
 
 def _real_scheduler(requests, costs, slots, step_tokens, chunk, chunks):
   """The real Scheduler + ServingLoop over the FakeEngine on a simulated clock (the engine
-  charges a + b * prefill tokens + c * rows per step, launch.lab.early_rejection_sim)."""
+  charges a + b * prefill tokens + c * rows per step, launch.lab.sim_early_rejection)."""
   import prometheus_client as prom
 
-  from launch.lab.early_rejection_sim import SimClock, timed_engine
+  from launch.lab.sim_early_rejection import SimClock, timed_engine
   from models.text.tokenizer import ByteTokenizer
   from serving.kv_pages import PageBudget, PagePool
   from serving.lifecycle import Metrics

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from launch.lab import frontier
+from launch.lab import sweep_frontier
 
 ROOT = str(paths.REPO)
 
@@ -39,7 +39,7 @@ def test_frontier_files(tmp_path):
   assert low["batch"] == 1 and low["latency_s"] > 0
   with open(os.path.join(out, "frontier.csv")) as f:
     rows = list(csv.DictReader(f))
-  assert tuple(rows[0]) == frontier.COLUMNS and len(rows) > 10
+  assert tuple(rows[0]) == sweep_frontier.COLUMNS and len(rows) > 10
   measured = [r for r in rows if r["source"] == "measured"]
   # ws_2d (fastest) and ws_1d (more MFU) are on the MFU frontier, wg_xyz (dominated) is not.
   assert {r["layout"].split("+")[0]: r["pareto_mfu"] for r in measured} == {
@@ -69,12 +69,12 @@ def test_calibrated_frontier_beside_the_predicted_one(tmp_path):
 
 
 def test_every_pareto_point_is_named_by_a_layout_label():
-  mk = lambda b, layout, lat: frontier.Point("predicted", "decode", "int8", 8, b, 128, layout,
+  mk = lambda b, layout, lat: sweep_frontier.Point("predicted", "decode", "int8", 8, b, 128, layout,
                                              lat, 0.1 * b, 1.0)
   front = [mk(1, "ws_2d+heads 2.2.2", 1.0), mk(2, "ws_2d+heads 2.2.2", 1.1),
            mk(2, "ws_2d+heads 4.2.1", 1.1), mk(4, "ws_1d+batch_xyz 2.2.2", 1.5),
            mk(8, "ws_2d+heads 2.2.2", 2.0)]
-  runs = frontier.runs_of_a_layout(front)
+  runs = sweep_frontier.runs_of_a_layout(front)
   assert [label for _, label in runs] == ["ws_2d+heads 2.2.2 (+1 meshes) int8 8c B1-2",
                                           "ws_1d+batch_xyz 2.2.2 int8 8c B4",
                                           "ws_2d+heads 2.2.2 int8 8c B8"]
@@ -82,16 +82,16 @@ def test_every_pareto_point_is_named_by_a_layout_label():
 
 
 def test_pareto_is_non_dominated():
-  pts = [frontier.Point("predicted", "decode", "bf16", 8, b, 128, "x", lat, mfu, c)
+  pts = [sweep_frontier.Point("predicted", "decode", "bf16", 8, b, 128, "x", lat, mfu, c)
          for b, lat, mfu, c in ((1, 1.0, 0.1, 9), (2, 2.0, 0.3, 5), (4, 2.5, 0.2, 4),
                                 (8, 3.0, 0.5, 6))]
-  assert [p.batch for p in frontier.pareto(pts, "mfu")] == [1, 2, 8]
-  assert [p.batch for p in frontier.pareto(pts, "cost")] == [1, 2, 4]
+  assert [p.batch for p in sweep_frontier.pareto(pts, "mfu")] == [1, 2, 8]
+  assert [p.batch for p in sweep_frontier.pareto(pts, "cost")] == [1, 2, 4]
   # Exact twins (another mesh, the same figures) dominate neither each other nor are dominated:
   # both stay; a point equal in MFU but slower is dominated.
   twin = dataclasses.replace(pts[1], batch=3)
   slower = dataclasses.replace(pts[1], batch=5, latency_s=2.2)
-  assert [p.batch for p in frontier.pareto(pts + [twin, slower], "mfu")] == [1, 2, 3, 8]
+  assert [p.batch for p in sweep_frontier.pareto(pts + [twin, slower], "mfu")] == [1, 2, 3, 8]
 
 
 def test_bad_flags_exit_2(tmp_path):
@@ -111,8 +111,8 @@ def test_the_calibrated_frontier_reproduces_the_papers_headline_pair():
   from launch.lab import published
   from partitioning.hardware import get_hardware
   m, hw, cal = get_preset("palm-540b"), get_hardware("tpu-v4"), published.fit_tpu_v4()
-  pts = frontier.predicted(m, hw, [64], [64, 128, 256, 512], 2048, calibration=cal)
-  ends = frontier.ends(pts)
+  pts = sweep_frontier.predicted(m, hw, [64], [64, 128, 256, 512], 2048, calibration=cal)
+  ends = sweep_frontier.ends(pts)
   low = ends["calibrated/decode"]["lowest_latency"]
   high = ends["calibrated/prefill"]["highest_mfu"]
   assert low["batch"] == 64 and low["weights"] == "int8"

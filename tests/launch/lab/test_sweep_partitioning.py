@@ -34,7 +34,7 @@ def test_sweep_writes_its_files_and_resumes(tmp_path):
   assert 0.0 <= first["agreement_rate"] <= 1.0
   with open(os.path.join(out, "sweep.csv")) as f:
     rows = list(csv.DictReader(f))
-  from launch.lab.partition_sweep import COLUMNS
+  from launch.lab.sweep_partitioning import COLUMNS
   assert tuple(rows[0]) == COLUMNS and len(rows) == 4
   assert {(r["seq"], r["ffn"]) for r in rows} == {(s, f) for s in ("16", "32")
                                                   for f in ("ws_2d", "wg_xyz")}

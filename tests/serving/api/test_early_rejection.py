@@ -1,4 +1,4 @@
-"""Prediction-based early rejection (Mooncake) on a simulated clock (launch.lab.early_rejection_sim):
+"""Prediction-based early rejection (Mooncake), simulated clock (launch.lab.sim_early_rejection):
 the real scheduler, front end and predictor over a fake engine whose steps cost simulated
 seconds, a Poisson trace at 2x the engine's capacity. With early rejection the admitted
 requests' p99 TTFT stays within the SLO; without it the queue grows and it does not. Rejections
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launch.lab.early_rejection_sim import capacity, simulate
+from launch.lab.sim_early_rejection import capacity, simulate
 from serving.step_cost import StepCostModel
 from tests.refenv import REPO
 
