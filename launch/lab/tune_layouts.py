@@ -5,23 +5,19 @@
 
 Contract:
   * ``autotune(cfg, mesh, phase, batch, seq, ...) -> AutotuneResult``: compiles and times every
-    candidate ``(ffn, attn)`` pair (default: all of ``layouts.FFN_LAYOUTS x ATTN_LAYOUTS``;
-    pairs whose ``LayoutPlan`` is identical run the same program and are timed once, the others
-    reported ``same_as`` it), picks the fastest and stores the result in
-    ``<cache_dir>/autotune.json`` (default dir: ``default_cache_dir()``), keyed by ``cache_key``
-    (model, devices and mesh, cell, weight dtype, candidates, hardware, reps); a stored key is
-    returned without compiling (``cache_hit=True``) unless ``refresh=True``.
-  * Measured: best wall time of ``reps`` calls after one compile + warm-up call (all kept in
-    ``Measurement.reps_s``). ``prefill``: one chunk of ``seq`` tokens per row into an empty
-    cache; ``decode``: one token per row attending to ``seq`` cached positions. Predicted:
-    ``partitioning.cost_model.step_cost(...).latency_s`` on ``hardware`` (``None``: not
-    predicted; a rejected combination has ``predicted_s=None`` and the reason in ``note``).
-  * Several processes (``partitioning.distributed``): every process runs every candidate;
-    process 0's cache lookup and times decide for all, and only process 0 writes the cache.
+    candidate ``(ffn, attn)`` pair (default: every layout pair; pairs with an identical
+    ``LayoutPlan`` run one program, timed once, the others ``same_as`` it), picks the fastest and
+    stores it in ``<cache_dir>/autotune.json`` (``default_cache_dir()``) under ``cache_key``; a
+    stored key is returned without compiling (``cache_hit``) unless ``refresh``. Measured: the
+    best of ``reps`` calls after a warm-up (all in ``Measurement.reps_s``); prefill: one chunk of
+    ``seq`` tokens per row, decode: one token per row over ``seq`` cached positions. Predicted:
+    ``cost_model.step_cost`` on ``hardware`` (``None``: not predicted; a rejection in ``note``).
+    Several processes (``partitioning.distributed``): all run every candidate, process 0's cache
+    and times decide, only process 0 writes.
   * The CLI (flags defined only when run as a program: ``_Flags``) tunes one cell on a mesh over
-    every device (``--mesh_shape`` x,y,z or factorised; ``--fake_devices N`` splits the host CPU,
-    testing only) and prints measured against predicted per pair and the winner, or
-    ``AutotuneResult.to_dict()`` with ``--json``. Bad flags print ``error: ...`` and exit 2.
+    every device (``--mesh_shape`` or factorised; ``--fake_devices N`` splits the host CPU,
+    testing only) and prints measured against predicted per pair, or ``AutotuneResult.to_dict()``
+    with ``--json``. Bad flags print ``error: ...`` and exit 2.
 """
 
 from __future__ import annotations
