@@ -5,18 +5,18 @@
       --long_tokens 3000 --steady_steps 2000 --out /tmp/soak -- --max_context 128
 
 Starts ``python -m launch.server --model MODEL [--attention_sinks] ARGS --port 0 --port_file F
---http_port 0 --metrics_port 0`` (ARGS: whatever follows ``--``; see ``launch.lab.soak_lib``),
-waits for readiness, drives it for ``--duration_s`` of traffic (plus the drains below), stops it
-with SIGTERM, prints one JSON report and exits 1 if an assertion failed (2: bad flags or a
-server that never became ready). ``--out DIR`` receives ``report.json``, ``samples.csv`` (one
-row per sample), ``requests.csv`` (one row per request) and ``server.log`` (without ``--out``,
-a fresh temporary directory, named in the report).
+--http_port 0 --metrics_port 0`` (ARGS: whatever follows ``--``; see
+``launch.lab.soak_lib.server_proc``), waits for readiness, drives it for ``--duration_s`` of traffic
+(plus the drains below), stops it with SIGTERM, prints one JSON report and exits 1 if an assertion
+failed (2: bad flags or a server that never became ready). ``--out DIR`` receives ``report.json``,
+``samples.csv`` (one row per sample), ``requests.csv`` (one row per request) and ``server.log``
+(without ``--out``, a fresh temporary directory, named in the report).
 
 Timeline: ``round(duration_s / idle_every_s)`` (at least 1) cycles of [active stretch, drain,
 quiet probe, idle gap of ``--idle_s``, post-idle probe]. In an active stretch, all at once:
 
 * Poisson arrivals at ``--qps`` (default: ``QPS_DEFAULTS`` for the model, else 1) cycling
-  through every request variant (``launch.lab.soak_requests``): OpenAI ``/v1/completions`` and
+  through every request variant (``launch.lab.soak_lib.senders``): OpenAI ``/v1/completions`` and
   ``/v1/chat/completions`` (streaming and not; n=3 at temperature 1 with a seed; logprobs 0 and
   5 / ``logprobs: true, top_logprobs: 3``; stop strings; greedy and top_k/top_p; a long prefix
   shared by every such request, for prefix-cache hits; a client that closes the stream after 3
@@ -39,8 +39,8 @@ A drain stops every sender and waits (up to ``--drain_timeout_s``) until nothing
 the quiet probe is then one HTTP chat and one gRPC request, alone; then nothing is sent for
 ``--idle_s``; at the gap's end the KV gauges are read and the post-idle probe (the same two
 requests) goes first. Every ``--sample_s`` from outside: the server's RSS, open fds and
-mappings (``/proc/PID``), the Prometheus series of ``launch.lab.soak_lib.SERIES`` and the health of
-``GET /health``, ``GET /ready`` and gRPC health (liveness and readiness).
+mappings (``/proc/PID``), the Prometheus series of ``launch.lab.soak_lib.server_proc.SERIES``
+and the health of ``GET /health``, ``GET /ready`` and gRPC health (liveness and readiness).
 
 Assertions (``report["assertions"][name]["pass"]``, with the numbers behind each):
 
@@ -83,10 +83,10 @@ per idle gap, TTFT / TPOT p50 / p99 of the ordinary streaming requests (client c
 n = 1), the long generation, the steady batch, prefix-cache hits, and the server log's ERROR
 lines.
 
-Modules: ``launch.lab.soak_traffic`` (the timeline and the scheduling of every request),
-``launch.lab.soak_requests`` (the clients, the prompts, the variants and the check of each answer),
-``launch.lab.soak_report`` (one record per request, the analysis and its assertions),
-``launch.lab.soak_lib`` (the server process, the sampler, slopes and files).
+Modules: ``launch.lab.soak_lib.traffic`` (the timeline and the scheduling of every request),
+``launch.lab.soak_lib.senders`` (the clients, the prompts, the variants, the check of each answer),
+``launch.lab.soak_lib.report`` (one record per request, the analysis and its assertions),
+``launch.lab.soak_lib.server_proc`` (the server process, the sampler, slopes and files).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ from absl import flags
 
 from launch import cli
 from launch.cli import CliError
-from launch.lab.soak_report import REC_COLUMNS, analyze
-from launch.lab.soak_traffic import plan, run_traffic
+from launch.lab.soak_lib.report import REC_COLUMNS, analyze
+from launch.lab.soak_lib.traffic import plan, run_traffic
 
 # Near capacity beside the steady batch and the long stream, on the 2-core development CPU
 # (smollm2-135m int8: 0.6 ordinary requests/s served at --qps 2, half refused; tiny: none refused
@@ -187,7 +187,7 @@ def _server_info(server) -> tuple[str, int, int]:
 
 
 def main(argv: list[str]) -> None:
-  from launch.lab import soak_lib
+  from launch.lab.soak_lib import server_proc
   server_args = list(argv[1:])  # everything after "--"
   cfg = _config()
   plan(cfg["duration_s"], cfg["idle_s"], cfg["idle_every_s"])  # bad timing: exit 2 now
@@ -201,13 +201,13 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGTERM, on_term)
   t_start = time.monotonic()
   try:
-    server = soak_lib.ServerProc.start(out, argv_server, _READY.value)
+    server = server_proc.ServerProc.start(out, argv_server, _READY.value)
   except RuntimeError as e:
     raise CliError(f"{e} (log: {os.path.join(out, 'server.log')})") from None
   t_ready = time.monotonic()
   tr, why, exit_code, end_row = None, "", None, None
   gaps: list[dict] = []
-  sampler = soak_lib.Sampler(server, lambda: "ready", cfg["sample_s"], t0=t_ready)
+  sampler = server_proc.Sampler(server, lambda: "ready", cfg["sample_s"], t0=t_ready)
   try:
     info = _server_info(server)
     if not cfg["sink_window"] and cfg["long_tokens"] + 16 > info[2]:
@@ -230,7 +230,7 @@ def main(argv: list[str]) -> None:
   report = analyze(cfg, recs, samples, gaps, tr.drains if tr else [],
                    tr.lane_tokens if tr else [], tr.lane_generations if tr else [], ready_row,
                    end_row, why, exit_code, kinds,
-                   soak_lib.log_problems(os.path.join(out, "server.log")),
+                   server_proc.log_problems(os.path.join(out, "server.log")),
                    len(tr.bursting) if tr else 0)
   report = {"ok": report.pop("ok"), "failed": report.pop("failed"),
             "wall_s": round(wall, 1), "startup_s": round(t_ready - t_start, 1),
@@ -238,8 +238,8 @@ def main(argv: list[str]) -> None:
             "config": cfg, "server": {"argv": server.argv[1:], "pid": server.pid,
                                       "exit_code": exit_code},
             "out": out, **report}
-  soak_lib.write_csv(os.path.join(out, "samples.csv"), soak_lib.SAMPLE_COLUMNS, samples)
-  soak_lib.write_csv(os.path.join(out, "requests.csv"), REC_COLUMNS,
+  server_proc.write_csv(os.path.join(out, "samples.csv"), server_proc.SAMPLE_COLUMNS, samples)
+  server_proc.write_csv(os.path.join(out, "requests.csv"), REC_COLUMNS,
                      [dataclasses.asdict(r) for r in recs])
   with open(os.path.join(out, "report.json.tmp"), "w") as f:
     json.dump(report, f, indent=2, default=str)

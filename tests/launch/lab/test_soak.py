@@ -23,9 +23,9 @@ import pytest
 
 # Not launch.lab.soak itself: importing it defines its absl flags (--model, ...) in this process,
 # which collides with another CLI's test in the same pytest worker.
-from launch.lab import soak_report, soak_traffic
+from launch.lab.soak_lib import report as soak_report, traffic as soak_traffic
 from launch.cli import CliError
-from launch.lab.soak_lib import scrape, slope_per_min
+from launch.lab.soak_lib.server_proc import scrape, slope_per_min
 from tests.refenv import REPO
 
 # The tiny model's server, sized for few programs to warm up (20: decode rows 1-8 x 4 attended

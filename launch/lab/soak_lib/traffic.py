@@ -7,8 +7,8 @@ Contract:
     ``bursts_in(a0, a1, every, length)``: the bursts (offsets from its start) of the stretch
     spanning active time ``[a0, a1)``, one at every ``every * (k + 1/2)``, clipped to it.
   * ``Traffic(server, model_name, vocab, max_context, t_ready, rng, cfg)``: the requests
-    (``send``: ``launch.lab.soak_requests.Senders``, whose ``variants`` it cycles through) and their
-    scheduling: ``tracked`` sends one and appends its ``launch.lab.soak_report.Rec`` to
+    (``send``: ``launch.lab.soak_lib.senders.Senders``, whose ``variants`` it cycles through) and
+    their scheduling: ``tracked`` sends one and appends its ``launch.lab.soak_lib.report.Rec`` to
     ``records`` (``in_burst``: a non-probe sent in a burst or its grace; a request the soak
     itself cancels is ``abandoned``; an exception of a sender is a ``client_<class>`` error);
     ``launch(role)`` sends the next variant; ``probe``, ``long_generation``, ``steady_lane``
@@ -29,8 +29,8 @@ import time
 from typing import Awaitable, Callable
 
 from launch.cli import CliError
-from launch.lab.soak_report import Rec, category
-from launch.lab.soak_requests import Res, Senders
+from launch.lab.soak_lib.report import Rec, category
+from launch.lab.soak_lib.senders import Res, Senders
 
 
 def plan(duration_s: float, idle_s: float, idle_every_s: float) -> tuple[int, float]:

@@ -1,5 +1,5 @@
-"""The soak's flag-free parts (``launch.lab.soak`` is the CLI): the server process, the sampler, the
-analysis. Nothing here imports JAX.
+"""The soak's server process, sampler, slopes and files (``launch.lab.soak`` is the CLI).
+Nothing here imports JAX.
 
 Contract:
   * ``ServerProc.start(out_dir, argv, ready_timeout_s)`` runs ``python -m launch.server ARGV
@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from launch.lab.loadgen_lib.report import percentile  # noqa: F401  (re-exported for launch.lab.soak_report)
+from launch.lab.loadgen_lib.report import percentile  # noqa: F401 (for soak_lib.report)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_SERVICE = "phaseserve.v1.Generation"

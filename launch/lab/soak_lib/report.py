@@ -54,7 +54,7 @@ def category(status: str, tokens: int) -> str:
 
 
 def _pct(xs: list[float]) -> dict:
-  from launch.lab.soak_lib import percentile
+  from launch.lab.soak_lib.server_proc import percentile
   return {"count": len(xs), "p50": percentile(xs, 0.5), "p99": percentile(xs, 0.99)}
 
 
@@ -66,7 +66,7 @@ def analyze(cfg: dict, recs: list[Rec], samples: list[dict], gaps: list[dict], d
             lane_tokens: list[int], lane_generations: list[int], ready_row: dict,
             end_row: dict | None, why: str, exit_code: int | None, kinds: list[tuple[str, str]],
             log: dict, bursts: int = 0) -> dict:
-  from launch.lab.soak_lib import slope_per_min
+  from launch.lab.soak_lib.server_proc import slope_per_min
   by_kind: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
   for r in recs:
     by_kind[r.api][r.kind][r.status] += 1
