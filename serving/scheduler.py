@@ -14,7 +14,7 @@ Contract (vLLM v1's loop; KV memory is the ``serving.kv_manager.KVManager`` at `
   * ``update(result)`` applies one ``StepResult`` through each request's ``StopChecker``; results
     may lag plans (``inflight`` ids); ``cancel`` is thread-safe; ``fail`` ends every running (and
     with ``waiting``, queued) request as ``error``. Lifecycle events go to the traces from ``add``.
-Imports nothing from JAX: the plan is plain data.
+Imports nothing from JAX: the plan (``serving.step_plan``, re-exported here) is plain data.
 """
 
 from __future__ import annotations
@@ -24,74 +24,17 @@ import enum
 import heapq
 import itertools
 import threading
-from typing import Callable, Sequence
-
-import numpy as np
+from typing import Callable
 
 from models.text.tokenizer import Tokenizer
 from serving.kv_manager import KVManager
-from serving.kv_pages import PageCopy, PagePool, Refusal
+from serving.kv_pages import PagePool, Refusal
 from serving.lifecycle import RequestTrace
-from serving.prefix_cache import BasePrefixCache, PageLoad, PageSpill
+from serving.prefix_cache import BasePrefixCache
+from serving.request import MAX_STREAM_TOKENS, Request, RequestOutput, TokenLogprobs, Usage
 from serving.sessions import Sessions
-from serving.request import (MAX_STREAM_TOKENS, Request, RequestOutput, Sinks, TokenLogprobs,
-                             Usage)
-from serving.sampling import SamplingParams
+from serving.step_plan import DecodeRow, PrefillChunk, SlotSetup, StepPlan, StepResult
 from serving.stop import FinishReason, StopChecker
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillChunk:
-  request_id: str
-  slot: int
-  token_ids: tuple[int, ...]
-  start: int  # absolute position of token_ids[0]
-  sample: bool  # the context ends with this chunk: sample the sequence's next id
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeRow:
-  request_id: str
-  slot: int
-  position: int  # where the slot's last sampled id (held on the device) is written
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotSetup:
-  slot: int
-  request_id: str
-  sampling: SamplingParams
-  sinks: Sinks | None = None  # the slot's cache policy (a sink pool's per-row sinks/window)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-  step: int
-  prefill: tuple[PrefillChunk, ...]
-  decode: tuple[DecodeRow, ...]
-  setups: tuple[SlotSetup, ...]  # slots (re)assigned this step: reset their sampling state
-  page_table: np.ndarray  # [max_slots, max_pages_per_seq] int32; free slots hold the null page
-  copies: tuple[PageCopy, ...] = ()
-  # Host tier, in this order before the step: device pages to copy out, host entries to drop,
-  # host entries to load onto device pages.
-  spills: tuple[PageSpill, ...] = ()
-  forget: tuple[int, ...] = ()
-  loads: tuple[PageLoad, ...] = ()
-
-  @property
-  def num_tokens(self) -> int:
-    return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
-
-  @property
-  def empty(self) -> bool:
-    return not self.prefill and not self.decode
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-  step: int
-  tokens: dict[str, int]  # request id -> id sampled by this step
-  logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
 
 
 class _State(enum.Enum):
@@ -110,7 +53,7 @@ class _Seq:
   state: _State = _State.WAITING
   computed: int = 0  # positions written (or planned to be) in the KV pages
   inflight: int = 0  # ids planned but not yet received
-  slot: int | None = None
+  slot: int = -1  # its decode row, -1 while it holds none
   decoding: bool = False  # the context's last chunk is planned: one id per step from now on
   preemptions: int = 0
   cached: int = 0  # prompt tokens reused at its first admission
@@ -212,6 +155,8 @@ class Scheduler:
     return None
 
   def _sinks_refusal(self, req: Request) -> str | None:
+    """A sink stream (a ring of pages from admission) may run past the context up to
+    ``MAX_STREAM_TOKENS``, but its prompt must fit in sinks + window and its sinks in a page."""
     s, z = req.sinks, self.kv.page_size
     assert s is not None
     if not self.sinks:
@@ -227,6 +172,7 @@ class Scheduler:
     return refusal.message if refusal else None
 
   def cancel(self, request_id: str) -> None:
+    """Thread-safe: its pages and slot are free before the next plan; it ends ``cancelled``."""
     with self._cancel_lock:
       self._cancelled.append(request_id)
 
@@ -277,7 +223,7 @@ class Scheduler:
         continue  # its last id is in flight; nothing more to compute
       if not self._reserve(seq, 1, preempt=True):
         continue
-      decode.append(DecodeRow(seq.req.request_id, seq.slot, seq.computed))  # type: ignore[arg-type]
+      decode.append(DecodeRow(seq.req.request_id, seq.slot, seq.computed))
       seq.computed += 1
       seq.inflight += 1
       budget -= 1
@@ -316,9 +262,9 @@ class Scheduler:
         seq.trace.record("resume", f"{got.start} cached tokens")
       budget -= self._plan_chunk(seq, budget, prefill, reserved=True)
     self._step += 1
-    seqs = [None] * self.max_slots
+    seqs: list[str | None] = [None] * self.max_slots
     for seq in self._running:
-      seqs[seq.slot] = seq.req.request_id  # type: ignore[index]
+      seqs[seq.slot] = seq.req.request_id
     moves = self.kv.take_moves()
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
                     self.kv.page_table(seqs), moves.copies, spills=moves.spills,
@@ -334,7 +280,7 @@ class Scheduler:
       return 0
     start = seq.computed
     sample = start + n == len(seq.tokens)
-    out.append(PrefillChunk(seq.req.request_id, seq.slot, tuple(seq.tokens[start:start + n]),  # type: ignore[arg-type]
+    out.append(PrefillChunk(seq.req.request_id, seq.slot, tuple(seq.tokens[start:start + n]),
                             start, sample))
     seq.computed += n
     if sample:
@@ -343,14 +289,11 @@ class Scheduler:
     return n
 
   def _reserve(self, seq: _Seq, n: int, preempt: bool) -> bool:
-    """Pages for ``n`` more positions of a running ``seq``. Decodes (``preempt``) may preempt
-    sequences of lower priority, which the decode loop (in priority order) has not planned yet;
-    with none left, ``seq`` itself yields. A prefill chunk may preempt a lower-priority sequence
-    that is itself still in its prompt (none of those is planned yet: the prefill loop runs in
-    priority order after the decodes); with none, it waits, keeping its pages. Without this, two
-    long prompts admitted together could each hold half the pool and wait for the other forever.
-    Any shortage stops admissions for the step (``_short``): a new request would take the pages
-    a running one is waiting for, or that a preempted one was just made to give up."""
+    """Pages for ``n`` more positions of a running ``seq``. A decode (``preempt``) preempts
+    lower-priority sequences (not planned yet: decodes run in priority order), else yields
+    itself; a prefill chunk preempts only a lower-priority one still in its prompt, else waits
+    keeping its pages (two long prompts must not each hold half the pool forever). Any shortage
+    stops admissions for the step (``_short``): a new request would take those pages."""
     while True:
       refusal = self.kv.extend(seq.req.request_id, n)  # reclaims cached pages first
       if refusal is None:
@@ -384,9 +327,9 @@ class Scheduler:
 
   def _drop_running(self, seq: _Seq) -> None:
     self.kv.free(seq.req.request_id)
-    if seq.slot is not None:
+    if seq.slot >= 0:
       heapq.heappush(self._free_slots, seq.slot)
-      seq.slot = None
+      seq.slot = -1
     if seq in self._running:
       self._running.remove(seq)
 
@@ -470,4 +413,4 @@ def run_to_completion(scheduler: Scheduler, execute: Callable[[StepPlan], StepRe
 
 
 __all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult", "Scheduler",
-           "run_to_completion", "Refusal", "Sequence"]
+           "run_to_completion", "Refusal"]
