@@ -61,7 +61,7 @@ class Match:
 
   @property
   def pages(self) -> tuple[int, ...]:
-    return tuple(n.page for n in self.nodes)  # type: ignore[misc]
+    return tuple(n.page for n in self.nodes)  # type: ignore[misc]  # device nodes hold a page
 
   def tokens(self, page_size: int) -> int:
     return (len(self.nodes) + len(self.host)) * page_size
@@ -200,9 +200,10 @@ class PrefixCache(BasePrefixCache):
   def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
     node, path = self._roots[shard], []
     for key in self._blocks(tokens, (len(tokens) - 1) // self.page_size):
-      node = node.children.get(key)  # type: ignore[assignment]
-      if node is None:
+      child = node.children.get(key)
+      if child is None:
         break
+      node = child
       path.append(node)
     dev = [n for n in path if n.page is not None]
     m = Match(shard, tuple(dev), tuple(path[len(dev):]))
@@ -277,7 +278,7 @@ class PrefixCache(BasePrefixCache):
         added += 1
       elif child.page is None:  # in the host tier: the caller's page is the same KV
         self.pool.retain([page])
-        self.forgotten.append(child.host_key)  # type: ignore[arg-type]
+        self.forgotten.append(child.host_key)  # type: ignore[arg-type]  # a host node has a key
         child.page, child.host_key = page, None
         self.pages += 1
         self.host_pages_used -= 1
@@ -312,19 +313,19 @@ class PrefixCache(BasePrefixCache):
       self.evicted += 1
       if self.host_capacity and self._host_room(root):
         x.host_key, x.page = next(self._keys), None  # to the host tier, in place
-        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]
+        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]  # just set
         self.host_pages_used += 1
         self.spilled += 1
       else:
         self._forget(x)
-      freed += len(self.pool.drop([page]))  # type: ignore[list-item]
-      if parent is not root and device_leaf(parent):  # type: ignore[arg-type]
-        heapq.heappush(leaves, (parent.used, id(parent), parent))  # type: ignore[union-attr]
+      freed += len(self.pool.drop([page]))  # type: ignore[list-item]  # a device leaf's page
+      if parent is not None and parent is not root and device_leaf(parent):
+        heapq.heappush(leaves, (parent.used, id(parent), parent))
     return freed
 
   def _forget(self, x: _Node) -> None:
     """Drops ``x`` and everything below it (all in the host tier) from the tree."""
-    del x.parent.children[x.key]  # type: ignore[union-attr]
+    del x.parent.children[x.key]  # type: ignore[union-attr]  # only the roots have no parent
     for y in [x, *self._walk(x)]:
       if y.host_key is not None:
         self.forgotten.append(y.host_key)
