@@ -2,59 +2,19 @@
 ``models.paged_kv.PagedKV``).
 
 Contract:
-  * **Pool and budget.** The pool is fixed at start-up by a ``PageBudget``: ``num_shards``
-    sub-pools of ``pages_per_shard`` pages of ``page_size`` positions each, every page holding K
-    and V of every layer (``bytes_per_page`` = 2 * L * K * page_size * H * itemsize, from the
-    model config and KV dtype). ``page_budget`` derives the page count from a byte budget (rounded
-    down, never above it). The allocator never hands out more pages than the pool holds, so the
-    KV memory in use never exceeds the budget.
-  * **Sub-pools.** One per attention-batch shard. Page ids are global: shard ``s`` owns ids
-    ``[s * pages_per_shard, (s + 1) * pages_per_shard)`` of the device pool's page axis. Under the
-    batch-sharded attention layouts that axis is sharded like the batch, so shard ``s``'s pages
-    live on its devices (the multiquery KV is never replicated) and a step running inside
-    ``shard_map`` addresses them by ``local_id = id - s * pages_per_shard``
-    (``page_table(..., local=True)``). A sequence lives in one sub-pool for its whole life; the
-    engine places it on a batch slot of that shard.
-  * **Sequences.** Any hashable id. A sequence holds ``tokens`` positions (what it has written or
-    is about to write in this step) in ``ceil(tokens / page_size)`` pages, listed in position
-    order: position ``p`` is slot ``p % page_size`` of page ``table(seq)[p // page_size]``. At
-    most ``max_pages_per_seq`` pages (the device page table's width), so at most
-    ``max_seq_tokens`` positions.
-  * ``allocate(seq, n_tokens, shard=None)`` creates a sequence of ``n_tokens`` positions (shard
-    None: the sub-pool with the most free pages); ``extend(seq, n_new)`` reserves ``n_new`` more
-    (before the step that writes them); ``release(seq)`` drops it and returns the pages that
-    became free. ``allocate``, ``extend`` and ``fork`` return ``None`` (or the ``Forked``
-    result) on success and a ``Refusal`` otherwise, and change nothing when they refuse:
-    ``"capacity"`` (the sequence would pass its page-table capacity: stop it, finish reason
-    ``length``; never let it write past its pages), ``"budget"`` (it would then need more pages
-    than its whole sub-pool holds: reject at arrival, or stop it; preempting others cannot help),
-    ``"no_pages"`` (the sub-pool is full now: preempt or wait). Misuse
-    (unknown or duplicate id, negative counts) raises ``ValueError``.
-  * **Ring sequences** (attention sinks, ``allocate(..., ring=R)``): a window row of a sink
-    pool (``models.paged_kv``) holds exactly ``R`` pages from its first step, whatever its
-    length: positions past ``R * page_size`` wrap onto pages 1..R-1 on the device, so ``extend``
-    only counts tokens, never takes pages nor refuses for capacity. Ring sequences share no page
-    (no prefix, no fork).
-  * ``can_ever_fit(n_tokens)`` is the arrival check: ``None`` or the ``Refusal`` (capacity or
-    budget) that a request needing ``n_tokens`` positions would certainly meet.
-  * ``fork(parent, child)`` makes ``child`` a copy of ``parent`` in the same sub-pool: the full
-    pages are shared (reference counts), the partly filled last page (if any) is copied now into
-    a fresh page of the child; ``Forked.copy`` (src -> dst page) is the copy the engine must run
-    on the device arrays (``models.paged_kv.copy_pages``) before either sequence writes again.
-    Call it once the parent's positions are written. Shared pages are full and therefore never
-    written again (writes go to positions >= tokens), so copy-on-write happens exactly once, at
-    the fork, and exactly when the last page is partial.
-  * ``allocate(..., prefix=pages)`` starts the sequence on whole pages it shares (their
-    reference counts go up; they must be full, hence never written again), followed by fresh
-    pages for the rest. ``retain(pages)`` / ``drop(pages)`` take and give back references held
-    outside any sequence (the prefix cache's); ``drop`` returns the pages that became free.
-  * ``check()`` verifies the invariants (raises ``AssertionError``): every page's reference
-    count equals the number of page-table references to it plus the retained ones; the free
-    lists are disjoint from the used pages, hold no duplicates and together with them cover
-    every page; a sequence's pages are in its own sub-pool, cover its tokens exactly (a ring
-    sequence: exactly its ring, all private) and fit its capacity; a page a sequence may still
-    write (its partly filled last page) belongs to it alone.
-  * ``usage()`` gives pages used / cached / free per sub-pool (for metrics gauges).
+  * A ``PageBudget`` fixes the pool at start-up: ``num_shards`` sub-pools (one per
+    attention-batch shard) of ``pages_per_shard`` pages of ``page_size`` positions, each page K
+    and V of every layer; the allocator never hands out more, so KV memory stays in the budget.
+    Page ids are global: shard ``s`` owns ``[s * pages_per_shard, (s + 1) * pages_per_shard)``.
+  * A sequence (any hashable id) lives in one sub-pool; position ``p`` is slot ``p % page_size``
+    of page ``table(seq)[p // page_size]``, at most ``max_pages_per_seq`` pages.
+  * ``allocate`` / ``extend`` / ``fork`` return None (or ``Forked``) or a ``Refusal`` and then
+    change nothing: ``capacity`` (past the page table: stop it as ``length``), ``budget`` (more
+    than its sub-pool holds: reject or stop it), ``no_pages`` (full now: preempt or wait).
+    Misuse (unknown or duplicate id, negative counts) raises ``ValueError``.
+  * Pages are reference-counted: shared prefix pages are full, hence never written again, and
+    ``retain`` / ``drop`` are references held outside any sequence (the prefix cache's).
+    ``check()`` verifies the invariants; ``usage()`` gives used / cached / free per sub-pool.
 """
 
 from __future__ import annotations
@@ -101,7 +61,8 @@ class ShardUsage:
 
 @dataclasses.dataclass(frozen=True)
 class PageBudget:
-  """The KV memory of a deployment, fixed at start-up."""
+  """The KV memory of a deployment, fixed at start-up (``bytes_per_page`` = 2 * L * K *
+  page_size * H * itemsize, from the model config and KV dtype)."""
   page_size: int
   pages_per_shard: int
   num_shards: int = 1
@@ -131,9 +92,9 @@ def page_budget(cfg: ModelConfig, dtype: str | np.dtype | type, page_size: int, 
   if budget_bytes is not None:
     per_shard = budget_bytes // num_shards // per_page
   else:
-    if num_pages % num_shards:  # type: ignore[operator]
+    if num_pages % num_shards:  # type: ignore[operator]  # exactly one of the two is given
       raise ValueError(f"num_pages={num_pages} is not a multiple of num_shards={num_shards}")
-    per_shard = num_pages // num_shards  # type: ignore[operator]
+    per_shard = num_pages // num_shards  # type: ignore[operator]  # as above
   if per_shard < 1:
     raise ValueError(f"the KV budget holds no page per shard (a page is {per_page} bytes, "
                      f"{num_shards} shards)")
@@ -171,6 +132,8 @@ class PagePool:
     return -(-n_tokens // self.page_size)
 
   def can_ever_fit(self, n_tokens: int, ring: int = 0) -> Refusal | None:
+    """The arrival check: None, or the ``capacity`` / ``budget`` refusal a sequence of
+    ``n_tokens`` positions (or a ring of ``ring`` pages) would certainly meet."""
     if ring:
       if ring > self.max_pages_per_seq:
         return Refusal("capacity", f"a window needing {ring} KV pages exceeds a sequence's "
@@ -239,7 +202,8 @@ class PagePool:
   def page_table(self, seqs: Sequence[Hashable | None], *, local: bool = False) -> np.ndarray:
     """``[len(seqs), max_pages_per_seq]`` int32 device page table (None: an empty slot). Unused
     entries hold the null page (the addressed pool's size: out of range, so the device scatter
-    drops writes there). ``local``: ids within each sequence's sub-pool."""
+    drops writes there). ``local``: ids within each sequence's sub-pool, as a step running
+    inside ``shard_map`` addresses them (the page axis is sharded like the batch)."""
     null = self.budget.pages_per_shard if local else self.budget.num_pages
     out = np.full((len(seqs), self.max_pages_per_seq), null, np.int32)
     for row, seq in enumerate(seqs):
@@ -254,6 +218,11 @@ class PagePool:
 
   def allocate(self, seq: Hashable, n_tokens: int, shard: int | None = None,
                prefix: Sequence[int] = (), ring: int = 0) -> Refusal | None:
+    """Creates ``seq`` with ``n_tokens`` positions in ``shard`` (None: the sub-pool with the
+    most free pages), starting on the whole ``prefix`` pages it shares (their references go
+    up), then fresh pages. ``ring`` > 0 (attention sinks): exactly ``ring`` private pages from
+    the first step whatever its length (the device wraps positions past ``ring * page_size``
+    onto pages 1..ring-1), so ``extend`` only counts its tokens; no prefix, no fork."""
     if seq in self._seqs:
       raise ValueError(f"sequence {seq!r} already holds pages")
     if n_tokens < 0:
@@ -282,6 +251,7 @@ class PagePool:
     return None
 
   def retain(self, pages: Sequence[int]) -> None:
+    """Takes a reference to live ``pages`` outside any sequence (``drop`` gives it back)."""
     for page in pages:
       if self._ref[page] < 1:
         raise ValueError(f"retain of free page {page}")
@@ -289,6 +259,7 @@ class PagePool:
       self._retained[page] += 1
 
   def drop(self, pages: Sequence[int]) -> list[int]:
+    """Gives back retained references; returns the pages that became free."""
     freed = []
     n = self.budget.pages_per_shard
     for page in pages:
@@ -302,6 +273,7 @@ class PagePool:
     return freed
 
   def extend(self, seq: Hashable, n_new: int) -> Refusal | None:
+    """Reserves ``n_new`` more positions (before the step that writes them)."""
     s = self._get(seq)
     if n_new < 0:
       raise ValueError(f"n_new must be >= 0, got {n_new}")
@@ -321,6 +293,10 @@ class PagePool:
     return None
 
   def fork(self, parent: Hashable, child: Hashable) -> Forked | Refusal:
+    """``child`` becomes a copy of ``parent`` (once its positions are written), in the same
+    sub-pool: the full pages are shared, a partly filled last page is copied now into a fresh
+    one (``Forked.copy``, for ``models.paged_kv.copy_pages`` before either writes again), so
+    copy-on-write happens once, at the fork."""
     p = self._get(parent)
     if p.ring:
       raise ValueError(f"ring sequence {parent!r} cannot be forked")
@@ -357,6 +333,10 @@ class PagePool:
   # -- invariants ---------------------------------------------------------------------------
 
   def check(self) -> None:
+    """Raises ``AssertionError`` unless: every page's count equals its page-table references
+    plus the retained ones; the free lists hold no duplicate, no used page, and with the used
+    pages cover the pool; a sequence's pages are its sub-pool's, cover its tokens exactly (a
+    ring: exactly its ring, private) and fit its capacity; a partly filled last page is private."""
     n, z = self.budget.pages_per_shard, self.page_size
     refs = np.zeros_like(self._ref)
     for seq, s in self._seqs.items():

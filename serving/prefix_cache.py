@@ -1,43 +1,25 @@
-"""Prefix cache (RadixAttention) over the page pool: whole KV pages of earlier sequences, reused.
+"""Prefix caches over the page pool (RadixAttention): whole KV pages of earlier sequences, reused.
 
-Contract:
-  * The tree is a radix tree at page granularity: an edge is one page's ``page_size`` token ids,
-    a node holds the KV page for those positions (given the path above it); one tree per
-    sub-pool (a sequence's pages never leave its shard). The cache holds one pool reference per
-    node (``PagePool.retain`` / ``drop``), so a cached page outlives the sequence that wrote it.
-  * ``match(tokens, shard) -> Match``: the longest cached path of whole pages covering
-    ``tokens``, never all of them: at least the last token is left to compute (its logits start
-    decoding), so at most ``(len - 1) // page_size`` pages. ``best_shard(tokens)`` is the
-    sub-pool with the longest match.
-  * ``insert(tokens, pages, shard) -> int``: caches the whole pages of ``tokens`` (``pages[i]``
-    holds positions ``[i Z, (i+1) Z)``, already written or written by a step planned before any
-    step that reads them); a block already cached keeps its page (the caller's stays private).
-    Returns the pages newly cached.
-  * ``lock(match)`` / ``unlock(match)``: a running sequence locks the path it reuses; eviction
-    only ever removes unlocked leaves held by nothing but the cache, least recently used first
-    (``evict(shard, n)`` frees up to ``n`` pages, returns how many). ``clear()`` drops every
-    node (after an engine fault: pages
-    written by a failed step must not be reused).
-  * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): a page evicted from the device goes
-    to host memory instead of being forgotten, while the tier has room (its own LRU: the
-    oldest host leaves are forgotten first). The node keeps its place in the tree with a host
-    key instead of a page; ``take_spills()`` hands the scheduler the device copies to plan
-    (``PageSpill``: read before any later write of the page, so in the plan of the step that
-    may reuse it). Device nodes form the top of the tree (a device node's parent is on the
-    device), host nodes hang below. ``match`` returns the device part and then the host part
-    (``Match.host``); ``promote(node, page)`` brings a host node back onto a fresh device page
-    and returns the ``PageLoad`` to plan.
-  * ``reclaimable(shard)``: the pages ``evict`` could free there now (unlocked, cache-only).
-  * Counters: ``hits`` / ``misses`` (lookups; ``record(match)`` counts one made with
-    ``count=False``), ``hit_tokens``, ``host_hits`` /
-    ``host_hit_tokens`` (lookups reaching into the host tier, and their host tokens), ``evicted``
-    pages (device), ``spilled`` / ``loaded`` / ``host_evicted`` pages. ``pages`` counts device
-    nodes, ``host_pages_used`` host ones; ``check()`` verifies the tree's own invariants.
-Pure host bookkeeping: no JAX.
+Contract: ``BasePrefixCache`` is the interface the KV manager (``serving.kv_manager``) drives;
+``PrefixCache`` is the radix tree, ``NullPrefixCache`` (SGLang's ``ChunkCache``) caches nothing.
+  * The tree works at page granularity, one tree per sub-pool: an edge is one page's
+    ``page_size`` token ids, a node holds that page's KV (given the path above it) and one pool
+    reference (``PagePool.retain`` / ``drop``), so a cached page outlives its writer.
+  * ``match`` finds the longest cached path and always leaves the last token to compute;
+    ``insert`` caches written pages; a running sequence ``lock``s the path it reuses, and
+    ``evict`` only removes unlocked leaves held by nothing but the cache, least recently used
+    first. ``reclaimable(shard)`` counts what ``evict`` could free now.
+  * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): an evicted page goes to host memory
+    while the tier has room (its own LRU), keeping its place in the tree; device nodes form the
+    top of a path, host nodes hang below. The device copies to plan come from ``take_spills``,
+    the loads back from ``promote``, the host keys to drop from ``take_forgotten``.
+  * Counters (hits, misses, evictions, spills, loads) are plain ints; ``check()`` verifies the
+    tree's invariants. Pure host bookkeeping: no JAX.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import heapq
 import itertools
@@ -79,13 +61,124 @@ class Match:
 
   @property
   def pages(self) -> tuple[int, ...]:
-    return tuple(n.page for n in self.nodes)  # type: ignore[misc]
+    return tuple(n.page for n in self.nodes)  # type: ignore[misc]  # device nodes hold a page
 
   def tokens(self, page_size: int) -> int:
     return (len(self.nodes) + len(self.host)) * page_size
 
 
-class PrefixCache:
+class BasePrefixCache(abc.ABC):
+  """What the KV manager asks of a prefix cache (see the module contract)."""
+  enabled: bool = True  # False: the null cache (no prefix caching)
+  page_size: int = 0
+  host_capacity = pages = host_pages_used = 0
+  hits = misses = hit_tokens = evicted = 0
+  host_hits = host_hit_tokens = spilled = loaded = host_evicted = 0
+
+  @abc.abstractmethod
+  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
+    """The longest cached path of whole pages covering ``tokens`` on ``shard``, never all of
+    them (the last token is left to compute: its logits start decoding), so at most
+    ``(len - 1) // page_size`` pages: the device part, then the host part. ``count=False``: not
+    counted (``record`` counts it once it is used)."""
+
+  @abc.abstractmethod
+  def record(self, m: Match | None) -> None:
+    """Counts one lookup (``None``: a miss) and marks its path used now."""
+
+  @abc.abstractmethod
+  def best_shard(self, tokens: Sequence[int]) -> int | None:
+    """The sub-pool holding the longest cached prefix of ``tokens`` (None: no hit anywhere)."""
+
+  @abc.abstractmethod
+  def reclaimable(self, shard: int) -> int:
+    """Pages of ``shard`` that ``evict`` could free now."""
+
+  @abc.abstractmethod
+  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int) -> int:
+    """Caches the whole pages of ``tokens`` (``pages[i]`` holds positions ``[i Z, (i+1) Z)``,
+    written, or written by a step planned before any step that reads them); a block already
+    cached keeps its page (the caller's stays private). Returns the pages newly cached."""
+
+  @abc.abstractmethod
+  def lock(self, m: Match) -> None:
+    """Keeps ``m``'s path from eviction until ``unlock`` (locks count)."""
+
+  @abc.abstractmethod
+  def unlock(self, m: Match) -> None: ...
+
+  @abc.abstractmethod
+  def evict(self, shard: int, n: int) -> int:
+    """Frees up to ``n`` pages of ``shard``; returns how many."""
+
+  @abc.abstractmethod
+  def promote(self, node: _Node, page: int) -> PageLoad:
+    """Host node -> device ``page``; returns the load to plan."""
+
+  @abc.abstractmethod
+  def take_spills(self) -> tuple[PageSpill, ...]:
+    """The device -> host copies of the pages evicted since the last call."""
+
+  @abc.abstractmethod
+  def take_forgotten(self) -> list[int]:
+    """The host keys dropped since the last call (the engine's store discards them)."""
+
+  @abc.abstractmethod
+  def clear(self) -> None:
+    """Drops every node (after an engine fault: pages a failed step wrote must not be reused)."""
+
+  @abc.abstractmethod
+  def check(self) -> None:
+    """Verifies the cache's own invariants (raises ``AssertionError``)."""
+
+
+class NullPrefixCache(BasePrefixCache):
+  """Caches nothing (prefix caching off): every lookup misses, nothing is held or evicted."""
+  enabled = False
+
+  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
+    return Match(shard, ())
+
+  def record(self, m: Match | None) -> None:
+    pass
+
+  def best_shard(self, tokens: Sequence[int]) -> int | None:
+    return None
+
+  def reclaimable(self, shard: int) -> int:
+    return 0
+
+  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int) -> int:
+    return 0
+
+  def lock(self, m: Match) -> None:
+    pass
+
+  def unlock(self, m: Match) -> None:
+    pass
+
+  def evict(self, shard: int, n: int) -> int:
+    return 0
+
+  def promote(self, node: _Node, page: int) -> PageLoad:
+    raise ValueError("the null prefix cache holds no host page")
+
+  def take_spills(self) -> tuple[PageSpill, ...]:
+    return ()
+
+  def take_forgotten(self) -> list[int]:
+    return []
+
+  def clear(self) -> None:
+    pass
+
+  def check(self) -> None:
+    pass
+
+
+class PrefixCache(BasePrefixCache):
+  """The radix tree (SGLang's ``RadixCache``); see the module contract."""
+
   def __init__(self, pool: PagePool, host_pages: int = 0):
     self.pool = pool
     self.page_size = pool.page_size
@@ -107,9 +200,10 @@ class PrefixCache:
   def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
     node, path = self._roots[shard], []
     for key in self._blocks(tokens, (len(tokens) - 1) // self.page_size):
-      node = node.children.get(key)  # type: ignore[assignment]
-      if node is None:
+      child = node.children.get(key)
+      if child is None:
         break
+      node = child
       path.append(node)
     dev = [n for n in path if n.page is not None]
     m = Match(shard, tuple(dev), tuple(path[len(dev):]))
@@ -184,7 +278,7 @@ class PrefixCache:
         added += 1
       elif child.page is None:  # in the host tier: the caller's page is the same KV
         self.pool.retain([page])
-        self.forgotten.append(child.host_key)  # type: ignore[arg-type]
+        self.forgotten.append(child.host_key)  # type: ignore[arg-type]  # a host node has a key
         child.page, child.host_key = page, None
         self.pages += 1
         self.host_pages_used -= 1
@@ -219,19 +313,19 @@ class PrefixCache:
       self.evicted += 1
       if self.host_capacity and self._host_room(root):
         x.host_key, x.page = next(self._keys), None  # to the host tier, in place
-        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]
+        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]  # just set
         self.host_pages_used += 1
         self.spilled += 1
       else:
         self._forget(x)
-      freed += len(self.pool.drop([page]))  # type: ignore[list-item]
-      if parent is not root and device_leaf(parent):  # type: ignore[arg-type]
-        heapq.heappush(leaves, (parent.used, id(parent), parent))  # type: ignore[union-attr]
+      freed += len(self.pool.drop([page]))  # type: ignore[list-item]  # a device leaf's page
+      if parent is not None and parent is not root and device_leaf(parent):
+        heapq.heappush(leaves, (parent.used, id(parent), parent))
     return freed
 
   def _forget(self, x: _Node) -> None:
     """Drops ``x`` and everything below it (all in the host tier) from the tree."""
-    del x.parent.children[x.key]  # type: ignore[union-attr]
+    del x.parent.children[x.key]  # type: ignore[union-attr]  # only the roots have no parent
     for y in [x, *self._walk(x)]:
       if y.host_key is not None:
         self.forgotten.append(y.host_key)
@@ -288,4 +382,4 @@ class PrefixCache:
     assert host == self.host_pages_used <= max(self.host_capacity, 0), (host, self.host_pages_used)
 
 
-__all__ = ["PrefixCache", "Match", "PageSpill", "PageLoad"]
+__all__ = ["BasePrefixCache", "PrefixCache", "NullPrefixCache", "Match", "PageSpill", "PageLoad"]

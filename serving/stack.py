@@ -28,12 +28,12 @@ from serving.compiles import (ProgramCounter, map_count, mapping_warning, max_ma
                               trim_heap)
 from serving.engine import Engine, EngineConfig
 from serving.guard import Guard
-from serving.kv_pages import PagePool, page_budget
+from serving.kv_manager import build_kv
+from serving.kv_pages import page_budget
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
 from serving.host_tier import HostStore
-from serving.prefix_cache import PrefixCache
-from serving.sessions import SessionPolicy, Sessions
+from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler
 
 
@@ -75,22 +75,19 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   guard, cost_model = Guard(metrics.internal_errors), StepCostModel()
 
   def make_scheduler() -> Scheduler:
-    """A fresh pool, prefix cache, sessions and scheduler (at start and on a loop restart)."""
-    pool = PagePool(budget, max_seq_tokens=context)
-    if store is not None:
-      store.clear()
-    cache = PrefixCache(pool, host_pages if store is not None else 0) \
-        if config.prefix_cache else None
-    sessions = None if cache is None else Sessions(cache, SessionPolicy(
-        config.session_idle_s, config.kv_pages // 4 if config.session_pages is None
-        else config.session_pages))
-    sched = Scheduler(pool, tokenizer, max_slots=config.max_slots,
+    """A fresh KV manager (pool, prefix cache, sessions, host tier emptied) and scheduler (at
+    start and on a loop restart)."""
+    pins = SessionPolicy(config.session_idle_s, config.kv_pages // 4 if config.session_pages
+                         is None else config.session_pages) if config.prefix_cache else None
+    kv = build_kv(budget, context, prefix_cache=config.prefix_cache, host_store=store,
+                  host_pages=host_pages, sessions=pins,
+                  # Two pools: decode writes generated KV into its own, which prefill never
+                  # reads, so only prompt pages (written by prefill) may be reused.
+                  cache_generated=decode is None)
+    sched = Scheduler(kv, tokenizer, max_slots=config.max_slots,
                       max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
                       max_waiting=config.max_waiting, max_context=context,
-                      max_prefill_chunks=config.max_prefill_chunks, prefix_cache=cache,
-                      # Two pools: decode writes generated KV into its own, which prefill never
-                      # reads, so only prompt pages (written by prefill) may be reused.
-                      cache_generated=decode is None, sessions=sessions,
+                      max_prefill_chunks=config.max_prefill_chunks,
                       sinks=config.attention_sinks)
     if config.tpot_target_ms > 0:  # a cost-model failure means no budget this step
       sched.prefill_limit = guard.wrap("cost_model", tpot_prefill_limit(

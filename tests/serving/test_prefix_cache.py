@@ -59,9 +59,7 @@ def _run(sched, engine, reqs, check=True, max_steps=2000):
       if o.finished:
         finals[o.request_id] = o
     if check:
-      sched.pool.check()
-      if sched.prefix_cache is not None:
-        sched.prefix_cache.check()
+      sched.kv.check()
   else:
     raise AssertionError("not idle")
   return outs, finals
@@ -123,7 +121,7 @@ def test_shared_prefixes_reuse_pages_and_give_the_same_ids():
   # reuses 3 full prompt pages (15 prompt tokens, the last one is recomputed).
   assert finals["same"].usage.cached_tokens == 12
   assert pool.pages_used == 0 and pool.pages_cached > 0
-  c = sched.prefix_cache
+  c = sched.kv.prefix_cache
   assert c.hits == 4 and c.misses == 1 and c.hit_tokens == 48
 
 
@@ -150,7 +148,7 @@ def test_eviction_under_a_small_budget_never_breaks_a_running_sequence():
     assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed,
                                            r.stop.max_tokens, VOCAB), r.request_id
     assert finals[r.request_id].finish_reason is FinishReason.LENGTH
-  c = sched.prefix_cache
+  c = sched.kv.prefix_cache
   assert c.evicted > 0 and c.hits > 0  # the budget forced evictions, and reuse still happened
   assert pool.pages_used == 0
 
@@ -178,7 +176,7 @@ def test_cancellations_and_preemption_with_the_cache():
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
     pool.check()
-    sched.prefix_cache.check()
+    sched.kv.prefix_cache.check()
   for rid, r in added.items():  # cancelled ones: a prefix of the reference
     want = reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
     assert outs.get(rid, []) == want[:len(outs.get(rid, []))], rid
@@ -221,7 +219,7 @@ def test_the_real_engine_gives_the_same_ids_with_the_cache_on_and_off():
       loop.submit(Request(f"r{i}", tuple(p), stop=StopCriteria(8, ignore_eos=True)), cb)
     loop.run_until_idle()
     runs[on] = (got, {k: f.usage.cached_tokens for k, f in finals.items()})
-    assert loop.scheduler.pool.pages_used == 0
+    assert loop.scheduler.kv.pool.pages_used == 0
   assert runs[True][0] == runs[False][0]
   assert set(runs[False][1].values()) == {0}
   assert runs[True][1] == {"r0": 0, "r1": 32, "r2": 32, "r3": 32, "r4": 32}
@@ -265,10 +263,10 @@ def test_1000_random_requests_with_shared_prefixes_cancels_and_evictions():
     for o in got:
       outs.setdefault(o.request_id, []).extend(o.token_ids)
     pool.check()
-    sched.prefix_cache.check()
+    sched.kv.prefix_cache.check()
     u = pool.usage()[0]
     assert u.used + u.cached + u.free == u.total
-    locked_pages = {n.page for n in sched.prefix_cache._walk(sched.prefix_cache._roots[0])
+    locked_pages = {n.page for n in sched.kv.prefix_cache._walk(sched.kv.prefix_cache._roots[0])
                     if n.locks}
     owned = {p for s in pool.sequences for p in pool.table(s)}
     assert locked_pages <= owned  # a locked (reused) page always has a running owner
@@ -277,7 +275,7 @@ def test_1000_random_requests_with_shared_prefixes_cancels_and_evictions():
   for rid, r in reqs.items():
     want = reference(list(r.prompt_ids), r.sampling.seed, r.stop.max_tokens, VOCAB)
     assert outs.get(rid, []) == want[:len(outs.get(rid, []))], rid
-  c = sched.prefix_cache
+  c = sched.kv.prefix_cache
   assert cancels > 20 and c.evicted > 50 and c.hits > 300
   assert pool.pages_used == 0 and pool.pages_cached + pool.pages_free == 48
 
@@ -344,7 +342,7 @@ def test_host_tier_round_trips_give_the_same_ids():
   outs, finals = _run(sched, eng, reqs)
   for _, r in reqs:
     assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed, 4, VOCAB)
-  c = sched.prefix_cache
+  c = sched.kv.prefix_cache
   assert c.spilled > 0 and c.loaded > 0 and c.host_hits > 0 and c.host_hit_tokens > 0
   assert len(store) == c.host_pages_used  # the store holds exactly the host nodes' pages
   assert c.host_pages_used <= 32
@@ -358,7 +356,7 @@ def test_host_tier_is_bounded_and_forgets_its_oldest():
   outs, _ = _run(sched, eng, reqs)
   for _, r in reqs:
     assert outs[r.request_id] == reference(list(r.prompt_ids), r.sampling.seed, 3, VOCAB)
-  c = sched.prefix_cache
+  c = sched.kv.prefix_cache
   assert c.host_evicted > 0 and c.host_pages_used <= 4 and len(store) == c.host_pages_used
 
 
@@ -391,10 +389,10 @@ def test_the_real_engine_with_host_tier_round_trips(kv_dtype):
       loop.run_until_idle()
     runs[name] = got
     if host:
-      c = loop.scheduler.prefix_cache
+      c = loop.scheduler.kv.prefix_cache
       assert c.spilled > 0 and c.loaded >= 2 and c.host_hits >= 1, (
-          c.spilled, c.loaded, c.evicted, c.host_capacity, loop.scheduler.pool.pages_cached)
-      loop.scheduler.pool.check()
+          c.spilled, c.loaded, c.evicted, c.host_capacity, loop.scheduler.kv.pool.pages_cached)
+      loop.scheduler.kv.pool.check()
       c.check()
       store = loop.engine.host_store  # a host entry is exactly a page's bytes (int8: + scales)
       store.materialize()
@@ -429,13 +427,13 @@ def test_a_full_shard_copies_the_prefix_into_another():
   pool, sched, eng = _setup(pages=16, shards=2)
   base = list(range(60, 73))  # 3 whole pages of 4
   outs, _ = _run(sched, eng, [(0, _req("a", base + [1], n=2, seed=1))])
-  home = sched.prefix_cache.best_shard(base + [2])
+  home = sched.kv.prefix_cache.best_shard(base + [2])
   free = pool.usage()[home].free
   assert pool.allocate("filler", free * Z, shard=home) is None  # the home shard is now full
-  sched.prefix_cache.lock(sched.prefix_cache.match(base + [1], home, count=False))  # keep them
+  sched.kv.prefix_cache.lock(sched.kv.prefix_cache.match(base + [1], home, count=False))  # keep them
   outs, finals = _run(sched, eng, [(0, _req("b", base + [2], n=5, seed=2))], check=False)
   assert outs["b"] == reference(base + [2], 2, 5, VOCAB)
-  assert finals["b"].usage.cached_tokens == 12 and sched.prefix_copied_pages == 3
+  assert finals["b"].usage.cached_tokens == 12 and sched.kv.prefix_copied_pages == 3
   assert eng.copied == 3  # the engine ran the three page copies
 
 
@@ -444,9 +442,9 @@ def test_the_copy_path_is_checked_by_the_output(monkeypatch):
   pool, sched, eng = _setup(pages=16, shards=2)
   base = list(range(60, 73))
   _run(sched, eng, [(0, _req("a", base + [1], n=2, seed=1))])
-  home = sched.prefix_cache.best_shard(base + [2])
+  home = sched.kv.prefix_cache.best_shard(base + [2])
   assert pool.allocate("filler", pool.usage()[home].free * Z, shard=home) is None
-  sched.prefix_cache.lock(sched.prefix_cache.match(base + [1], home, count=False))
+  sched.kv.prefix_cache.lock(sched.kv.prefix_cache.match(base + [1], home, count=False))
   monkeypatch.setattr(type(eng), "_copy", lambda self, c: None)
   outs, _ = _run(sched, eng, [(0, _req("b", base + [2], n=5, seed=2))], check=False)
   assert outs["b"] != reference(base + [2], 2, 5, VOCAB)

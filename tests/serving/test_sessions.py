@@ -45,7 +45,7 @@ def _serve(sched, eng, reqs, traces=None):
   outs: dict[str, list[int]] = {}
   finals = {}
   for r in reqs:
-    tr = RequestTrace(r.request_id, sched.sessions.clock if sched.sessions else lambda: 0.0)
+    tr = RequestTrace(r.request_id, sched.kv.sessions.clock if sched.kv.sessions else lambda: 0.0)
     if traces is not None:
       traces[r.request_id] = tr
     assert sched.add(r, tr) is None
@@ -57,8 +57,8 @@ def _serve(sched, eng, reqs, traces=None):
       outs.setdefault(o.request_id, []).extend(o.token_ids)
       if o.finished:
         finals[o.request_id] = o
-    sched.pool.check()
-    sched.prefix_cache.check()
+    sched.kv.pool.check()
+    sched.kv.prefix_cache.check()
   else:
     raise AssertionError(f"not idle after 10,000 steps: {sched.num_waiting} waiting")
   for x in eng.flush():
@@ -98,7 +98,7 @@ def test_a_paused_session_resumes_from_its_pinned_kv():
   paused = next(e for e in trace.events if e.kind == "paused")
   resume = next(e for e in trace.events if e.kind == "resume")
   assert paused.t == 0.0 and resume.t == 10.0 and paused.detail == "chat-1"
-  assert "chat-1" in sched.sessions  # pinned again after turn 2
+  assert "chat-1" in sched.kv.sessions  # pinned again after turn 2
   # Control: without pinning, the other traffic evicted turn 1's pages (same ids, less reuse).
   turn2b, ids_b, final_b, _, _ = _conversation(pin=False)
   assert ids_b == ids and final_b.usage.cached_tokens < final.usage.cached_tokens
@@ -109,13 +109,13 @@ def test_idle_sessions_expire_and_the_budget_unpins_the_oldest():
   _serve(sched, eng, [_req("a", list(range(10, 21)), n=6, session="A")])  # 16 written: 4 pages
   clock.t = 1.0
   _serve(sched, eng, [_req("b", list(range(50, 61)), n=6, session="B")])
-  assert "A" not in sched.sessions and "B" in sched.sessions  # 8 pages > 5: A, the oldest, went
-  assert sched.sessions.unpinned_for_budget == 1 and sched.sessions.pinned_pages == 4
+  assert "A" not in sched.kv.sessions and "B" in sched.kv.sessions  # 8 pages > 5: A, the oldest, went
+  assert sched.kv.sessions.unpinned_for_budget == 1 and sched.kv.sessions.pinned_pages == 4
   clock.t = 7.0
   sched.schedule()  # expiry runs at planning
-  assert "B" not in sched.sessions and sched.sessions.expired == 1
+  assert "B" not in sched.kv.sessions and sched.kv.sessions.expired == 1
   assert pool.pages_cached == 8 and pool.pages_used == 0  # unpinned pages stay cached
-  assert sched.prefix_cache.evict(0, 8) == 8
+  assert sched.kv.prefix_cache.evict(0, 8) == 8
 
 
 def test_a_prefix_shared_by_sessions_counts_once_against_the_budget():
@@ -127,14 +127,14 @@ def test_a_prefix_shared_by_sessions_counts_once_against_the_budget():
   _serve(sched, eng, [_req("a", system + [1, 2, 3], n=6, session="A")])  # 24 written: 6 pages
   clock.t = 1.0
   _serve(sched, eng, [_req("b", system + [4, 5, 6], n=6, session="B")])
-  s = sched.sessions
+  s = sched.kv.sessions
   assert "A" in s and "B" in s and s.unpinned_for_budget == 0
   assert s.pinned_pages == 8 and pool.pages_cached == 8
   assert s.take("A") == 0.0
   assert s.pinned_pages == 6  # B's own 2 and the 4 shared ones, which B still holds
-  assert sched.prefix_cache.evict(0, 8) == 2  # only A's own pages were unpinned
+  assert sched.kv.prefix_cache.evict(0, 8) == 2  # only A's own pages were unpinned
   s.take("B")
-  assert s.pinned_pages == 0 and sched.prefix_cache.evict(0, 8) == 6
+  assert s.pinned_pages == 0 and sched.kv.prefix_cache.evict(0, 8) == 6
 
 
 def test_the_budget_unpins_by_distinct_pages():
@@ -145,7 +145,7 @@ def test_the_budget_unpins_by_distinct_pages():
   _serve(sched, eng, [_req("a", system + [1, 2, 3], n=6, session="A")])
   clock.t = 1.0
   _serve(sched, eng, [_req("b", system + [4, 5, 6], n=6, session="B")])
-  s = sched.sessions
+  s = sched.kv.sessions
   assert "A" not in s and "B" in s and s.unpinned_for_budget == 1 and s.pinned_pages == 6
 
 
@@ -167,5 +167,5 @@ def test_a_pinned_shard_is_not_chosen_for_a_new_sequence():
                                      _req("other2", range(120, 123), n=4, seed=2)])
   assert outs["other"] == reference(list(range(100, 106)), 1, 4, VOCAB)
   assert outs["other2"] == reference(list(range(120, 123)), 2, 4, VOCAB)
-  assert clock.t == 0.0 and "chat" in sched.sessions  # no idle time had to pass
+  assert clock.t == 0.0 and "chat" in sched.kv.sessions  # no idle time had to pass
   assert cache.misses == 3 and cache.hits == 0  # turn1, other, other2: once each

@@ -1,0 +1,78 @@
+"""The per-step plan the scheduler hands the engine, and the result the engine hands back.
+
+Contract: a ``StepPlan`` is plain data (no JAX): the ``prefill`` chunks and ``decode`` rows of
+one step, the ``setups`` of slots (re)assigned in it, the device ``page_table`` of every slot
+(``[max_slots, max_pages_per_seq]``; free slots hold the null page), and the page work to run
+before the step, in this order: ``copies`` (prefix pages copied across sub-pools), ``spills``
+(device pages copied to the host tier), ``forget`` (host entries dropped) and ``loads`` (host
+entries back onto device pages). A ``StepResult`` maps request ids to the id each sampled
+(with logprobs when asked). ``serving.plan_codec`` is its wire form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from serving.kv_pages import PageCopy
+from serving.prefix_cache import PageLoad, PageSpill
+from serving.request import Sinks, TokenLogprobs
+from serving.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+  request_id: str
+  slot: int
+  token_ids: tuple[int, ...]
+  start: int  # absolute position of token_ids[0]
+  sample: bool  # the context ends with this chunk: sample the sequence's next id
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+  request_id: str
+  slot: int
+  position: int  # where the slot's last sampled id (held on the device) is written
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSetup:
+  slot: int
+  request_id: str
+  sampling: SamplingParams
+  sinks: Sinks | None = None  # the slot's cache policy (a sink pool's per-row sinks/window)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  step: int
+  prefill: tuple[PrefillChunk, ...]
+  decode: tuple[DecodeRow, ...]
+  setups: tuple[SlotSetup, ...]  # slots (re)assigned this step: reset their sampling state
+  page_table: np.ndarray  # [max_slots, max_pages_per_seq] int32; free slots hold the null page
+  copies: tuple[PageCopy, ...] = ()
+  # Host tier, in this order before the step: device pages to copy out, host entries to drop,
+  # host entries to load onto device pages.
+  spills: tuple[PageSpill, ...] = ()
+  forget: tuple[int, ...] = ()
+  loads: tuple[PageLoad, ...] = ()
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
+
+  @property
+  def empty(self) -> bool:
+    return not self.prefill and not self.decode
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+  step: int
+  tokens: dict[str, int]  # request id -> id sampled by this step
+  logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+
+
+__all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult"]
