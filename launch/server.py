@@ -107,7 +107,7 @@ def _info(cfg, steps, loop, limits, classes, version):
       decode=pb.PhaseLayout(layout=layout("decode"), reason=str(d.get("decode_choice", ""))),
       kv_pages=s["kv_pages"], page_size=s["page_size"], max_slots=s["max_slots"],
       max_context=s["max_context"], max_queue=_MAX_QUEUE.value, max_n=limits.max_n,
-      max_stop_strings=limits.max_stop_strings, vocab_size=loop.scheduler.tokenizer.vocab_size,
+      max_stop_strings=limits.max_stop_strings, vocab_size=loop.capacity().vocab_size,
       slo_classes=[pb.SloClass(name=c.name, ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in classes],
       default_slo_class=limits.default_slo_class, default_max_tokens=limits.default_max_tokens,
       version=version)
@@ -156,6 +156,8 @@ def main(argv: list[str]) -> None:
   from serving import stack
   from serving.api.auth import ApiKeys
   from serving.api.faults import FaultInjector
+  from serving.engine_api import EngineApi
+  from serving.multihost import LeaderEngine
   from serving.api.frontend import Frontend, FrontendConfig
   from serving.api.usage import UsageLog
   from serving.api.validation import Limits
@@ -174,35 +176,41 @@ def main(argv: list[str]) -> None:
   programs = ProgramCounter()  # every XLA program this process loads, from here on
   registry = prom.CollectorRegistry()
   prom.ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU time
-  built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
-                   max_traces=1024)
-  cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
+  leader: list[LeaderEngine] = []  # process 0 of several: the engine it publishes through
+  follower = False
   if cluster.multi:
     from partitioning.distributed import Broadcast, is_leader
-    from serving.multihost import LeaderEngine
-    if not is_leader():
-      _follow(built, Broadcast("engine"))
-      return
-    loop.engine = LeaderEngine(loop.engine, Broadcast("engine"))
+    follower = not is_leader()
+  if _FAULTS.value and not follower:
+    logging.warning("fault injection is ON (test only)")
+  faults = FaultInjector() if _FAULTS.value and not follower else None
+
+  def lead(engine: EngineApi) -> EngineApi:
+    leader.append(LeaderEngine(engine, Broadcast("engine")))
+    return leader[0]
+
+  built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
+                   max_traces=1024, wrap_engine=lead if cluster.multi and not follower else None,
+                   fault_hook=faults, restarts=_ON_LOOP_FAILURE.value != "exit")
+  cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
+  if follower:
+    _follow(built, Broadcast("engine"))
+    return
   logging.info("deployment: %s", {k: v for k, v in steps.description.items()
                                   if k in ("mode", "prefill_choice", "decode_choice",
                                            "kv_pools")})
-  limits = Limits(max_context=loop.scheduler.max_context,
+  capacity = loop.capacity()
+  limits = Limits(max_context=capacity.max_context,
                   default_max_tokens=_DEFAULT_MAX_TOKENS.value, max_n=_MAX_N.value,
                   slo_classes=tuple(c.name for c in classes),
                   default_slo_class=_DEFAULT_SLO.value,
-                  attention_sinks=loop.scheduler.sinks, page_size=loop.scheduler.pool.page_size)
+                  attention_sinks=capacity.attention_sinks, page_size=capacity.page_size)
   frontend = Frontend(loop, tok, FrontendConfig(
       limits, classes, slo_scale=_SLO_SCALE.value, early_reject=_EARLY_REJECT.value,
       max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
-      stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value,
-      fault_injection=_FAULTS.value), registry, UsageLog(_USAGE_LOG.value))
+      stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value), registry,
+      UsageLog(_USAGE_LOG.value), faults=faults)
   frontend.metrics.watch_programs(programs)
-  if _ON_LOOP_FAILURE.value == "exit":
-    loop.rebuild = None
-  if _FAULTS.value:
-    logging.warning("fault injection is ON (test only)")
-    loop.fault_hook = FaultInjector(frontend)
   try:
     version = importlib.metadata.version("phaseserve")
   except importlib.metadata.PackageNotFoundError:
@@ -280,8 +288,9 @@ def main(argv: list[str]) -> None:
   if http is not None:
     http.stop()
   loop.stop(timeout=5.0)
+  for lead_engine in leader:
+    lead_engine.stop()  # every other process leaves its follow loop
   if cluster.multi:
-    loop.engine.stop()  # every other process leaves its follow loop
     import jax
     jax.distributed.shutdown()
   frontend.usage.close()

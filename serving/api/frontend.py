@@ -64,6 +64,7 @@ from models.text.tokenizer import Tokenizer
 from serving.api import admission
 from serving.api.admission import SloClass
 from serving.api.auth import KeyInfo, OverQuota, Quotas
+from serving.api.faults import FaultInjector
 from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
@@ -108,7 +109,6 @@ class FrontendConfig:
   stream_buffer_bytes: int = 1 << 20
   stream_stall_s: float = 30.0
   watchdog_s: float = 60.0
-  fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.api.faults)
 
 
 def _size(out: RequestOutput) -> int:
@@ -275,7 +275,8 @@ class Stream:
 
 class Frontend:
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
-               registry: prom.CollectorRegistry, usage: UsageLog | None = None):
+               registry: prom.CollectorRegistry, usage: UsageLog | None = None, *,
+               faults: FaultInjector | None = None):
     self.loop = loop
     self.tokenizer = tokenizer
     self.config = config
@@ -295,17 +296,17 @@ class Frontend:
     self._hurry = threading.Event()
     self._watchdog: threading.Thread | None = None
     self._stop_watchdog = threading.Event()
-    self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.api.faults)
+    self.faults = faults  # test-only: client_request_id "fault:..." arms it
     self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
-    # The scheduler is read at each use: the loop may rebuild it (ServingLoop.rebuild).
+    # Read through the loop's views at each use: the loop may rebuild its scheduler.
+    cap = loop.capacity()
     self.metrics = ServiceMetrics(registry, LiveGauges(
-        waiting=lambda: loop.scheduler.num_waiting + loop.num_arriving,
-        slots_used_fraction=lambda: loop.scheduler.num_running / loop.scheduler.max_slots,
+        waiting=lambda: (lambda o: o.waiting + o.arriving)(loop.occupancy()),
+        slots_used_fraction=lambda: loop.occupancy().running / cap.max_slots,
         live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
-    if loop.scheduler.prefix_cache is not None:
-      per_page = loop.scheduler.pool.budget.bytes_per_page
+    if cap.prefix_cache:
       self.metrics.host_tier_bytes.set_function(
-          lambda: loop.scheduler.prefix_cache.host_pages_used * per_page)
+          lambda: loop.occupancy().host_tier_pages_used * cap.bytes_per_page)
 
   # -- state ----------------------------------------------------------------------------------
 
@@ -354,33 +355,32 @@ class Frontend:
     except InvalidArgument as e:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
     prompt = len(v.prompt_ids)
-    pool = self.loop.scheduler.pool
+    loop, cap = self.loop, self.loop.capacity()
     if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
-      refusal = pool.can_ever_fit(0, ring_entries(v.sinks.window, pool.page_size))
+      refusal = loop.can_ever_fit(0, ring_entries(v.sinks.window, cap.page_size))
       field = "attention_sinks.window"
     else:
-      refusal = pool.can_ever_fit(prompt + v.stop.max_tokens)
+      refusal = loop.can_ever_fit(prompt + v.stop.max_tokens)
       field = "max_tokens"
     if refusal is not None:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument",
              f"{(field_names or {}).get(field, field)}: {refusal.message}",
              key, client_request_id, api, v.slo_class, prompt)
-    sched = self.loop.scheduler
+    occ = loop.occupancy()
     # Waiting: in the scheduler's queue, on their way to it, and samples held back for a sibling's
     # prefill (they join the queue later, so they count now).
-    waiting = sched.num_waiting + self.loop.num_arriving + self._held
+    waiting = occ.waiting + occ.arriving + self._held
     if waiting + v.n > self.config.max_queue:
       refuse(Status.REJECTED, "queue_full",
              f"the queue is full ({self.config.max_queue} requests waiting)", key,
              client_request_id, api, v.slo_class, prompt)
     slo = self.classes[v.slo_class]
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
-    # reuse (a lock-free read of the loop's tree), and about one token per further sample.
-    new_tokens = prompt - self._cached_prefix(v.prompt_ids) + (v.n - 1)
-    pred = self.loop.guard.call("cost_model", admission.predict, admission.Load(
-        self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
-        model=self.loop.cost_model,
-        slot_wait_steps=sched.slot_wait_steps(waiting)))
+    # reuse (the loop's thread-safe answer), and about one token per further sample.
+    new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids) + (v.n - 1)
+    pred = loop.guard.call("cost_model", admission.predict, admission.Load(
+        loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
+        model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting)))
     if self.config.early_reject and pred is not None and not self._idle():
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
@@ -402,12 +402,12 @@ class Frontend:
       self.quotas.settle(quota, 0)
       refuse(Status.UNAVAILABLE, "unavailable", "the server is shutting down", key,
              client_request_id, api, v.slo_class, prompt)
-    if self.config.fault_injection and client_request_id.startswith("fault:"):
+    if self.faults is not None and client_request_id.startswith("fault:"):
       for sid in stream.ids:
-        self.fault_ids[sid] = client_request_id.split(":", 1)[1]
+        self.faults.arm(sid, client_request_id.split(":", 1)[1])
     # With the prefix cache, samples 1..n-1 wait for sample 0's prefill and then reuse its
     # prompt pages (only the last prompt token is computed again for each).
-    share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
+    share = v.n > 1 and cap.prefix_cache
     if share:  # counted before sample 0 is submitted, whose first output releases them
       with self._lock:
         self._held += v.n - 1
@@ -429,23 +429,13 @@ class Frontend:
     """Nothing queued, running, arriving or held back: early rejection has nothing to protect,
     and its estimate was fitted to a load that is gone (extrapolated to one row it can be far
     off, and with nothing admitted no step would ever refresh it)."""
-    loop, sched = self.loop, self.loop.scheduler
-    return not (sched.num_waiting or sched.num_running or loop.num_arriving or self._held)
+    o = self.loop.occupancy()
+    return not (o.waiting or o.running or o.arriving or self._held)
 
   def _unhold(self, samples: int) -> None:
     if samples:
       with self._lock:
         self._held = max(0, self._held - samples)
-
-  def _cached_prefix(self, ids) -> int:
-    cache = self.loop.scheduler.prefix_cache
-    if cache is None:
-      return 0
-    try:
-      shard = cache.best_shard(ids)
-      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
-    except RuntimeError:  # the loop changed the tree under this read: no estimate
-      return 0
 
   def _prefilled(self, stream: Stream) -> None:
     with self._lock:
@@ -491,8 +481,9 @@ class Frontend:
       self._live.pop(stream.request_id, None)
       self._backlog = max(0, self._backlog - stream.backlog)
       stream.backlog = 0
-    for sid in stream.ids:
-      self.fault_ids.pop(sid, None)
+    if self.faults is not None:
+      for sid in stream.ids:
+        self.faults.disarm(sid)
     v = stream.validated
     use = stream.usage()
     self.metrics.prefix_hit_tokens.inc(  # every sample's hits: prefill the cache saved
