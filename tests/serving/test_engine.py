@@ -189,7 +189,7 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
 
   def on_event(name, secs, fun_name="", **kw):
     if name == "/jax/core/compile/backend_compile_duration" and (
-        "_prefill_call" in fun_name or "_decode_call" in fun_name):
+        "prefill_call" in fun_name or "decode_call" in fun_name):
       compiles.append(fun_name)
   jax.monitoring.register_event_duration_secs_listener(on_event)
   try:
