@@ -1,46 +1,19 @@
 """The serving loop: requests in, streamed outputs out, scheduler and engine stepping in between.
 
-Contract:
-  * ``ServingLoop(scheduler, engine, metrics=None, clock=time.monotonic)``. ``submit(request,
-    on_output)`` is thread-safe: it records ``arrival`` on the request's trace (one monotonic
-    clock for everything) and queues the request for the loop, which admits it before its next
-    plan. ``on_output(RequestOutput)`` is called from the loop's thread for every update (token
-    ids and text deltas), the last one with the finish reason; a request rejected at arrival gets
-    exactly one, final, output. ``cancel(request_id)`` is thread-safe (pages free before the
-    next planned step); a request cancelled while still on its way to the scheduler (submitted,
-    not yet admitted) ends as ``cancelled`` at admission, never reaching the scheduler.
-  * ``step()`` runs one iteration: admit arrivals, plan, execute (asynchronously; results lag one
-    step), apply results, deliver outputs, update gauges. ``run_until_idle()`` steps until nothing
-    is waiting, running or in flight (offline use). ``start()`` / ``stop()`` run the loop on a
-    background thread (servers); ``stop`` joins it.
-  * Prefill events: ``prefill_start`` / ``prefill_end`` bracket each step that ran a chunk of the
-    request (the device time is not separable per request inside a batched step);
-    ``prefill_start``'s detail is the positions computed, ``"start-end"`` (a prefix-cache hit
-    starts past 0).
-  * ``traces`` keeps every request's ``RequestTrace`` by id (for Chrome-trace export); with
-    ``max_traces`` (servers) only that many finished ones are kept, oldest dropped first.
-  * Faults: an exception from the engine (or the test-only ``fault_hook(plan)``, called before
-    each execute) ends every running sequence as ``error`` with the exception in the message
-    (``Scheduler.fail``), drops the engine's results in flight, and the loop goes on with the
-    queued requests. A ``FatalEngineError``, or ``max_faults`` faults in a row, means the engine
-    cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
-    end at once. An exception from the scheduler or the loop itself does the same on the
-    background thread (``failed`` says so), so no stream waits forever; then, given
-    ``rebuild`` (a fresh scheduler: pool, prefix cache, sessions) and fewer than
-    ``max_restarts`` restarts so far, the loop restarts on the same engine (``restarts``
-    counts them) and serves again; ``dead`` is ``failed`` unless a restart is under way.
-    ``failures`` counts every failure; ``fail(message)`` is a
-    watchdog's verdict (a hung step: no restart). ``step_started`` is the clock time the
-    current engine call began (None between calls) and ``beat`` the time the background
-    thread last went round (None before ``start``), for a watchdog.
-  * What only observes the loop runs inside ``guard`` (``serving.guard.Guard``, counting into
-    ``phaseserve_internal_errors_total{part}``): the step-cost model, metrics, lifecycle traces
-    and ``on_output`` callbacks. An exception there is logged and counted; a callback that
-    raises cancels its own request (its pages are freed) and the loop goes on.
-  * ``cost_model`` (``serving.step_cost.StepCostModel``) is fitted to every busy step's wall time
-    and composition (prefill tokens, decode rows), for admission predictions and the TPOT-aware
-    prefill budget; a call during which the engine compiled a program (its ``programs`` count
-    grew) is not a sample.
+Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.monotonic, ...)``.
+  * ``submit(request, on_output)`` / ``cancel(request_id)`` are thread-safe; ``on_output`` runs on
+    the loop's thread for every update, the last with the finish reason (a request cancelled
+    before admission ends ``cancelled`` without reaching the scheduler). ``step()`` admits, plans,
+    executes (results lag ``engine.lag`` steps), delivers; ``run_until_idle()`` (offline) or
+    ``start()`` / ``stop()`` (a background thread). One monotonic clock for every trace event.
+  * Faults: an engine exception (or ``fault_hook(plan)``'s) ends the step's sequences as ``error``
+    and the loop goes on; a ``FatalEngineError`` or ``max_faults`` in a row sets ``failed``. An
+    exception in the loop itself fails it too, then ``rebuild`` (a fresh scheduler) restarts it
+    up to ``max_restarts`` times. ``dead``, ``beat``, ``step_started``, ``fail(message)``: for a
+    watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``.
+  * The read-only face, the one place that reads the scheduler's memory: ``capacity()`` (fixed),
+    ``occupancy()`` (counts now), ``can_ever_fit``, ``slot_wait_steps``, and the thread-safe
+    ``cached_prefix_tokens(ids)`` (under the lock the loop holds while the scheduler changes).
 """
 
 from __future__ import annotations

@@ -1,49 +1,19 @@
 """The protocol-neutral service: admission, streams, usage, drain and health over one ServingLoop.
 
-Contract: ``Frontend(loop, tokenizer, FrontendConfig, metrics_registry, usage_log)`` is what
-every wire API (``serving.api.grpc_service``, ``serving.api.jetstream_service``) calls; they only
-translate messages and statuses.
-  * ``generate(args, key, client_request_id, api) -> Stream`` checks, in order: the service
-    state (``UNAVAILABLE`` while loading, draining or failed), the request
-    (``serving.api.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
-    quota, and the predicted SLO miss (``serving.api.admission``: ``RESOURCE_EXHAUSTED`` with the
-    prediction; the backlog and this request's prompt net of the prefix-cache hit it would get,
-    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds
-    ``seed + i``) to the loop. A refused request never reaches the engine, and gets its usage
-    record.
-  * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
-    output, then raises ``ServiceError`` if the request ended in error. The buffer between the
-    loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
-    output older than ``stream_stall_s``, the request is cancelled (``slow_consumer``: its pages
-    are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
-    sample in the loop; pages are free before the next step. ``Stream.poll()`` is the same
-    stream without blocking (an asyncio consumer): the next ``(index, output)``, ``None`` while
-    none is ready, ``Stream.END`` once all is read (or ``ServiceError``); ``on_ready(fn)`` calls
-    ``fn()`` from the loop's thread whenever there is something new to poll (``fn`` must not
-    block: ``loop.call_soon_threadsafe``), ``off_ready(fn)`` stops it.
-  * Every request that passes authentication ends on one path (``_end``), exactly once: the
-    usage record (``serving.api.usage``), the per-request metrics, the quota settlement. One usage
-    rule (``Stream.usage()``) for the record, the quota and every API's response: the prompt
-    counted once however many samples, the completion summed over the samples,
-    ``cached_tokens`` sample 0's prompt tokens served from the prefix cache (samples 1..n-1
-    reuse the pages sample 0 wrote, so it never exceeds the prompt).
-  * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
-    its first output arrives, so they reuse its prompt pages instead of prefilling it again.
-  * ``prediction_error()`` compares each admitted request's predicted TTFT with its actual one
-    (also the ``phaseserve_ttft_prediction_ratio`` histogram: actual / predicted).
-  * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
-    ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
-    lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
-    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog
-    thread (``start_watchdog``) fails every live stream (``UNAVAILABLE``) and turns the state
-    to ``failed`` when the loop thread has not gone round for ``watchdog_s`` (a hung engine
-    step, compile or deadlock) or the loop is dead (``ServingLoop.dead``: failed and not
-    restarting); the server then exits for its supervisor (``launch.server``).
-  * Early rejection (``early_reject``) refuses a request whose prediction misses its class,
-    never on an idle server (nothing queued, running, arriving or held back): there is nothing
-    to protect, the estimate was fitted to a load that is gone, and refusing on it could refuse
-    forever (no step would run to refresh it). A failure of the prediction itself admits the
-    request (counted by the loop's ``guard``).
+Contract: ``Frontend(loop, tokenizer, FrontendConfig, registry, usage_log, faults=None)`` is what
+every wire API calls; they only translate messages and statuses. It reads the loop only through
+its read-only face (``capacity``, ``occupancy``, ``cached_prefix_tokens``, ...).
+  * ``generate(args, key, client_request_id, api) -> Stream`` checks in order the state
+    (``UNAVAILABLE`` unless serving), the request (``INVALID_ARGUMENT``), the KV budget, the queue
+    bound, the key's quota and the predicted SLO miss (``serving.api.admission``; early rejection
+    never on an idle server), then submits its ``n`` samples (seeds ``seed + i``; with the prefix
+    cache samples 1..n-1 wait for sample 0's prefill). A refused request gets its usage record.
+  * ``Stream.events()`` / ``poll()`` / ``on_ready(fn)`` read a bounded buffer (past
+    ``stream_buffer_bytes`` or ``stream_stall_s`` the request is cancelled); every request ends
+    once on one path (``_end``): usage record, metrics, quota, by one usage rule.
+  * ``state``: ``loading`` -> ``serving`` -> ``draining`` | ``failed`` (``on_state`` listeners);
+    ``drain(grace_s)``; a watchdog fails every live stream when the loop stops going round for
+    ``watchdog_s`` or is dead. ``prediction_error()``: predicted vs actual TTFT.
 """
 
 from __future__ import annotations
