@@ -4,29 +4,15 @@ with ``--http_port``, OpenAI's HTTP API beside it (``serving.api.http_server``) 
   python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100 \
       --http_port 8000
 
-Start-up: load the model, choose each phase's layout (the planner's unless given; logged with
-its numbers), build the engine, bind the port (health NOT_SERVING), compile every bucketed
-program, then readiness turns SERVING; the start-up time is logged and exported
-(``phaseserve_startup_seconds``). ``--port 0`` binds a free port; ``--port_file`` receives the
-bound one (tests; the HTTP port goes to ``PORT_FILE.http``, the metrics port to
-``PORT_FILE.metrics``). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
-ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
-flushed, exit 0. Bad flags exit 2 with one line.
-
-Loop failure: an internal error of the serving loop ends every request it held with an error
-status and, with ``--on_loop_failure=restart`` (the default), the loop is rebuilt on the same
-engine (fresh pool and prefix cache; at most 3 times). A fatal engine fault, a loop that has not
-gone round for ``--watchdog_s`` (hung step, compile or deadlock), exhausted restarts or
-``--on_loop_failure=exit`` fail the service instead: every live stream ends UNAVAILABLE, health
-and ``/health`` report NOT_SERVING for ``--failure_exit_delay_s``, then the process exits 1 for
-its supervisor.
-
-Several processes (``--coordinator_address --num_processes --process_id``, one per host; see
-``launch.cluster_flags``): one global mesh over every process's devices. Process 0 serves
-(ports, scheduler, everything above); each other process builds the same engine and runs the
-calls process 0 broadcasts each step (``serving.multihost``). SIGTERM to process 0 drains as
-above, then tells the others to stop; everyone exits 0. A process that dies takes the others
-down with an error within about ``--heartbeat_timeout_s`` (JAX's distributed runtime).
+Start-up: load, choose each phase's layout, build the stack (``serving.stack.build`` with its
+hooks: the multi-host ``LeaderEngine``, fault injection, restarts), bind (health NOT_SERVING),
+warm up every bucketed program, then SERVING. ``--port 0`` / ``--port_file`` for tests. SIGTERM:
+drain within ``--grace_s``, exit 0; bad flags exit 2. A loop failure restarts the loop
+(``--on_loop_failure=restart``, at most 3 times) or fails the service: every live stream ends
+UNAVAILABLE, health NOT_SERVING for ``--failure_exit_delay_s``, exit 1 for the supervisor.
+Several processes (``launch.cluster_flags``): process 0 serves and broadcasts each engine call;
+the others follow (``serving.multihost``) and stop on its word; a dead process takes the others
+down within about ``--heartbeat_timeout_s``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,20 @@
 """The engine: runs the scheduler's ``StepPlan``s on the device over paged KV memory.
 
-Contract (an ``serving.engine_api.EngineApi``):
-  * ``Engine(step, params, EngineConfig, decode=None, host_store=None)``: ``step`` is a
-    ``models.step.Step``; the engine never imports a model. Each ``Pool`` holds a step, its
-    placed params, its ``PagedKV`` (one page-table row per slot) and each slot's last sampled
-    id. One pool serves both phases, or with ``decode=PhaseDecode(step, transfer)`` decode runs
-    on a pool of its own: the pages of a sequence whose prompt just finished are transferred
-    into it (same page ids) with its first sampled id.
-  * ``execute(plan)``: setups, host-tier spills / loads, page copies, the page table, then
-    decode and prefill, dispatched asynchronously; returns the result ``lag`` steps back.
-    Sampling per slot: ``fold_in(key(seed), position)``, independent of the batch.
-  * A step's ``kv_shards`` sub-pools: a call's row ``r`` runs on shard ``r // (R / n)`` and holds
-    pages of that shard only; the engine arranges rows by the shard of each slot's pages.
-  * Shapes are bucketed (powers of two: rows, chunk, attended length; the cap where attention is
-    the native kernel); ``warmup()`` compiles every bucket with all rows inactive, ``seal()``
-    closes the set (``serving.engine_shapes``). Host arrays reach the device with
-    ``jax.device_put`` (no staging program per shape). Letters: ``models/config.py``.
+Contract (an ``serving.engine_api.EngineApi``): ``Engine(step, params, EngineConfig, decode=None,
+host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports a model).
+  * Each ``Pool`` holds a step, its placed params, its ``PagedKV`` (a page-table row per slot)
+    and each slot's last sampled id. One pool serves both phases, or with
+    ``decode=PhaseDecode(step, transfer)`` decode has its own: a sequence whose prompt just
+    finished has its pages transferred (same ids) with its first sampled id.
+  * ``execute(plan)``: setups, host-tier spills / loads, page copies, the page table, decode and
+    prefill, dispatched asynchronously; returns the result ``lag`` steps back. A slot samples
+    with ``fold_in(key(seed), position)``, independent of the batch.
+  * A step's ``kv_shards``: row ``r`` of a call runs on shard ``r // (R / n)`` and holds pages of
+    that shard only; rows are arranged by the shard of each slot's pages.
+  * Shapes are bucketed (powers of two; the cap where attention is the native kernel);
+    ``warmup()`` runs every bucket with all rows inactive, ``seal()`` closes the set
+    (``serving.engine_shapes``). Host arrays go in with ``jax.device_put``. Letters:
+    ``models/config.py``.
 """
 
 from __future__ import annotations
