@@ -12,7 +12,7 @@ Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.m
     up to ``max_restarts`` times. ``dead``, ``beat``, ``step_started``, ``fail(message)``: for a
     watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``.
   * The read-only face, the one place that reads the scheduler's memory: ``capacity()`` (fixed),
-    ``occupancy()`` (counts now), ``can_ever_fit``, ``slot_wait_steps``, and the thread-safe
+    ``occupancy()`` (queue counts now, KV pages as of the last step), ``can_ever_fit``, ``slot_wait_steps``, and the thread-safe
     ``cached_prefix_tokens(ids)`` (under the lock the loop holds while the scheduler changes).
 """
 
@@ -118,6 +118,8 @@ class ServingLoop:
     # Held by the loop while the scheduler changes (never across an engine call), so that
     # ``cached_prefix_tokens`` reads the prefix cache from another thread consistently.
     self._sched_lock = threading.RLock()
+    self._kv_counts = (0, 0, 0, 0)  # pages used, free, cached, in the host tier (``_count_kv``)
+    self._count_kv()
 
   def submit(self, request: Request, on_output: OutputFn,
              trace: RequestTrace | None = None) -> RequestTrace:
@@ -308,6 +310,9 @@ class ServingLoop:
       self._count_failure("hung")
 
   def _update_gauges(self) -> None:
+    """On the loop's thread, after each step: the KV counts ``occupancy`` reports, then the
+    gauges."""
+    self.guard.call("metrics", self._count_kv)
     if self.metrics is not None:
       self.guard.call("metrics", self._set_gauges)
 
@@ -333,15 +338,19 @@ class ServingLoop:
         host_tier_pages=cache.host_capacity if cache is not None else 0,
         attention_sinks=s.sinks, vocab_size=s.tokenizer.vocab_size)
 
+  def _count_kv(self) -> None:
+    pool, cache = self.scheduler.pool, self.scheduler.prefix_cache
+    self._kv_counts = (pool.pages_used, pool.pages_free, pool.pages_cached,
+                       cache.host_pages_used if cache is not None else 0)
+
   def occupancy(self) -> Occupancy:
-    """Counters read without the lock (each a plain count; a scrape may see one step's mix)."""
+    """From any thread: the queue counts now, the KV page counts as of the last step."""
     s = self.scheduler
-    pool, cache = s.pool, s.prefix_cache
+    used, free, cached, host = self._kv_counts
     return Occupancy(
         waiting=s.num_waiting, arriving=self.num_arriving, running=s.num_running,
-        decoding=s.num_decoding, pages_used=pool.pages_used, pages_free=pool.pages_free,
-        pages_cached=pool.pages_cached,
-        host_tier_pages_used=cache.host_pages_used if cache is not None else 0)
+        decoding=s.num_decoding, pages_used=used, pages_free=free, pages_cached=cached,
+        host_tier_pages_used=host)
 
   def can_ever_fit(self, n_tokens: int, ring: int = 0) -> Refusal | None:
     """Why a sequence of ``n_tokens`` positions (or a window's ring of ``ring`` pages) could
