@@ -24,7 +24,7 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -238,9 +238,6 @@ class Engine(EngineApi):
         want_lp(out_rows), valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
 
-  def release(self, slots: Sequence[int]) -> None:
-    """Nothing on the device: a freed slot's table row becomes the null page."""
-
   def _attend(self, end: int, phase: str) -> int:
     z = self.config.page_size
     cap = self.config.pages_per_seq * z
@@ -275,7 +272,7 @@ class Engine(EngineApi):
     return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
                   for r in rows(phase)]
 
-  def _warm_call(self, bucket: tuple) -> tuple[Callable, tuple, dict, Pool]:
+  def _warm_call(self, bucket: tuple) -> tuple[Any, tuple, dict, Pool]:
     """The jitted call that runs ``bucket`` with every row inactive, on the current arrays:
     (function, args, kwargs, the pool whose state its outputs replace)."""
     phase, r, t, attend = bucket
@@ -283,7 +280,7 @@ class Engine(EngineApi):
     z_R = jax.device_put(np.zeros((r,), np.int32))
     if phase == "prefill":
       pool = self.prefill_pool
-      args = (pool.params, pool.kv, jnp.zeros((r, t), jnp.int32), none_R, z_R, z_R)
+      args: tuple = (pool.params, pool.kv, jnp.zeros((r, t), jnp.int32), none_R, z_R, z_R)
       return prefill_call, args, dict(step=pool.step, attend_len=attend), pool
     if phase == "decode":
       pool = self.decode_pool
@@ -387,7 +384,7 @@ class Engine(EngineApi):
     if plan.prefill:
       parts.append(self.prefill(plan.prefill))
     for part in parts:
-      wanted = part.lp if any(k for _, _, k in part.rows) else ()
+      wanted = part.lp if part.lp is not None and any(k for _, _, k in part.rows) else ()
       for arr in (part.ids, *wanted):
         arr.copy_to_host_async()
     self._held.append(Pending(plan.step, parts))
@@ -416,11 +413,11 @@ class Engine(EngineApi):
     for key in plan.forget:
       store.discard(key)
     for g in range(0, len(plan.loads), cap):
-      group = plan.loads[g:g + cap]
-      n = bucket(len(group), minimum=1)
+      loads = plan.loads[g:g + cap]
+      n = bucket(len(loads), minimum=1)
       ids_C = np.full((n,), self.config.num_pages, np.int32)
-      ids_C[:len(group)] = [ld.page for ld in group]
-      pages = [store.take(ld.key) for ld in group]
+      ids_C[:len(loads)] = [ld.page for ld in loads]
+      pages = [store.take(ld.key) for ld in loads]
       leaves = []
       for j, first in enumerate(pages[0]):
         x = np.zeros((first.shape[0], n) + first.shape[1:], first.dtype)

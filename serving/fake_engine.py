@@ -69,13 +69,8 @@ class FakeEngine(EngineApi):
     for s in plan.setups:
       self.seed[s.slot] = s.sampling.seed
       self.last[s.slot] = -1
-    for sp in plan.spills:  # the host tier, in the plan's order: out, forget, in
-      self.host_store.put(sp.key, (self.pages[sp.page].copy(),))
-      self.pages[sp.page] = -7  # the device page is free now: stale content must not be read
-    for key in plan.forget:
-      self.host_store.discard(key)
-    for ld in plan.loads:
-      self.pages[ld.page] = self.host_store.take(ld.key)[0]
+    if plan.spills or plan.forget or plan.loads:
+      self._host_tier(plan)
     for c in plan.copies:
       self._copy(c)
     tokens: dict[str, int] = {}
@@ -98,6 +93,18 @@ class FakeEngine(EngineApi):
     if len(self._held) > self._lag:
       return self._held.popleft()
     return None
+
+  def _host_tier(self, plan: StepPlan) -> None:
+    """The plan's host-tier moves, in its order: out, forget, in."""
+    store = self.host_store
+    assert store is not None, "a plan with host-tier moves needs a host_store"
+    for sp in plan.spills:
+      store.put(sp.key, (self.pages[sp.page].copy(),))
+      self.pages[sp.page] = -7  # the device page is free now: stale content must not be read
+    for key in plan.forget:
+      store.discard(key)
+    for ld in plan.loads:
+      self.pages[ld.page] = store.take(ld.key)[0]
 
   def _copy(self, c: PageCopy) -> None:
     self.pages[c.dst] = self.pages[c.src]
