@@ -5,15 +5,17 @@ Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.m
     the loop's thread for every update, the last with the finish reason (a request cancelled
     before admission ends ``cancelled`` without reaching the scheduler). ``step()`` admits, plans,
     executes (results lag ``engine.lag`` steps), delivers; ``run_until_idle()`` (offline) or
-    ``start()`` / ``stop()`` (a background thread). One monotonic clock for every trace event.
+    ``start()`` / ``stop()`` (a background thread). One monotonic clock for every trace event;
+    ``traces`` keeps them by id (``max_traces``: that many finished ones).
   * Faults: an engine exception (or ``fault_hook(plan)``'s) ends the step's sequences as ``error``
     and the loop goes on; a ``FatalEngineError`` or ``max_faults`` in a row sets ``failed``. An
     exception in the loop itself fails it too, then ``rebuild`` (a fresh scheduler) restarts it
     up to ``max_restarts`` times. ``dead``, ``beat``, ``step_started``, ``fail(message)``: for a
     watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``.
   * The read-only face, the one place that reads the scheduler's memory: ``capacity()`` (fixed),
-    ``occupancy()`` (queue counts now, KV pages as of the last step), ``can_ever_fit``, ``slot_wait_steps``, and the thread-safe
-    ``cached_prefix_tokens(ids)`` (under the lock the loop holds while the scheduler changes).
+    ``occupancy()`` (queues now, KV pages as of the last step), ``can_ever_fit``,
+    ``slot_wait_steps`` and the thread-safe ``cached_prefix_tokens(ids)`` (under the lock the
+    loop holds while the scheduler changes, never across an engine call).
 """
 
 from __future__ import annotations
