@@ -81,7 +81,7 @@ def test_cluster_validation_names_the_field(kw, match):
 ])
 def test_two_processes_give_the_logits_of_one(tmp_path, ffn, attn, quantized):
   from partitioning.mesh import make_mesh
-  from tests import test_paged_layouts as T
+  from tests.partitioning import test_paged_layouts as T
   from tests.workers import partitioned_logits as W
   out = tmp_path / "logits.npz"
   name = W.case_name(ffn, attn, quantized)
