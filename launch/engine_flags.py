@@ -111,7 +111,9 @@ def set_fake_devices() -> None:
 
 
 def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
-          max_traces: int | None = None) -> Built:
+          max_traces: int | None = None, *, wrap_engine=None, fault_hook=None,
+          restarts: bool = True) -> Built:
+  """``wrap_engine`` / ``fault_hook`` / ``restarts``: ``serving.stack.build``'s hooks."""
   import jax
   import jax.numpy as jnp
   from models.io.loader import load_config, load_model
@@ -156,7 +158,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
     raise CliError(str(e))
   try:
     loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
-                       kv_shards=steps.kv_shards, max_traces=max_traces)
+                       kv_shards=steps.kv_shards, max_traces=max_traces,
+                       wrap_engine=wrap_engine, fault_hook=fault_hook, restarts=restarts)
   except ValueError as e:
     raise CliError(str(e))
   return Built(cfg, tok, steps, loop, mode)

@@ -172,7 +172,7 @@ def run() -> list[dict]:
   summary = {"requests": len(lines), "ok": len(done), "errors": len(lines) - len(done),
              "completion_tokens": completion, "seconds": round(seconds, 3),
              "throughput_tok_s": round(completion / seconds, 2) if seconds > 0 else None,
-             "kv_pages_in_use": loop.scheduler.pool.pages_used,
+             "kv_pages_in_use": loop.occupancy().pages_used,
              "programs": loop.engine.programs, "programs_warmed": warmed,
              "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": ef.QUANTIZE.value,
              "dtype": ef.DTYPE.value, "mode": mode, "deployment": steps.description,

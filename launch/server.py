@@ -4,29 +4,15 @@ with ``--http_port``, OpenAI's HTTP API beside it (``serving.api.http_server``) 
   python -m launch.server --model smollm2-135m --quantize int8 --port 9000 --metrics_port 9100 \
       --http_port 8000
 
-Start-up: load the model, choose each phase's layout (the planner's unless given; logged with
-its numbers), build the engine, bind the port (health NOT_SERVING), compile every bucketed
-program, then readiness turns SERVING; the start-up time is logged and exported
-(``phaseserve_startup_seconds``). ``--port 0`` binds a free port; ``--port_file`` receives the
-bound one (tests; the HTTP port goes to ``PORT_FILE.http``, the metrics port to
-``PORT_FILE.metrics``). SIGTERM (or SIGINT): readiness NOT_SERVING, new requests UNAVAILABLE, live
-ones finish within ``--grace_s`` (a second signal cancels them at once), the usage log is
-flushed, exit 0. Bad flags exit 2 with one line.
-
-Loop failure: an internal error of the serving loop ends every request it held with an error
-status and, with ``--on_loop_failure=restart`` (the default), the loop is rebuilt on the same
-engine (fresh pool and prefix cache; at most 3 times). A fatal engine fault, a loop that has not
-gone round for ``--watchdog_s`` (hung step, compile or deadlock), exhausted restarts or
-``--on_loop_failure=exit`` fail the service instead: every live stream ends UNAVAILABLE, health
-and ``/health`` report NOT_SERVING for ``--failure_exit_delay_s``, then the process exits 1 for
-its supervisor.
-
-Several processes (``--coordinator_address --num_processes --process_id``, one per host; see
-``launch.cluster_flags``): one global mesh over every process's devices. Process 0 serves
-(ports, scheduler, everything above); each other process builds the same engine and runs the
-calls process 0 broadcasts each step (``serving.multihost``). SIGTERM to process 0 drains as
-above, then tells the others to stop; everyone exits 0. A process that dies takes the others
-down with an error within about ``--heartbeat_timeout_s`` (JAX's distributed runtime).
+Start-up: load, choose each phase's layout, build the stack (``serving.stack.build`` with its
+hooks: the multi-host ``LeaderEngine``, fault injection, restarts), bind (health NOT_SERVING),
+warm up every bucketed program, then SERVING. ``--port 0`` / ``--port_file`` for tests. SIGTERM:
+drain within ``--grace_s``, exit 0; bad flags exit 2. A loop failure restarts the loop
+(``--on_loop_failure=restart``, at most 3 times) or fails the service: every live stream ends
+UNAVAILABLE, health NOT_SERVING for ``--failure_exit_delay_s``, exit 1 for the supervisor.
+Several processes (``launch.cluster_flags``): process 0 serves and broadcasts each engine call;
+the others follow (``serving.multihost``) and stop on its word; a dead process takes the others
+down within about ``--heartbeat_timeout_s``.
 """
 
 from __future__ import annotations
@@ -107,7 +93,7 @@ def _info(cfg, steps, loop, limits, classes, version):
       decode=pb.PhaseLayout(layout=layout("decode"), reason=str(d.get("decode_choice", ""))),
       kv_pages=s["kv_pages"], page_size=s["page_size"], max_slots=s["max_slots"],
       max_context=s["max_context"], max_queue=_MAX_QUEUE.value, max_n=limits.max_n,
-      max_stop_strings=limits.max_stop_strings, vocab_size=loop.scheduler.tokenizer.vocab_size,
+      max_stop_strings=limits.max_stop_strings, vocab_size=loop.capacity().vocab_size,
       slo_classes=[pb.SloClass(name=c.name, ttft_s=c.ttft_s, tpot_s=c.tpot_s) for c in classes],
       default_slo_class=limits.default_slo_class, default_max_tokens=limits.default_max_tokens,
       version=version)
@@ -156,6 +142,8 @@ def main(argv: list[str]) -> None:
   from serving import stack
   from serving.api.auth import ApiKeys
   from serving.api.faults import FaultInjector
+  from serving.engine_api import EngineApi
+  from serving.multihost import LeaderEngine
   from serving.api.frontend import Frontend, FrontendConfig
   from serving.api.usage import UsageLog
   from serving.api.validation import Limits
@@ -174,35 +162,41 @@ def main(argv: list[str]) -> None:
   programs = ProgramCounter()  # every XLA program this process loads, from here on
   registry = prom.CollectorRegistry()
   prom.ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU time
-  built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
-                   max_traces=1024)
-  cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
+  leader: list[LeaderEngine] = []  # process 0 of several: the engine it publishes through
+  follower = False
   if cluster.multi:
     from partitioning.distributed import Broadcast, is_leader
-    from serving.multihost import LeaderEngine
-    if not is_leader():
-      _follow(built, Broadcast("engine"))
-      return
-    loop.engine = LeaderEngine(loop.engine, Broadcast("engine"))
+    follower = not is_leader()
+  if _FAULTS.value and not follower:
+    logging.warning("fault injection is ON (test only)")
+  faults = FaultInjector() if _FAULTS.value and not follower else None
+
+  def lead(engine: EngineApi) -> EngineApi:
+    leader.append(LeaderEngine(engine, Broadcast("engine")))
+    return leader[0]
+
+  built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
+                   max_traces=1024, wrap_engine=lead if cluster.multi and not follower else None,
+                   fault_hook=faults, restarts=_ON_LOOP_FAILURE.value != "exit")
+  cfg, tok, steps, loop = built.cfg, built.tokenizer, built.steps, built.loop
+  if follower:
+    _follow(built, Broadcast("engine"))
+    return
   logging.info("deployment: %s", {k: v for k, v in steps.description.items()
                                   if k in ("mode", "prefill_choice", "decode_choice",
                                            "kv_pools")})
-  limits = Limits(max_context=loop.scheduler.max_context,
+  capacity = loop.capacity()
+  limits = Limits(max_context=capacity.max_context,
                   default_max_tokens=_DEFAULT_MAX_TOKENS.value, max_n=_MAX_N.value,
                   slo_classes=tuple(c.name for c in classes),
                   default_slo_class=_DEFAULT_SLO.value,
-                  attention_sinks=loop.scheduler.sinks, page_size=loop.scheduler.pool.page_size)
+                  attention_sinks=capacity.attention_sinks, page_size=capacity.page_size)
   frontend = Frontend(loop, tok, FrontendConfig(
       limits, classes, slo_scale=_SLO_SCALE.value, early_reject=_EARLY_REJECT.value,
       max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
-      stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value,
-      fault_injection=_FAULTS.value), registry, UsageLog(_USAGE_LOG.value))
+      stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value), registry,
+      UsageLog(_USAGE_LOG.value), faults=faults)
   frontend.metrics.watch_programs(programs)
-  if _ON_LOOP_FAILURE.value == "exit":
-    loop.rebuild = None
-  if _FAULTS.value:
-    logging.warning("fault injection is ON (test only)")
-    loop.fault_hook = FaultInjector(frontend)
   try:
     version = importlib.metadata.version("phaseserve")
   except importlib.metadata.PackageNotFoundError:
@@ -280,8 +274,9 @@ def main(argv: list[str]) -> None:
   if http is not None:
     http.stop()
   loop.stop(timeout=5.0)
+  for lead_engine in leader:
+    lead_engine.stop()  # every other process leaves its follow loop
   if cluster.multi:
-    loop.engine.stop()  # every other process leaves its follow loop
     import jax
     jax.distributed.shutdown()
   frontend.usage.close()

@@ -5,9 +5,12 @@ looked up by name with ``get_preset`` (``get_shape`` also knows the cost-model-o
 ``SHAPE_NAMES``); ``from_hf_config`` builds a config from a Hugging Face ``config.json`` dict
 for the Llama family (MHA / GQA / MQA) and Gemma (v1).
 
-Einsum letters used throughout ``models/`` (documented once, here):
+Shape letters (array-name suffixes, documented once, here):
   B batch, T query time, S key/value time, D embed, N query heads, K kv heads,
-  G query heads per kv head (N = K * G), H head dim, F mlp hidden, V vocab.
+  G query heads per kv head (N = K * G), H head dim, F mlp hidden, V vocab;
+  paged KV: L layers, P pages in a pool, Z positions per page, M pages per sequence (a
+  page-table row), C pages moved by one call; the engine (``serving/``): X slots (per-slot
+  state), R rows of one engine call (prefill chunks or decode rows, padded to a bucket).
 """
 
 from __future__ import annotations

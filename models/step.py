@@ -16,6 +16,8 @@ own jitted programs, with ``attend_len`` static.
     paged pool, placed (``sink_pool``: a sink pool for attention sinks, ``models.paged_kv``;
     a step that cannot run one raises ``ValueError``).
   * ``describe()``: a JSON-able description of the plan (layouts, mesh, reasons).
+  * ``kv_shards``: sub-pools the pool's page axis is sharded into (1: unsharded); a call's row
+    ``r`` then runs on shard ``r // (R / kv_shards)`` and holds pages of that shard only.
 ``UnshardedStep`` is the single-device model (``models.transformer``); the partitioned
 implementation lives in ``partitioning/`` (imports flow launch -> serving -> partitioning ->
 models, so serving receives a step and never imports one).
@@ -40,6 +42,9 @@ from models.weights import Params, is_stacked, stack_layers
 class Step(Protocol):
   cfg: ModelConfig
   stacked_params: bool
+
+  @property
+  def kv_shards(self) -> int: ...
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: KVStore, start_B: jax.Array,
               lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, KVStore]: ...
@@ -87,6 +92,10 @@ class UnshardedStep:
   @property
   def stacked_params(self) -> bool:
     return self.scan_layers
+
+  @property
+  def kv_shards(self) -> int:
+    return 1
 
   def place_params(self, params: Params) -> Params:
     if self.scan_layers and not is_stacked(params):

@@ -2,8 +2,8 @@
 
 Contract: ``Deployment`` names the mode and (optionally) each phase's layout as ``"ffn:attn"``;
 ``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized)`` returns
-``Steps(step, decode, kv_shards, describe)`` for ``serving.engine.Engine(step, ...,
-decode=decode)``:
+``Steps(step, decode, description)`` for ``serving.engine.Engine(step, ...,
+decode=decode)`` (``kv_shards``: the host allocator's sub-pools, from the steps' own):
   * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: its params
     stacked, one ``lax.scan`` over the layers per program).
   * ``interleaved``: one mesh over ``devices`` (default all); prefill and decode each in its own
@@ -24,6 +24,7 @@ builds the same programs; ``check_multiprocess`` says which deployments run over
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, Sequence
 
 import jax
@@ -63,8 +64,13 @@ class Deployment:
 class Steps:
   step: Step
   decode: PhaseDecode | None
-  kv_shards: int
   description: dict[str, object]
+
+  @property
+  def kv_shards(self) -> int:
+    """Sub-pools for the host allocator: the least common multiple of the pools' shard counts
+    (``partitioning.paged_step.PhaseSteps.kv_shards``)."""
+    return math.lcm(self.step.kv_shards, (self.decode.step if self.decode else self.step).kv_shards)
 
 
 def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
@@ -118,7 +124,7 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
                devices: Sequence[jax.Device] | None = None) -> Steps:
   if deployment.mode == "single":
     step = UnshardedStep(cfg, deployment.scan_layers)
-    return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
+    return Steps(step, None, {"mode": "single", "step": step.describe()})
   from partitioning import paged_step as PS
   from partitioning.mesh import make_mesh, make_submeshes, mesh_shape
   devices = list(jax.devices() if devices is None else devices)
@@ -153,4 +159,4 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
   desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,
           "kv_pools": 1 if one_pool else 2, **steps.describe(quantized)}
-  return Steps(steps.prefill, decode, steps.kv_shards(), desc)
+  return Steps(steps.prefill, decode, desc)

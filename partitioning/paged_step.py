@@ -24,7 +24,7 @@ Contract:
     global ids to local ids (``id - s * P_s``; outside ``[0, P_s)`` -> the local null page
     ``P_s``): a page of another shard is never written and reads as zeros, so a misplaced row
     computes garbage for itself only (``misplaced`` counts such table entries, for checks).
-    The engine arranges rows by shard (``serving.engine`` reads ``kv_shards``).
+    The engine arranges rows by shard (``kv_shards`` is the ``models.step.Step`` protocol's).
   * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
     and every ``wg_*`` share it, ``ws_1d`` has its own); ``param_sharding(path, sds)`` is that
     copy's sharding per param path, for loaders to make params straight into it; ``init_kv``

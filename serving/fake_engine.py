@@ -1,14 +1,15 @@
 """A stand-in engine with hand-checkable outputs, for scheduler tests and offline dry runs.
 
-Contract: ``FakeEngine(pool_pages, page_size, vocab, lag)`` executes ``StepPlan``s on a host
-"device memory" of pages holding token ids, through the plan's page table, exactly as the real
-engine addresses KV pages. The next id of a sequence is ``next_id(context, seed)``, a function of
-every (position, id) of the context read back through the page table, so a page handed to two
-live sequences, a lost write or a stale table changes the output. ``reference(prompt, seed, n)``
-is the same computation without pages. With a ``host_store`` it runs the plan's host-tier
-spills (the page is then scribbled over, so a load that did not happen shows), forgets and
-loads. ``lag`` = 1 returns each step's result one step late (the
-real engine's asynchronous token copy); ``flush()`` returns what is still held.
+Contract: ``FakeEngine(num_pages, page_size, vocab, max_slots, lag=0, host_store=None)`` is an
+``serving.engine_api.EngineApi`` without programs (``warmup`` compiles nothing). It executes
+``StepPlan``s on a host "device memory" of pages holding token ids, through the plan's page
+table, exactly as the real engine addresses KV pages. The next id of a sequence is
+``next_id(context, seed, vocab)``, a function of every (position, id) of the context read back
+through the page table, so a page handed to two live sequences, a lost write or a stale table
+changes the output. ``reference(prompt, seed, n, vocab)`` is the same computation without pages.
+With a ``host_store`` it runs the plan's host-tier spills (the page is then scribbled over, so a
+load that did not happen shows), forgets and loads. ``lag`` = 1 returns each step's result one
+step late (the real engine's asynchronous token copy); ``flush()`` returns what is still held.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import collections
 
 import numpy as np
 
+from serving.engine_api import EngineApi
+from serving.host_tier import HostStore
+from serving.kv_pages import PageCopy
 from serving.scheduler import StepPlan, StepResult
 
 
@@ -33,16 +37,16 @@ def reference(prompt: list[int], seed: int, n: int, vocab: int) -> list[int]:
   return ctx[len(prompt):]
 
 
-class FakeEngine:
+class FakeEngine(EngineApi):
   def __init__(self, num_pages: int, page_size: int, vocab: int, max_slots: int, lag: int = 0,
-               host_store=None):
-    self.host_store = host_store  # serving.host_tier.HostStore, for plans with spills / loads
+               host_store: HostStore | None = None):
+    self.host_store = host_store  # for plans with spills / loads
     self.page_size = page_size
     self.vocab = vocab
     self.pages = np.full((num_pages, page_size), -1, np.int64)
     self.last = np.full(max_slots, -1, np.int64)  # each slot's last sampled id ("on device")
     self.seed = np.zeros(max_slots, np.int64)
-    self.lag = lag
+    self._lag = lag
     self._held: collections.deque[StepResult] = collections.deque()
     self.steps = 0
     self.copied = 0  # plan page copies run
@@ -65,13 +69,8 @@ class FakeEngine:
     for s in plan.setups:
       self.seed[s.slot] = s.sampling.seed
       self.last[s.slot] = -1
-    for sp in plan.spills:  # the host tier, in the plan's order: out, forget, in
-      self.host_store.put(sp.key, (self.pages[sp.page].copy(),))
-      self.pages[sp.page] = -7  # the device page is free now: stale content must not be read
-    for key in plan.forget:
-      self.host_store.discard(key)
-    for ld in plan.loads:
-      self.pages[ld.page] = self.host_store.take(ld.key)[0]
+    if plan.spills or plan.forget or plan.loads:
+      self._host_tier(plan)
     for c in plan.copies:
       self._copy(c)
     tokens: dict[str, int] = {}
@@ -91,11 +90,23 @@ class FakeEngine:
         tokens[ch.request_id] = self.last[ch.slot] = next_id(ctx, int(self.seed[ch.slot]),
                                                              self.vocab)
     self._held.append(StepResult(plan.step, tokens))
-    if len(self._held) > self.lag:
+    if len(self._held) > self._lag:
       return self._held.popleft()
     return None
 
-  def _copy(self, c) -> None:
+  def _host_tier(self, plan: StepPlan) -> None:
+    """The plan's host-tier moves, in its order: out, forget, in."""
+    store = self.host_store
+    assert store is not None, "a plan with host-tier moves needs a host_store"
+    for sp in plan.spills:
+      store.put(sp.key, (self.pages[sp.page].copy(),))
+      self.pages[sp.page] = -7  # the device page is free now: stale content must not be read
+    for key in plan.forget:
+      store.discard(key)
+    for ld in plan.loads:
+      self.pages[ld.page] = store.take(ld.key)[0]
+
+  def _copy(self, c: PageCopy) -> None:
     self.pages[c.dst] = self.pages[c.src]
     self.copied += 1
 
@@ -106,3 +117,21 @@ class FakeEngine:
 
   def reset(self) -> None:
     self._held.clear()
+
+  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
+             threads: int | None = None) -> int:
+    return 0
+
+  def seal(self) -> None:
+    pass
+
+  @property
+  def programs(self) -> int:
+    return 0
+
+  @property
+  def lag(self) -> int:
+    return self._lag
+
+  def describe(self) -> dict[str, object]:
+    return {"kind": "fake", "pages": len(self.pages), "page_size": self.page_size}

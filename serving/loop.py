@@ -1,63 +1,40 @@
 """The serving loop: requests in, streamed outputs out, scheduler and engine stepping in between.
 
-Contract:
-  * ``ServingLoop(scheduler, engine, metrics=None, clock=time.monotonic)``. ``submit(request,
-    on_output)`` is thread-safe: it records ``arrival`` on the request's trace (one monotonic
-    clock for everything) and queues the request for the loop, which admits it before its next
-    plan. ``on_output(RequestOutput)`` is called from the loop's thread for every update (token
-    ids and text deltas), the last one with the finish reason; a request rejected at arrival gets
-    exactly one, final, output. ``cancel(request_id)`` is thread-safe (pages free before the
-    next planned step); a request cancelled while still on its way to the scheduler (submitted,
-    not yet admitted) ends as ``cancelled`` at admission, never reaching the scheduler.
-  * ``step()`` runs one iteration: admit arrivals, plan, execute (asynchronously; results lag one
-    step), apply results, deliver outputs, update gauges. ``run_until_idle()`` steps until nothing
-    is waiting, running or in flight (offline use). ``start()`` / ``stop()`` run the loop on a
-    background thread (servers); ``stop`` joins it.
-  * Prefill events: ``prefill_start`` / ``prefill_end`` bracket each step that ran a chunk of the
-    request (the device time is not separable per request inside a batched step);
-    ``prefill_start``'s detail is the positions computed, ``"start-end"`` (a prefix-cache hit
-    starts past 0).
-  * ``traces`` keeps every request's ``RequestTrace`` by id (for Chrome-trace export); with
-    ``max_traces`` (servers) only that many finished ones are kept, oldest dropped first.
-  * Faults: an exception from the engine (or the test-only ``fault_hook(plan)``, called before
-    each execute) ends every running sequence as ``error`` with the exception in the message
-    (``Scheduler.fail``), drops the engine's results in flight, and the loop goes on with the
-    queued requests. A ``FatalEngineError``, or ``max_faults`` faults in a row, means the engine
-    cannot continue: every request ends as ``error``, ``failed`` is set, and later submissions
-    end at once. An exception from the scheduler or the loop itself does the same on the
-    background thread (``failed`` says so), so no stream waits forever; then, given
-    ``rebuild`` (a fresh scheduler: pool, prefix cache, sessions) and fewer than
-    ``max_restarts`` restarts so far, the loop restarts on the same engine (``restarts``
-    counts them) and serves again; ``dead`` is ``failed`` unless a restart is under way.
-    ``failures`` counts every failure; ``fail(message)`` is a
-    watchdog's verdict (a hung step: no restart). ``step_started`` is the clock time the
-    current engine call began (None between calls) and ``beat`` the time the background
-    thread last went round (None before ``start``), for a watchdog.
-  * What only observes the loop runs inside ``guard`` (``serving.guard.Guard``, counting into
-    ``phaseserve_internal_errors_total{part}``): the step-cost model, metrics, lifecycle traces
-    and ``on_output`` callbacks. An exception there is logged and counted; a callback that
-    raises cancels its own request (its pages are freed) and the loop goes on.
-  * ``cost_model`` (``serving.step_cost.StepCostModel``) is fitted to every busy step's wall time
-    and composition (prefill tokens, decode rows), for admission predictions and the TPOT-aware
-    prefill budget; a call during which the engine compiled a program (its ``programs`` count
-    grew) is not a sample.
+Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.monotonic, ...)``.
+  * ``submit(request, on_output)`` / ``cancel(request_id)`` are thread-safe; ``on_output`` runs on
+    the loop's thread for every update, the last with the finish reason (a request cancelled
+    before admission ends ``cancelled`` without reaching the scheduler). ``step()`` admits, plans,
+    executes (results lag ``engine.lag`` steps), delivers; ``run_until_idle()`` (offline) or
+    ``start()`` / ``stop()`` (a background thread). One monotonic clock for every trace event;
+    ``traces`` keeps them by id (``max_traces``: that many finished ones).
+  * Faults: an engine exception (or ``fault_hook(plan)``'s) ends the step's sequences as ``error``
+    and the loop goes on; a ``FatalEngineError`` or ``max_faults`` in a row sets ``failed``. An
+    exception in the loop itself fails it too, then ``rebuild`` (a fresh scheduler) restarts it
+    up to ``max_restarts`` times. ``dead``, ``beat``, ``step_started``, ``fail(message)``: for a
+    watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``.
+  * The read-only face, the one place that reads the scheduler's memory: ``capacity()`` (fixed),
+    ``occupancy()`` (queues now, KV pages as of the last step), ``can_ever_fit``,
+    ``slot_wait_steps`` and the thread-safe ``cached_prefix_tokens(ids)`` (under the lock the
+    loop holds while the scheduler changes, never across an engine call).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-from serving.engine import Engine
-from serving.step_cost import StepCostModel
+from serving.engine_api import EngineApi
 from serving.guard import Guard
+from serving.kv_pages import Refusal
 from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput, Usage
-from serving.scheduler import Scheduler, StepPlan
+from serving.scheduler import Scheduler, StepPlan, StepResult
+from serving.step_cost import StepCostModel
 from serving.stop import FinishReason
 
 OutputFn = Callable[[RequestOutput], None]
@@ -68,8 +45,40 @@ class FatalEngineError(RuntimeError):
   """The engine cannot run another step (device lost, state corrupt)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+  """What the loop can hold: fixed by its configuration (``ServingLoop.capacity``)."""
+  kv_pages: int
+  page_size: int
+  kv_bytes: int
+  bytes_per_page: int
+  max_slots: int
+  max_context: int
+  max_step_tokens: int
+  max_prefill_chunks: int
+  max_chunk: int
+  prefix_cache: bool
+  host_tier_pages: int
+  attention_sinks: bool
+  vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Occupancy:
+  """What the loop holds now (``ServingLoop.occupancy``): requests queued in the scheduler,
+  on their way to it (``arriving``), running (of which ``decoding``), and KV pages."""
+  waiting: int
+  arriving: int
+  running: int
+  decoding: int
+  pages_used: int
+  pages_free: int
+  pages_cached: int
+  host_tier_pages_used: int
+
+
 class ServingLoop:
-  def __init__(self, scheduler: Scheduler, engine: Engine, metrics: Metrics | None = None,
+  def __init__(self, scheduler: Scheduler, engine: EngineApi, metrics: Metrics | None = None,
                clock: Callable[[], float] = time.monotonic, *, max_traces: int | None = None,
                fault_hook: Callable[[StepPlan], None] | None = None, max_faults: int = 3,
                rebuild: Callable[[], Scheduler] | None = None, max_restarts: int = 3,
@@ -108,6 +117,11 @@ class ServingLoop:
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._wake = threading.Event()
+    # Held by the loop while the scheduler changes (never across an engine call), so that
+    # ``cached_prefix_tokens`` reads the prefix cache from another thread consistently.
+    self._sched_lock = threading.RLock()
+    self._kv_counts = (0, 0, 0, 0)  # pages used, free, cached, in the host tier (``_count_kv``)
+    self._count_kv()
 
   def submit(self, request: Request, on_output: OutputFn,
              trace: RequestTrace | None = None) -> RequestTrace:
@@ -158,7 +172,8 @@ class ServingLoop:
         self._deliver_one(RequestOutput(req.request_id, finish_reason=FinishReason.ERROR,
                                         message=self.failed), cb)
         continue
-      rejected = self.scheduler.add(req, trace)
+      with self._sched_lock:
+        rejected = self.scheduler.add(req, trace)
       if rejected is not None:
         self._deliver_one(rejected, cb)
       else:
@@ -191,25 +206,26 @@ class ServingLoop:
   def step(self) -> bool:
     """One iteration; returns False when there was nothing to do."""
     self._admit()
-    self._deliver(self.scheduler.drain_outputs())
+    self._deliver(self._drain())
     if self.failed is not None:
       return False
     if self.scheduler.idle:
       try:
         for res in self.engine.flush():
-          self._deliver(self.scheduler.update(res))
+          self._deliver(self._update(res))
       except Exception as e:
         self._fault(e)
       self._update_gauges()
       return False
-    plan = self.scheduler.schedule()
-    self._deliver(self.scheduler.drain_outputs())
+    with self._sched_lock:
+      plan = self.scheduler.schedule()
+    self._deliver(self._drain())
     started = {c.request_id for c in plan.prefill}
     for c in plan.prefill:  # detail: the positions this chunk computes
       self.traces[c.request_id].record("prefill_start",
                                        f"{c.start}-{c.start + len(c.token_ids)}")
     t0 = self.step_started = self.clock()
-    programs = getattr(self.engine, "programs", 0)  # fake engines may not count
+    programs = self.engine.programs
     try:
       if self.fault_hook is not None:
         self.fault_hook(plan)
@@ -231,18 +247,30 @@ class ServingLoop:
       # With lagged results, a call waits for the previous step's ids: its wall time is that
       # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
       self._timed.append(composition)
-      if len(self._timed) > int(getattr(getattr(self.engine, "config", self.engine), "lag", 0)):
+      if len(self._timed) > self.engine.lag:
         timed = self._timed.popleft()
         # A call that compiled a program timed the compiler, not a step: not a sample.
-        if getattr(self.engine, "programs", 0) == programs:
+        if self.engine.programs == programs:
           self.guard.call("cost_model", self.cost_model.observe, *timed, dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")
     for res in results:
-      self._deliver(self.scheduler.update(res))
+      self._deliver(self._update(res))
     self._update_gauges()
     return True
+
+  def _drain(self) -> list[RequestOutput]:
+    with self._sched_lock:
+      return self.scheduler.drain_outputs()
+
+  def _update(self, result: StepResult) -> list[RequestOutput]:
+    with self._sched_lock:
+      return self.scheduler.update(result)
+
+  def _fail_scheduler(self, message: str, waiting: bool) -> list[RequestOutput]:
+    with self._sched_lock:
+      return self.scheduler.fail(message, waiting=waiting)
 
   def _step_metrics(self, dt: float, composition: tuple[int, int]) -> None:
     m, limit = self.metrics, self.scheduler.last_prefill_limit
@@ -267,7 +295,7 @@ class ServingLoop:
       self._count_failure("fatal")
     self.engine.reset()
     self._timed.clear()
-    self._deliver(self.scheduler.fail(self.failed or message, waiting=fatal))
+    self._deliver(self._fail_scheduler(self.failed or message, waiting=fatal))
     self._update_gauges()
 
   @property
@@ -284,16 +312,70 @@ class ServingLoop:
       self._count_failure("hung")
 
   def _update_gauges(self) -> None:
+    """On the loop's thread, after each step: the KV counts ``occupancy`` reports, then the
+    gauges."""
+    self.guard.call("metrics", self._count_kv)
     if self.metrics is not None:
       self.guard.call("metrics", self._set_gauges)
 
   def _set_gauges(self) -> None:
-    m, s = self.metrics, self.scheduler
-    m.queue_length.set(s.num_waiting)
-    m.running.set(s.num_running)
-    m.kv_pages_used.set(s.pool.pages_used)
-    m.kv_pages_free.set(s.pool.pages_free)
-    m.kv_pages_cached.set(s.pool.pages_cached)
+    m, o = self.metrics, self.occupancy()
+    m.queue_length.set(o.waiting)
+    m.running.set(o.running)
+    m.kv_pages_used.set(o.pages_used)
+    m.kv_pages_free.set(o.pages_free)
+    m.kv_pages_cached.set(o.pages_cached)
+
+  # -- the read-only face: every read of the scheduler's memory (pool, prefix cache) is here ----
+
+  def capacity(self) -> Capacity:
+    s = self.scheduler
+    pool, cache = s.pool, s.prefix_cache
+    return Capacity(
+        kv_pages=pool.budget.num_pages, page_size=pool.page_size, kv_bytes=pool.budget.bytes,
+        bytes_per_page=pool.budget.bytes_per_page, max_slots=s.max_slots,
+        max_context=s.max_context, max_step_tokens=s.max_step_tokens,
+        max_prefill_chunks=s.max_prefill_chunks, max_chunk=s.max_chunk,
+        prefix_cache=cache is not None,
+        host_tier_pages=cache.host_capacity if cache is not None else 0,
+        attention_sinks=s.sinks, vocab_size=s.tokenizer.vocab_size)
+
+  def _count_kv(self) -> None:
+    pool, cache = self.scheduler.pool, self.scheduler.prefix_cache
+    self._kv_counts = (pool.pages_used, pool.pages_free, pool.pages_cached,
+                       cache.host_pages_used if cache is not None else 0)
+
+  def occupancy(self) -> Occupancy:
+    """From any thread: the queue counts now, the KV page counts as of the last step."""
+    s = self.scheduler
+    used, free, cached, host = self._kv_counts
+    return Occupancy(
+        waiting=s.num_waiting, arriving=self.num_arriving, running=s.num_running,
+        decoding=s.num_decoding, pages_used=used, pages_free=free, pages_cached=cached,
+        host_tier_pages_used=host)
+
+  def can_ever_fit(self, n_tokens: int, ring: int = 0) -> Refusal | None:
+    """Why a sequence of ``n_tokens`` positions (or a window's ring of ``ring`` pages) could
+    never be held, whatever else runs; None when it could (``serving.kv_pages.PagePool``)."""
+    return self.scheduler.pool.can_ever_fit(n_tokens, ring)
+
+  def slot_wait_steps(self, ahead: int) -> int:
+    """Steps until a slot frees for a request with ``ahead`` requests before it."""
+    return self.scheduler.slot_wait_steps(ahead)
+
+  def cached_prefix_tokens(self, ids: Sequence[int], timeout: float = 0.1) -> int:
+    """Thread-safe: the leading tokens of ``ids`` the prefix cache holds now (0 without a
+    cache, or when the loop keeps the scheduler longer than ``timeout`` seconds)."""
+    if not self._sched_lock.acquire(timeout=timeout):
+      return 0
+    try:
+      cache = self.scheduler.prefix_cache
+      if cache is None:
+        return 0
+      shard = cache.best_shard(ids)
+      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
+    finally:
+      self._sched_lock.release()
 
   def run_until_idle(self, max_steps: int = 10_000_000) -> None:
     for _ in range(max_steps):
@@ -338,7 +420,7 @@ class ServingLoop:
     self.failed = f"internal error in the serving loop: {type(exc).__name__}: {exc}"
     self._count_failure("internal")
     try:
-      self._deliver(self.scheduler.fail(self.failed, waiting=True))
+      self._deliver(self._fail_scheduler(self.failed, waiting=True))
     except Exception:
       _log.exception("ending the requests after the failure also failed")
     for rid, cb in list(self._callbacks.items()):  # whatever fail() could not end
@@ -356,7 +438,8 @@ class ServingLoop:
     except Exception:
       _log.exception("rebuilding the serving loop failed: it stays failed")
       return
-    self.scheduler = scheduler
+    with self._sched_lock:
+      self.scheduler = scheduler
     self._timed.clear()
     self._callbacks.clear()
     self._faults_in_row = 0

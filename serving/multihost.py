@@ -1,25 +1,19 @@
 """One engine over many processes: process 0 plans, every process runs the same device calls.
 
 JAX's multi-controller model needs every process to launch the same programs, with the same
-arguments, in the same order (each then runs its own devices' part; the collectives meet across
-processes). phaseserve keeps ONE scheduler (process 0's): its plans are never re-derived on the
-other processes, they are broadcast (``partitioning.distributed.Broadcast`` over the runtime's
-key-value store, ``serving.plan_codec``'s JSON form).
+arguments, in the same order. phaseserve keeps ONE scheduler (process 0's); its engine calls are
+broadcast (``partitioning.distributed.Broadcast``, ``serving.plan_codec``'s JSON form).
 
 Contract:
-  * ``LeaderEngine(engine, broadcast)`` (process 0) is the engine the serving loop drives: each
-    call that launches device programs (``execute(plan)``, ``flush()``, ``reset()``,
-    ``warmup(...)``) is published, then run on the local engine; ``stop()`` publishes the end.
-    Every other attribute reads through to the local engine (``config``, ``programs``, ...).
+  * ``LeaderEngine(engine, broadcast)`` (process 0) is an ``serving.engine_api.EngineApi``: each
+    call that launches device programs or changes which program runs (``execute``, ``flush``,
+    ``reset``, ``warmup``, ``seal``) is published, then run on the local engine; the reads
+    (``programs``, ``lag``, ``describe``) are the local engine's. ``stop()`` publishes the end.
   * ``follow(engine, broadcast, should_stop=None) -> int`` (every other process) runs the
-    published calls on its own engine, built exactly like process 0's, until ``stop``; it
-    returns the number of calls run. A call that raises is logged and the next one runs: process 0
-    fails the same way, and its loop's fault handling (``reset``) is published like any call. It waits for the next call in slices of ``POLL_S`` and
-    returns early when ``should_stop()`` is true (a signal). A dead process 0 is detected by the
-    distributed runtime (heartbeats; see ``partitioning.distributed``), which ends this process
-    with an error rather than leaving it blocked.
-  * Results: every process computes each step's results (``Engine`` reads outputs with
-    ``_to_host``, a local copy or a gather); only process 0's go to the scheduler.
+    published calls on its own engine, built like process 0's, until ``stop``; returns the
+    number run. A call that raises is logged and the next one runs (process 0 fails the same way
+    and publishes its ``reset``). It returns early when ``should_stop()`` is true (checked every
+    ``POLL_S``); a dead process 0 ends this process through the runtime's heartbeats.
 """
 
 from __future__ import annotations
@@ -29,17 +23,17 @@ from typing import Callable
 
 from partitioning.distributed import Broadcast
 from serving import plan_codec
-from serving.engine import Engine
+from serving.engine_api import EngineApi
 from serving.scheduler import StepPlan, StepResult
 
 POLL_S = 1.0  # a follower waits for the next call this long before looking at should_stop
 _log = logging.getLogger(__name__)
 
 
-class LeaderEngine:
+class LeaderEngine(EngineApi):
   """Process 0's engine: publishes each device call before running it (see the contract)."""
 
-  def __init__(self, engine: Engine, broadcast: Broadcast):
+  def __init__(self, engine: EngineApi, broadcast: Broadcast):
     self.engine = engine
     self.broadcast = broadcast
     self.calls = 0
@@ -66,14 +60,27 @@ class LeaderEngine:
     self._publish("warmup", max_prefill_rows, max_chunk)
     return self.engine.warmup(max_prefill_rows, max_chunk, threads)
 
+  def seal(self) -> None:
+    """Every process seals: after it, a shape may run as a larger warmed one (the same on all)."""
+    self._publish("seal")
+    self.engine.seal()
+
+  @property
+  def programs(self) -> int:
+    return self.engine.programs
+
+  @property
+  def lag(self) -> int:
+    return self.engine.lag
+
+  def describe(self) -> dict[str, object]:
+    return self.engine.describe()
+
   def stop(self) -> None:
     self._publish("stop")
 
-  def __getattr__(self, name: str) -> object:  # reads (config, programs, step, ...)
-    return getattr(self.engine, name)
 
-
-def follow(engine: Engine, broadcast: Broadcast,
+def follow(engine: EngineApi, broadcast: Broadcast,
            should_stop: Callable[[], bool] | None = None) -> int:
   """Runs process 0's published engine calls here until it publishes ``stop``."""
   calls = 0
@@ -88,7 +95,7 @@ def follow(engine: Engine, broadcast: Broadcast,
     if call == "stop":
       return calls
     run = {"execute": engine.execute, "flush": engine.flush, "reset": engine.reset,
-           "warmup": engine.warmup}.get(call)
+           "warmup": engine.warmup, "seal": engine.seal}.get(call)
     if run is None:
       raise ValueError(f"unknown engine call {call!r} from process 0")
     try:

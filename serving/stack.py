@@ -1,21 +1,22 @@
 """Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
 
-Contract: ``build(step, params, tokenizer, ServingConfig, decode=None, kv_shards=1, max_traces=None)
--> ServingLoop`` (``step`` / ``decode`` / ``kv_shards`` from ``partitioning.deployment.make_steps`` for
-meshes). The KV budget is ``kv_pages`` pages of ``page_size`` positions, split into
-``kv_shards`` sub-pools (one per attention-batch shard); the bytes are reported by
-``describe``. The page pool, the scheduler and the engine are sized from one ``ServingConfig``
-so they always agree. The prefix cache (and with it session pinning) is on unless
-``ServingConfig.prefix_cache`` is False; ``host_tier_bytes`` gives it a host-memory tier of
-that many bytes (whole pages) for the pages it evicts. ``tpot_target_ms`` > 0 gives the
-scheduler a TPOT-aware prefill budget fitted to the loop's measured step times. The loop can
-rebuild its scheduler (pool, prefix cache, sessions, host tier emptied) after an internal error
-(``ServingLoop.rebuild``).
+Contract: ``build(step, params, tokenizer, ServingConfig, registry=None, *, decode=None,
+kv_shards=1, max_traces=None, wrap_engine=None, fault_hook=None, restarts=True) -> ServingLoop``
+(``step`` / ``decode`` / ``kv_shards`` from ``partitioning.deployment.make_steps``). One
+``ServingConfig`` sizes the page pool (``kv_pages`` pages of ``page_size`` positions in
+``kv_shards`` sub-pools), the scheduler and the engine, so they always agree; the prefix cache
+(with session pinning) is on unless ``prefix_cache`` is False, ``host_tier_bytes`` gives it a
+host tier, ``tpot_target_ms`` > 0 a TPOT-aware prefill budget. Hooks are given here, never
+assigned later: ``wrap_engine(engine)`` wraps the engine the loop drives (the multi-host
+``serving.multihost.LeaderEngine``), ``fault_hook`` is the loop's (test-only fault injection),
+``restarts`` lets the loop rebuild its scheduler after an internal error. ``warmup`` / ``ready``
+close the program set; ``describe`` reads the loop's ``capacity()`` and the engine's plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax.numpy as jnp
 import prometheus_client as prom
@@ -27,6 +28,7 @@ from serving.step_cost import StepCostModel, tpot_prefill_limit
 from serving.compiles import (ProgramCounter, map_count, mapping_warning, max_map_count,
                               trim_heap)
 from serving.engine import Engine, EngineConfig
+from serving.engine_api import EngineApi
 from serving.guard import Guard
 from serving.kv_manager import build_kv
 from serving.kv_pages import page_budget
@@ -34,7 +36,7 @@ from serving.lifecycle import Metrics
 from serving.loop import ServingLoop
 from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, StepPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,10 @@ class ServingConfig:
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
           registry: prom.CollectorRegistry | None = None, *, decode: PhaseDecode | None = None,
-          kv_shards: int = 1, max_traces: int | None = None) -> ServingLoop:
+          kv_shards: int = 1, max_traces: int | None = None,
+          wrap_engine: Callable[[EngineApi], EngineApi] | None = None,
+          fault_hook: Callable[[StepPlan], None] | None = None,
+          restarts: bool = True) -> ServingLoop:
   cfg = step.cfg
   context = min(config.max_context or cfg.max_seq_len, cfg.max_seq_len)
   kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
@@ -98,15 +103,17 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=config.lag, sinks=config.attention_sinks), decode=decode, host_store=store)
-  return ServingLoop(make_scheduler(), engine, metrics, max_traces=max_traces,
-                     rebuild=make_scheduler, guard=guard, cost_model=cost_model)
+  return ServingLoop(make_scheduler(), engine if wrap_engine is None else wrap_engine(engine),
+                     metrics, max_traces=max_traces, fault_hook=fault_hook,
+                     rebuild=make_scheduler if restarts else None, guard=guard,
+                     cost_model=cost_model)
 
 
 def warmup(loop: ServingLoop, threads: int | None = None) -> int:
   """Compiles every program the loop's plans can reach, ``threads`` at a time (None: the
   engine's default); returns how many."""
-  s = loop.scheduler
-  return loop.engine.warmup(s.max_prefill_chunks, s.max_chunk, threads)
+  c = loop.capacity()
+  return loop.engine.warmup(c.max_prefill_chunks, c.max_chunk, threads)
 
 
 def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
@@ -121,14 +128,9 @@ def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
 
 
 def describe(loop: ServingLoop) -> dict[str, object]:
-  pool = loop.scheduler.pool
-  return {"kv_pages": pool.budget.num_pages, "page_size": pool.page_size,
-          "kv_bytes": pool.budget.bytes, "max_slots": loop.scheduler.max_slots,
-          "max_context": loop.scheduler.max_context,
-          "max_step_tokens": loop.scheduler.max_step_tokens,
-          "max_prefill_chunks": loop.scheduler.max_prefill_chunks,
-          "prefix_cache": loop.scheduler.prefix_cache is not None,
-          "attention_sinks": loop.scheduler.sinks,
-          "host_tier_pages": (loop.scheduler.prefix_cache.host_capacity
-                              if loop.scheduler.prefix_cache is not None else 0),
-          "step": loop.engine.step.describe()}
+  c = loop.capacity()
+  return {"kv_pages": c.kv_pages, "page_size": c.page_size, "kv_bytes": c.kv_bytes,
+          "max_slots": c.max_slots, "max_context": c.max_context,
+          "max_step_tokens": c.max_step_tokens, "max_prefill_chunks": c.max_prefill_chunks,
+          "prefix_cache": c.prefix_cache, "attention_sinks": c.attention_sinks,
+          "host_tier_pages": c.host_tier_pages, "step": loop.engine.describe()}

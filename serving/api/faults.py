@@ -1,30 +1,36 @@
 """Test-only fault injection into engine steps (``launch.server --fault_injection``).
 
-Contract: ``FaultInjector(frontend)`` is a ``ServingLoop.fault_hook``. With the front end's
-``fault_injection`` on, a request whose client_request_id is ``fault:<kind>`` arms a fault that
-fires in the first engine step planning any of its samples: ``raise`` (a ``RuntimeError``: the
-step's sequences fail, the engine goes on), ``fatal`` (``FatalEngineError``: the engine cannot
-continue) or ``hang:<seconds>`` (the step sleeps: the watchdog's case); each of these fires once.
-``slow:<seconds>`` sleeps in every step planning the request (a long-running request on a fast
-model: the drain tests). Never on by default; nothing else reads these ids.
+Contract: ``FaultInjector()`` is a ``ServingLoop.fault_hook`` (given to ``serving.stack.build``)
+and the front end's arming point (``Frontend(..., faults=)``): a request whose
+client_request_id is ``fault:<kind>`` has each sample ``arm``ed, and the fault fires in the first
+engine step planning any of its samples: ``raise`` (a ``RuntimeError``: the step's sequences
+fail, the engine goes on), ``fatal`` (``FatalEngineError``: the engine cannot continue) or
+``hang:<seconds>`` (the step sleeps: the watchdog's case); each of these fires once.
+``slow:<seconds>`` sleeps in every step planning the request (the drain tests). ``disarm``
+forgets a request. Never on by default; nothing else reads these ids.
 """
 
 from __future__ import annotations
 
 import time
 
-from serving.api.frontend import Frontend
 from serving.loop import FatalEngineError
 from serving.scheduler import StepPlan
 
 
 class FaultInjector:
-  def __init__(self, frontend: Frontend):
-    self.frontend = frontend
+  def __init__(self) -> None:
+    self.armed: dict[str, str] = {}  # request id -> fault kind
     self.fired = 0
 
+  def arm(self, request_id: str, kind: str) -> None:
+    self.armed[request_id] = kind
+
+  def disarm(self, request_id: str) -> None:
+    self.armed.pop(request_id, None)
+
   def __call__(self, plan: StepPlan) -> None:
-    armed = self.frontend.fault_ids
+    armed = self.armed
     if not armed:
       return
     rids = [c.request_id for c in plan.prefill] + [r.request_id for r in plan.decode]

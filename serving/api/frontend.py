@@ -1,49 +1,19 @@
 """The protocol-neutral service: admission, streams, usage, drain and health over one ServingLoop.
 
-Contract: ``Frontend(loop, tokenizer, FrontendConfig, metrics_registry, usage_log)`` is what
-every wire API (``serving.api.grpc_service``, ``serving.api.jetstream_service``) calls; they only
-translate messages and statuses.
-  * ``generate(args, key, client_request_id, api) -> Stream`` checks, in order: the service
-    state (``UNAVAILABLE`` while loading, draining or failed), the request
-    (``serving.api.validation``: ``INVALID_ARGUMENT``), the KV budget, the queue bound, the key's
-    quota, and the predicted SLO miss (``serving.api.admission``: ``RESOURCE_EXHAUSTED`` with the
-    prediction; the backlog and this request's prompt net of the prefix-cache hit it would get,
-    priced by the loop's fitted step-cost model), then submits its ``n`` samples (seeds
-    ``seed + i``) to the loop. A refused request never reaches the engine, and gets its usage
-    record.
-  * ``Stream.events()`` yields ``(index, RequestOutput)`` until every sample has its final
-    output, then raises ``ServiceError`` if the request ended in error. The buffer between the
-    loop thread and the consumer is bounded: past ``stream_buffer_bytes`` unread, or an unread
-    output older than ``stream_stall_s``, the request is cancelled (``slow_consumer``: its pages
-    are freed). ``Stream.cancel(status, message)`` (client cancel, deadline) cancels every
-    sample in the loop; pages are free before the next step. ``Stream.poll()`` is the same
-    stream without blocking (an asyncio consumer): the next ``(index, output)``, ``None`` while
-    none is ready, ``Stream.END`` once all is read (or ``ServiceError``); ``on_ready(fn)`` calls
-    ``fn()`` from the loop's thread whenever there is something new to poll (``fn`` must not
-    block: ``loop.call_soon_threadsafe``), ``off_ready(fn)`` stops it.
-  * Every request that passes authentication ends on one path (``_end``), exactly once: the
-    usage record (``serving.api.usage``), the per-request metrics, the quota settlement. One usage
-    rule (``Stream.usage()``) for the record, the quota and every API's response: the prompt
-    counted once however many samples, the completion summed over the samples,
-    ``cached_tokens`` sample 0's prompt tokens served from the prefix cache (samples 1..n-1
-    reuse the pages sample 0 wrote, so it never exceeds the prompt).
-  * ``n`` samples with the prefix cache on: sample 0 is submitted first and samples 1..n-1 when
-    its first output arrives, so they reuse its prompt pages instead of prefilling it again.
-  * ``prediction_error()`` compares each admitted request's predicted TTFT with its actual one
-    (also the ``phaseserve_ttft_prediction_ratio`` histogram: actual / predicted).
-  * ``state`` is ``loading`` -> ``serving`` -> ``draining`` | ``failed``; listeners added with
-    ``on_state`` see each change (health services). ``drain(grace_s)`` refuses new requests,
-    lets the live ones finish for ``grace_s`` (or until ``hurry()``), cancels the rest with
-    ``UNAVAILABLE`` (the caller closes the usage log once the server has stopped). A watchdog
-    thread (``start_watchdog``) fails every live stream (``UNAVAILABLE``) and turns the state
-    to ``failed`` when the loop thread has not gone round for ``watchdog_s`` (a hung engine
-    step, compile or deadlock) or the loop is dead (``ServingLoop.dead``: failed and not
-    restarting); the server then exits for its supervisor (``launch.server``).
-  * Early rejection (``early_reject``) refuses a request whose prediction misses its class,
-    never on an idle server (nothing queued, running, arriving or held back): there is nothing
-    to protect, the estimate was fitted to a load that is gone, and refusing on it could refuse
-    forever (no step would run to refresh it). A failure of the prediction itself admits the
-    request (counted by the loop's ``guard``).
+Contract: ``Frontend(loop, tokenizer, FrontendConfig, registry, usage_log, faults=None)`` is what
+every wire API calls; they only translate messages and statuses. It reads the loop only through
+its read-only face (``capacity``, ``occupancy``, ``cached_prefix_tokens``, ...).
+  * ``generate(args, key, client_request_id, api) -> Stream`` checks in order the state
+    (``UNAVAILABLE`` unless serving), the request (``INVALID_ARGUMENT``), the KV budget, the queue
+    bound, the key's quota and the predicted SLO miss (``serving.api.admission``; early rejection
+    never on an idle server), then submits its ``n`` samples (seeds ``seed + i``; with the prefix
+    cache samples 1..n-1 wait for sample 0's prefill). A refused request gets its usage record.
+  * ``Stream.events()`` / ``poll()`` / ``on_ready(fn)`` read a bounded buffer (past
+    ``stream_buffer_bytes`` or ``stream_stall_s`` the request is cancelled); every request ends
+    once on one path (``_end``): usage record, metrics, quota, by one usage rule.
+  * ``state``: ``loading`` -> ``serving`` -> ``draining`` | ``failed`` (``on_state`` listeners);
+    ``drain(grace_s)``; a watchdog fails every live stream when the loop stops going round for
+    ``watchdog_s`` or is dead. ``prediction_error()``: predicted vs actual TTFT.
 """
 
 from __future__ import annotations
@@ -64,6 +34,7 @@ from models.text.tokenizer import Tokenizer
 from serving.api import admission
 from serving.api.admission import SloClass
 from serving.api.auth import KeyInfo, OverQuota, Quotas
+from serving.api.faults import FaultInjector
 from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
@@ -108,7 +79,6 @@ class FrontendConfig:
   stream_buffer_bytes: int = 1 << 20
   stream_stall_s: float = 30.0
   watchdog_s: float = 60.0
-  fault_injection: bool = False  # test-only: client_request_id "fault:..." (serving.api.faults)
 
 
 def _size(out: RequestOutput) -> int:
@@ -275,7 +245,8 @@ class Stream:
 
 class Frontend:
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
-               registry: prom.CollectorRegistry, usage: UsageLog | None = None):
+               registry: prom.CollectorRegistry, usage: UsageLog | None = None, *,
+               faults: FaultInjector | None = None):
     self.loop = loop
     self.tokenizer = tokenizer
     self.config = config
@@ -295,17 +266,17 @@ class Frontend:
     self._hurry = threading.Event()
     self._watchdog: threading.Thread | None = None
     self._stop_watchdog = threading.Event()
-    self.fault_ids: dict[str, str] = {}  # request id -> fault kind (serving.api.faults)
+    self.faults = faults  # test-only: client_request_id "fault:..." arms it
     self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)
-    # The scheduler is read at each use: the loop may rebuild it (ServingLoop.rebuild).
+    # Read through the loop's views at each use: the loop may rebuild its scheduler.
+    cap = loop.capacity()
     self.metrics = ServiceMetrics(registry, LiveGauges(
-        waiting=lambda: loop.scheduler.num_waiting + loop.num_arriving,
-        slots_used_fraction=lambda: loop.scheduler.num_running / loop.scheduler.max_slots,
+        waiting=lambda: (lambda o: o.waiting + o.arriving)(loop.occupancy()),
+        slots_used_fraction=lambda: loop.occupancy().running / cap.max_slots,
         live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
-    if loop.scheduler.prefix_cache is not None:
-      per_page = loop.scheduler.pool.budget.bytes_per_page
+    if cap.prefix_cache:
       self.metrics.host_tier_bytes.set_function(
-          lambda: loop.scheduler.prefix_cache.host_pages_used * per_page)
+          lambda: loop.occupancy().host_tier_pages_used * cap.bytes_per_page)
 
   # -- state ----------------------------------------------------------------------------------
 
@@ -354,33 +325,32 @@ class Frontend:
     except InvalidArgument as e:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
     prompt = len(v.prompt_ids)
-    pool = self.loop.scheduler.pool
+    loop, cap = self.loop, self.loop.capacity()
     if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
-      refusal = pool.can_ever_fit(0, ring_entries(v.sinks.window, pool.page_size))
+      refusal = loop.can_ever_fit(0, ring_entries(v.sinks.window, cap.page_size))
       field = "attention_sinks.window"
     else:
-      refusal = pool.can_ever_fit(prompt + v.stop.max_tokens)
+      refusal = loop.can_ever_fit(prompt + v.stop.max_tokens)
       field = "max_tokens"
     if refusal is not None:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument",
              f"{(field_names or {}).get(field, field)}: {refusal.message}",
              key, client_request_id, api, v.slo_class, prompt)
-    sched = self.loop.scheduler
+    occ = loop.occupancy()
     # Waiting: in the scheduler's queue, on their way to it, and samples held back for a sibling's
     # prefill (they join the queue later, so they count now).
-    waiting = sched.num_waiting + self.loop.num_arriving + self._held
+    waiting = occ.waiting + occ.arriving + self._held
     if waiting + v.n > self.config.max_queue:
       refuse(Status.REJECTED, "queue_full",
              f"the queue is full ({self.config.max_queue} requests waiting)", key,
              client_request_id, api, v.slo_class, prompt)
     slo = self.classes[v.slo_class]
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
-    # reuse (a lock-free read of the loop's tree), and about one token per further sample.
-    new_tokens = prompt - self._cached_prefix(v.prompt_ids) + (v.n - 1)
-    pred = self.loop.guard.call("cost_model", admission.predict, admission.Load(
-        self.loop.step_s, self._backlog, sched.num_decoding, sched.max_step_tokens, new_tokens,
-        model=self.loop.cost_model,
-        slot_wait_steps=sched.slot_wait_steps(waiting)))
+    # reuse (the loop's thread-safe answer), and about one token per further sample.
+    new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids) + (v.n - 1)
+    pred = loop.guard.call("cost_model", admission.predict, admission.Load(
+        loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
+        model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting)))
     if self.config.early_reject and pred is not None and not self._idle():
       miss = pred.miss(slo, self.config.slo_scale)
       if miss is not None:
@@ -402,12 +372,12 @@ class Frontend:
       self.quotas.settle(quota, 0)
       refuse(Status.UNAVAILABLE, "unavailable", "the server is shutting down", key,
              client_request_id, api, v.slo_class, prompt)
-    if self.config.fault_injection and client_request_id.startswith("fault:"):
+    if self.faults is not None and client_request_id.startswith("fault:"):
       for sid in stream.ids:
-        self.fault_ids[sid] = client_request_id.split(":", 1)[1]
+        self.faults.arm(sid, client_request_id.split(":", 1)[1])
     # With the prefix cache, samples 1..n-1 wait for sample 0's prefill and then reuse its
     # prompt pages (only the last prompt token is computed again for each).
-    share = v.n > 1 and self.loop.scheduler.prefix_cache is not None
+    share = v.n > 1 and cap.prefix_cache
     if share:  # counted before sample 0 is submitted, whose first output releases them
       with self._lock:
         self._held += v.n - 1
@@ -429,23 +399,13 @@ class Frontend:
     """Nothing queued, running, arriving or held back: early rejection has nothing to protect,
     and its estimate was fitted to a load that is gone (extrapolated to one row it can be far
     off, and with nothing admitted no step would ever refresh it)."""
-    loop, sched = self.loop, self.loop.scheduler
-    return not (sched.num_waiting or sched.num_running or loop.num_arriving or self._held)
+    o = self.loop.occupancy()
+    return not (o.waiting or o.running or o.arriving or self._held)
 
   def _unhold(self, samples: int) -> None:
     if samples:
       with self._lock:
         self._held = max(0, self._held - samples)
-
-  def _cached_prefix(self, ids) -> int:
-    cache = self.loop.scheduler.prefix_cache
-    if cache is None:
-      return 0
-    try:
-      shard = cache.best_shard(ids)
-      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
-    except RuntimeError:  # the loop changed the tree under this read: no estimate
-      return 0
 
   def _prefilled(self, stream: Stream) -> None:
     with self._lock:
@@ -491,8 +451,9 @@ class Frontend:
       self._live.pop(stream.request_id, None)
       self._backlog = max(0, self._backlog - stream.backlog)
       stream.backlog = 0
-    for sid in stream.ids:
-      self.fault_ids.pop(sid, None)
+    if self.faults is not None:
+      for sid in stream.ids:
+        self.faults.disarm(sid)
     v = stream.validated
     use = stream.usage()
     self.metrics.prefix_hit_tokens.inc(  # every sample's hits: prefill the cache saved

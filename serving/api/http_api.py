@@ -1,37 +1,19 @@
 """OpenAI's HTTP API as protocol logic: JSON bodies in, JSON bodies out; no I/O, no aiohttp.
 
 Contract (``serving.api.http_server`` is the wiring; every guarantee lives in ``serving.api.frontend``):
-  * ``decode_body(bytes)`` is the JSON body; invalid JSON is a 400, and a string that is not
-    valid UTF-8 (raw bytes, or an escaped lone surrogate) a 400 naming its field.
-  * ``parse_completion(body, model)`` / ``parse_chat(body, model) -> Parsed`` check the body's
-    shape and types and translate it to one ``serving.api.validation.GenerateArgs`` per prompt
-    (``None`` where a field was absent or null) plus the field-name map, so that every value
-    check is the gRPC service's (``Frontend.generate``) with messages naming the HTTP field
-    (``max_completion_tokens``, ``top_logprobs``, ``prompt``). Problems raise ``ApiError``:
-    a ``model`` that is not served is 404 ``model_not_found``; a field phaseserve does not
-    implement (penalties, ``logit_bias``, ``response_format``, ``tools``, ...) is a 400 naming
-    it unless it holds its no-op default (``NOOP_DEFAULTS``); an unknown field is a 400 naming
-    it; a wrong JSON type is a 400 naming the field. Nothing is silently ignored.
-  * Defaults: ``max_tokens`` the server's ``--default_max_tokens`` (capped by what the context
-    leaves), ``temperature`` 0 (greedy, as phaseserve's gRPC API; OpenAI's is 1), ``top_p`` 1,
-    ``top_k`` off (-1 or 0, vLLM's extension), ``n`` 1, ``seed`` a fresh one per request,
-    ``priority`` 0 (lower runs first), ``slo_class`` the server's ``--default_slo_class``,
-    ``session_id`` none, ``attention_sinks`` none (``{"window": W, "sinks": k}``: keep the first
-    k tokens (default 4) and the last W, StreamingLLM; needs ``--attention_sinks``). A text
-    prompt gets the tokenizer's BOS (``add_special_tokens``, as
-    vLLM, default true); ``messages`` are rendered by the model's chat template.
-  * ``prompt``: a string, a list of strings, a list of token ids or a list of lists of token ids
-    (at most ``MAX_PROMPTS``); choice ``p * n + i`` is sample ``i`` of prompt ``p``, as OpenAI.
-  * ``api_error(ServiceError) -> ApiError``: the HTTP status and OpenAI error of a refusal or a
-    failed stream (``STATUS``: 400, 429 with ``Retry-After``, 503, 500, ...).
-  * ``Response`` shapes the answer: ``chunk`` (one server-sent event's object per output),
-    ``role_chunk`` (chat's first delta), ``usage_chunk`` (``stream_options.include_usage``),
-    ``add`` / ``body`` (non-streaming); ``usage`` sums the prompts' ``Stream.usage()`` (each
-    prompt counted once however many samples, the completion over every sample), with
-    ``prompt_tokens_details.cached_tokens`` (each prompt's tokens served from the prefix cache
-    for its first sample).
-    ``finish_reason`` is ``stop`` or ``length``, or phaseserve's own ``cancelled``, ``rejected``,
-    ``error`` where the OpenAI set has none.
+  * ``decode_body(bytes)``: the JSON body (invalid JSON or UTF-8: a 400 naming the field).
+  * ``parse_completion(body, model)`` / ``parse_chat(body, model) -> Parsed``: one
+    ``serving.api.validation.GenerateArgs`` per prompt plus the field-name map, so every value
+    check is the gRPC service's with messages naming the HTTP field. ``ApiError``: an unserved
+    ``model`` is 404; an unimplemented field not at its no-op default (``NOOP_DEFAULTS``), an
+    unknown field or a wrong JSON type is a 400 naming it. Nothing is silently ignored.
+  * Defaults (docs/ lists them): greedy ``temperature`` 0, ``n`` 1, a fresh ``seed``, the
+    server's ``--default_max_tokens`` and ``--default_slo_class``; a text prompt gets BOS.
+    ``prompt``: string(s) or token ids (at most ``MAX_PROMPTS``); choice ``p * n + i``.
+  * ``api_error(ServiceError) -> ApiError``: the HTTP status and OpenAI error (``STATUS``).
+  * ``Response`` shapes chunks, the usage chunk and the non-streaming body; ``usage`` counts
+    each prompt once and every sample's completion; ``finish_reason`` adds ``cancelled``,
+    ``rejected``, ``error`` to OpenAI's set.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The service's Prometheus series, beside the loop's (``serving.lifecycle.Metrics``).
 
 Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
-  * ``phaseserve_requests_total{status, finish_reason, slo_class}``: every ended request;
-  * ``phaseserve_rejections_total{reason}``: ``invalid_argument``, ``queue_full``, ``quota``,
-    ``slo``, ``unavailable``, ``unauthenticated``;
-  * ``phaseserve_prefill_seconds``: first prefill chunk start to last chunk end, per request;
-  * ``phaseserve_ttft_prediction_ratio``: actual / predicted TTFT (the early-rejection predictor);
-  * ``phaseserve_startup_seconds`` (load + warm-up), ``phaseserve_live_streams``,
-    ``phaseserve_prefix_cache_hit_tokens_total``, ``phaseserve_host_tier_bytes`` (KV pages held
-    in the host-memory tier), ``phaseserve_engine_faults_total``;
-  * programs (``watch_programs(serving.compiles.ProgramCounter)``): ``phaseserve_programs_loaded``
-    (XLA executables compiled or read from the persistent cache by this process),
-    ``phaseserve_programs_after_ready`` (of those, loaded after readiness: 0 with a closed
-    program set) and ``phaseserve_memory_mappings`` (lines of ``/proc/self/maps``; each
-    XLA:CPU program costs mappings, bounded by ``vm.max_map_count``);
-  * JetStream's names where the series means the same thing, so its dashboards work:
-    ``jetstream_prefill_backlog_size`` (requests waiting for prefill) and
-    ``jetstream_slots_used_percentage`` (decode slots in use, a 0-1 fraction as JetStream
-    exports it). JetStream's TTFT / TPOT series are defined differently (TTFT from prefill
-    start; TPOT over all tokens including the first) and are deliberately not aliased.
-``gauges`` supplies the live values read at scrape time (callables: no thread writes them).
+  * ``phaseserve_requests_total{status, finish_reason, slo_class}``,
+    ``phaseserve_rejections_total{reason}``, ``phaseserve_prefill_seconds``,
+    ``phaseserve_ttft_prediction_ratio`` (actual / predicted TTFT), ``phaseserve_startup_seconds``,
+    ``phaseserve_live_streams``, ``phaseserve_prefix_cache_hit_tokens_total``,
+    ``phaseserve_host_tier_bytes``, ``phaseserve_engine_faults_total``;
+  * with ``watch_programs(serving.compiles.ProgramCounter)``: ``phaseserve_programs_loaded``,
+    ``phaseserve_programs_after_ready`` (0 with a closed program set) and
+    ``phaseserve_memory_mappings``;
+  * JetStream's names where the series means the same thing (``jetstream_prefill_backlog_size``,
+    ``jetstream_slots_used_percentage`` as a 0-1 fraction); its TTFT / TPOT are defined
+    differently and not aliased.
+``gauges`` (``LiveGauges``) supplies the live values read at scrape time (no thread writes them).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Covered: the step-plan wire form round-trips exactly and refuses unknown types; 
 flags are validated; the partitioned paged prefill + decode give the same logits on 2 x 4 as on
 1 x 8 (and as the unsharded model; ws_2d + batch_z f32 by default, ws_1d + heads int8 under
 `slow`), relative tolerance 1e-5 of the logits' magnitude as
-tests/partitioning/test_paged_layouts.py; a 2-process ``launch.server`` streams the same greedy tokens as
+tests/partitioning/test_paged_layouts.py; a 2-process ``launch.server`` started with the default
+warm-up (every process compiles and seals the same programs) streams the same greedy tokens as
 the same engine in one process; SIGTERM to process 0 stops both cleanly (exit 0); a killed
 process takes the other down with an error within the heartbeat timeout plus a margin. Every
 process is reaped (tests/multiproc.py).
@@ -80,7 +81,7 @@ def test_cluster_validation_names_the_field(kw, match):
 ])
 def test_two_processes_give_the_logits_of_one(tmp_path, ffn, attn, quantized):
   from partitioning.mesh import make_mesh
-  from tests import test_paged_layouts as T
+  from tests.partitioning import test_paged_layouts as T
   from tests.workers import partitioned_logits as W
   out = tmp_path / "logits.npz"
   name = W.case_name(ffn, attn, quantized)
@@ -103,7 +104,7 @@ LAYOUT = "ws_2d:batch_z"  # pages sharded over z: each process holds its own kv 
 SERVER = ("launch.server", "--model", "tiny", "--max_context", "128", "--max_slots", "4",
           "--kv_pages", "32", "--page_size", "16", "--max_chunk", "32",
           "--max_prefill_chunks", "1", "--fake_devices", "4", "--mode", "interleaved",
-          "--prefill_layout", LAYOUT, "--decode_layout", LAYOUT, "--nowarmup",
+          "--prefill_layout", LAYOUT, "--decode_layout", LAYOUT,
           "--heartbeat_timeout_s", str(HEARTBEAT_S), "--grace_s", "5", "--noearly_reject")
 PROMPT = (1, 72, 101, 108, 108, 111, 44, 32, 119)
 MAX_TOKENS = 10
@@ -140,6 +141,24 @@ def _wait_port(ws: Workers, path, timeout: float = 120.0) -> int:
   return int(open(path).read())
 
 
+def _wait_serving(ws: Workers, port: int, timeout: float) -> None:
+  """Until health says SERVING (warm-up done); fails if a process exits first."""
+  from grpc_health.v1 import health_pb2, health_pb2_grpc
+  deadline = time.monotonic() + timeout
+  with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    stub = health_pb2_grpc.HealthStub(ch)
+    while True:
+      if any(w.proc.poll() is not None for w in ws.workers) or time.monotonic() > deadline:
+        raise RuntimeError("server did not become ready:\n" + ws.logs())
+      try:
+        req = health_pb2.HealthCheckRequest(service="phaseserve.v1.Generation")
+        if stub.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+          return
+      except grpc.RpcError:
+        pass
+      time.sleep(0.2)
+
+
 def _stream(port: int, max_tokens: int = MAX_TOKENS) -> list[int]:
   from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
   from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
@@ -150,16 +169,21 @@ def _stream(port: int, max_tokens: int = MAX_TOKENS) -> list[int]:
     return [t for r in stub.Generate(req, timeout=120) for t in r.token_ids]
 
 
-def _server_pair(tmp_path) -> Workers:
+def _server_pair(tmp_path, warmup: bool = False) -> Workers:
   port_file = str(tmp_path / "port")
-  return Workers(tmp_path, SERVER, extra=[("--port", "0", "--port_file", port_file), ()])
+  return Workers(tmp_path, SERVER + (() if warmup else ("--nowarmup",)),
+                 extra=[("--port", "0", "--port_file", port_file), ()])
 
 
-def test_two_process_server_streams_the_tokens_of_one_and_stops_cleanly(tmp_path):
+def test_two_process_server_warms_up_streams_the_tokens_of_one_and_stops_cleanly(tmp_path):
+  """With the default warm-up (process 0 publishes warmup and seal: a TypeError or a program
+  run by one process only would fail or hang here)."""
   expected = _one_process_tokens()
   assert len(expected) == MAX_TOKENS
-  with _server_pair(tmp_path) as ws:
+  with _server_pair(tmp_path, warmup=True) as ws:
     port = _wait_port(ws, tmp_path / "port")
+    _wait_serving(ws, port, timeout=300)
+    assert "warm-up: " in ws.workers[0].output and "ready" in ws.workers[0].output
     assert _stream(port) == expected
     assert _stream(port, 3) == expected[:3]  # and it keeps serving
     ws.kill(0, signal.SIGTERM)

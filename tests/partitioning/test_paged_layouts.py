@@ -268,7 +268,7 @@ def test_engine_over_the_sharded_step(mesh8):
   step = PS.PagedShardedStep.make(CFG, mesh8, "ws_2d", "batch_xyz")
   got, engine = serve(step, step.kv_shards)
   want, _ = serve(UnshardedStep(CFG), 1)
-  assert engine.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
+  assert engine.prefill_pool.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   assert got == want
   # Disaggregated: prefill ws_2d+heads on chips 0-3, decode wg_xyz+batch_xyz on chips 4-7, pages
   # transferred at insert; the allocator's sub-pools are the finer (decode) ones.
@@ -277,7 +277,7 @@ def test_engine_over_the_sharded_step(mesh8):
                          decode_mesh=dec_mesh)
   split, split_engine = serve(steps.prefill, steps.kv_shards(),
                               decode=PhaseDecode(steps.decode, PS.transfer_pages))
-  assert split_engine.kv_dec.k_pages.sharding.mesh == dec_mesh
+  assert split_engine.decode_pool.kv.k_pages.sharding.mesh == dec_mesh
   assert split == want
   # 3 prefill chips and 2 decode chips: 3 and 2 kv shards, neither dividing the other. The
   # allocator's 6 sub-pools each lie in one shard of each pool, so no sequence straddles a
@@ -299,7 +299,7 @@ def test_engine_over_the_sharded_step(mesh8):
   assert two.description["param_copies"] == 1 and two.description["kv_relayout"]
   inter, inter_engine = serve(two.step, two.kv_shards, decode=two.decode)
   assert inter == want
-  assert inter_engine.kv_dec.k_pages.sharding.spec == P(None, ("x", "y", "z"))
+  assert inter_engine.decode_pool.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   planned = make_steps(CFG, Deployment("interleaved", hardware="tpu-v4"), max_slots=8,
                        max_chunk=16, max_context=CFG.max_seq_len, quantized=False)
   assert planned.description["prefill_choice"].startswith("planner (tpu-v4)")
@@ -408,7 +408,7 @@ def test_sharded_decode_rows_stay_inside_the_warmed_buckets(mesh8):
   engine = Engine(step, params, EngineConfig(max_slots=12, num_pages=64, page_size=8,
                                              max_seq_tokens=CFG.max_seq_len))
   warmed = {r for phase, r, _, _ in engine.buckets() if phase == "decode"}
-  engine._table[:, 0] = 1  # every slot's first page on shard 0 (pages 0-7)
+  engine._table_XM[:, 0] = 1  # every slot's first page on shard 0 (pages 0-7)
   for n in range(1, 13):
     rows, row_of = engine._arrange(list(range(n)), step.kv_shards, cap=12)
     assert rows in warmed and len(set(row_of)) == n and max(row_of) < rows, (n, rows)

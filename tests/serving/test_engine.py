@@ -189,7 +189,7 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
 
   def on_event(name, secs, fun_name="", **kw):
     if name == "/jax/core/compile/backend_compile_duration" and (
-        "_prefill_call" in fun_name or "_decode_call" in fun_name):
+        "prefill_call" in fun_name or "decode_call" in fun_name):
       compiles.append(fun_name)
   jax.monitoring.register_event_duration_secs_listener(on_event)
   try:
@@ -239,14 +239,14 @@ def test_a_program_outside_the_sealed_set_runs_as_a_larger_warmed_one(params):
   engine = Engine(UnshardedStep(CFG), params, EngineConfig(
       max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
   engine.warmup(max_prefill_rows=1, max_chunk=32, threads=1)
-  holes = {k for k in engine._shapes if (k[0] == "decode" and k[1] < 4)
+  holes = {k for k in engine.program_set.shapes if (k[0] == "decode" and k[1] < 4)
            or (k[0] == "prefill" and k[2] == 16)}
   assert holes
-  engine._shapes -= holes
+  engine.program_set.shapes -= holes
   engine.seal()
   reqs = _requests(np.random.default_rng(5), n=3)
   got = serve_all(sched, engine, reqs)
-  assert engine.covered > 0 and engine.unwarmed == 0
-  assert not holes & engine._shapes  # nothing outside the set was dispatched
+  assert engine.program_set.covered > 0 and engine.program_set.unwarmed == 0
+  assert not holes & engine.program_set.shapes  # nothing outside the set was dispatched
   for r in reqs:
     assert _compare(params, r, _reference(params, r), got[r.request_id]) in ("equal", "near-tie")

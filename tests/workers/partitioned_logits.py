@@ -24,7 +24,7 @@ def run_case(mesh, ffn: str, attn: str, quantized: bool) -> dict:
   from jax.experimental import multihost_utils
 
   from partitioning import paged_step as PS
-  from tests import test_paged_layouts as T
+  from tests.partitioning import test_paged_layouts as T
   params, x, _ = T._case(quantized)
   step = PS.PagedShardedStep.make(T.CFG, mesh, ffn, attn)
   kv = step.init_kv(T.B, T.NP, T.Z, T.M, jnp.float32).replace(page_table=jnp.asarray(T._table()))

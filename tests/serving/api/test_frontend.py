@@ -40,13 +40,12 @@ def _frontend(tmp_path=None, *, config=None, pages=64, page_size=4, slots=4, max
   sched = Scheduler(pool, TOK, max_slots=slots, max_step_tokens=32, max_chunk=16,
                     max_waiting=max_waiting, prefix_cache=PrefixCache(pool) if cache else None)
   reg = prom.CollectorRegistry()
+  faults = FaultInjector() if fault else None
   loop = ServingLoop(sched, FakeEngine(pages, page_size, VOCAB, slots, lag=1), Metrics(reg),
-                     max_traces=16)
+                     max_traces=16, fault_hook=faults)
   usage = UsageLog(str(tmp_path / "usage.jsonl") if tmp_path else None)
-  cfg = config or FrontendConfig(LIMITS, fault_injection=fault)
-  fe = Frontend(loop, TOK, cfg, reg, usage)
-  if fault:
-    loop.fault_hook = FaultInjector(fe)
+  cfg = config or FrontendConfig(LIMITS)
+  fe = Frontend(loop, TOK, cfg, reg, usage, faults=faults)
   if start:
     loop.start()
     fe.set_state("serving")
@@ -412,7 +411,7 @@ def test_fatal_fault_fails_everything_and_the_state(tmp_path):
 
 
 def test_watchdog_fails_streams_of_a_hung_step(tmp_path):
-  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, watchdog_s=0.3, fault_injection=True),
+  fe = _frontend(tmp_path, config=FrontendConfig(LIMITS, watchdog_s=0.3),
                  fault=True)
   fe.start_watchdog(0.02)
   try:

@@ -1,0 +1,50 @@
+"""The engine protocol: what the serving loop, the stack and the server call on an engine.
+
+Contract: ``EngineApi`` is an ABC that ``serving.engine.Engine``, ``serving.fake_engine.FakeEngine``
+and ``serving.multihost.LeaderEngine`` subclass; the loop is typed against it and reads nothing
+else of an engine.
+  * ``execute(plan) -> StepResult | None``: runs a ``StepPlan``; returns the result of the step
+    ``lag`` steps back (None while fewer are in flight). ``flush()`` returns every held result;
+    ``reset()`` drops them (after a fault).
+  * ``warmup(max_prefill_rows, max_chunk, threads) -> int`` compiles every program a plan can
+    reach (returns how many); ``seal()`` closes the program set at readiness.
+  * ``programs``: programs dispatched so far (a call that grew it compiled one); ``lag``: steps
+    a result trails its plan; ``describe()``: a JSON-able description of what runs the steps.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from serving.scheduler import StepPlan, StepResult
+
+
+class EngineApi(abc.ABC):
+  """See the module contract."""
+
+  @abc.abstractmethod
+  def execute(self, plan: StepPlan) -> StepResult | None: ...
+
+  @abc.abstractmethod
+  def flush(self) -> list[StepResult]: ...
+
+  @abc.abstractmethod
+  def reset(self) -> None: ...
+
+  @abc.abstractmethod
+  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
+             threads: int | None = None) -> int: ...
+
+  @abc.abstractmethod
+  def seal(self) -> None: ...
+
+  @property
+  @abc.abstractmethod
+  def programs(self) -> int: ...
+
+  @property
+  @abc.abstractmethod
+  def lag(self) -> int: ...
+
+  @abc.abstractmethod
+  def describe(self) -> dict[str, object]: ...

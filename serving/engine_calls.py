@@ -1,0 +1,157 @@
+"""The engine's jitted programs and how their outputs come back to the host.
+
+Contract: the model programs (``prefill_call``, ``decode_call``) run a ``models.step.Step`` on
+the rows ``R`` of one call, gathered from the pool's per-slot state (``X`` slots) by
+``slots_R`` (padding rows name slot ``X``: the null page, inactive), and return logits;
+sampling is a program of its own per row count (``sample_call``: greedy-or-sampled and
+logprobs-or-not are run-time switches, not program variants). ``read_pages`` / ``write_pages``
+/ ``copy_call`` move pages ``C`` of the pool (the host tier, prefix copies). ``Pending`` holds
+one step's sampled ids in flight; ``result()`` reads them on the host (``to_host``: a local
+copy, or a replicate-then-read under several processes). Letters: ``models/config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.paged_kv import PagedKV, Pages, copy_pages
+from models.step import Step
+from models.weights import Params
+from serving.request import TokenLogprobs
+from serving.sampling import LOGPROBS_MAX, SamplingArrays, logprobs_if, sample
+from serving.scheduler import StepResult
+
+
+def rows(x: jax.Array, idx: jax.Array, fill) -> jax.Array:
+  return x.at[idx].get(mode="fill", fill_value=fill)
+
+
+def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
+  return jax.tree.map(lambda a: rows(a, idx, 0), s)
+
+
+def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
+  """A sink pool's per-slot sinks / window for the rows of a call (nothing otherwise)."""
+  if kv.sinks is None:
+    return {}
+  return {"sinks": rows(kv.sinks, idx, 0), "window": rows(kv.window, idx, 0)}
+
+
+copy_call = jax.jit(copy_pages, donate_argnums=0)
+
+
+@jax.jit
+def read_pages(kv: PagedKV, ids_C: jax.Array) -> tuple[Pages, Pages]:
+  """K and V of pages ``ids_C`` (clipped; padding reads page 0): [L, C, K, Z, H] each (every
+  leaf of ``Pages``: int8 values and their scales)."""
+  ids_C = jnp.clip(ids_C, 0, kv.num_pages - 1)
+  take = lambda a: a[:, ids_C]
+  return jax.tree.map(take, kv.k_pages), jax.tree.map(take, kv.v_pages)
+
+
+@jax.jit
+def write_pages(kv: PagedKV, ids_C: jax.Array, k: Pages, v: Pages) -> PagedKV:
+  """Writes K / V [L, C, K, Z, H] into pages ``ids_C``; ids outside the pool are padding."""
+  ids_C = jnp.where((ids_C >= 0) & (ids_C < kv.num_pages), ids_C, kv.num_pages)
+  put = lambda a, x: a.at[:, ids_C].set(x.astype(a.dtype), mode="drop")
+  return kv.replace(k_pages=jax.tree.map(put, kv.k_pages, k),
+                    v_pages=jax.tree.map(put, kv.v_pages, v))
+
+
+# The model's programs (prefill, decode) return logits; sampling is a program of its own, keyed
+# only by the row count: a sampling or logprobs variant would otherwise multiply every model
+# program (each XLA:CPU kernel costs ~3 memory mappings: BUILD_NOTES "Staying in service").
+@functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
+def prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax.Array,
+                 start_R: jax.Array, lens_R: jax.Array, *, step: Step, attend_len: int):
+  sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages),
+                   lengths=rows(kv.lengths, slots_R, 0), **_policy_rows(kv, slots_R))
+  logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
+  kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
+                  lengths=kv.lengths.at[slots_R].set(sub.lengths, mode="drop"))
+  return kv, logits_RV
+
+
+@functools.partial(jax.jit, static_argnames=("step", "n", "attend_len"), donate_argnames=("kv",))
+def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Array,
+                pos_R: jax.Array, active_R: jax.Array, *, step: Step, n: int, attend_len: int):
+  # Row r runs slot slots_R[r] (padding rows: slot X, the null page, inactive).
+  sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages), lengths=pos_R,
+                   **_policy_rows(kv, slots_R))
+  logits_RV, sub = step.decode(params, rows(last_X, slots_R, 0), sub, active_R,
+                               attend_len=attend_len)
+  keep_R = rows(kv.lengths, slots_R, 0)
+  lengths = kv.lengths.at[slots_R].set(jnp.where(active_R, sub.lengths, keep_R), mode="drop")
+  return kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths), logits_RV
+
+
+@functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_X",))
+def sample_call(logits_RV: jax.Array, last_X: jax.Array, samp: SamplingArrays,
+                slots_R: jax.Array, pos_R: jax.Array, take_R: jax.Array, want_lp: jax.Array, *,
+                valid_vocab: int):
+  """Row r's next id from its logits (its slot's sampling, key position ``pos_R``); rows with
+  ``take_R`` write it into their slot's last id, the others keep theirs (and return it);
+  logprobs under the run-time switch ``want_lp``."""
+  logits_RV = logits_RV[:, :valid_vocab]
+  keep_R = rows(last_X, slots_R, 0)
+  tok_R = jnp.where(take_R, sample(logits_RV, pos_R, _sampling_rows(samp, slots_R),
+                                   greedy_only=False), keep_R)
+  return (last_X.at[slots_R].set(tok_R, mode="drop"), tok_R,
+          logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
+
+
+def to_host(a: jax.Array) -> np.ndarray:
+  """The value of a step output on this process. Under several processes (``jax.distributed``)
+  an output spans devices of other processes: a sharded one is first replicated over its own
+  devices (a collective: every process reads the same outputs in the same order, since each
+  runs the same plans), then read from a local copy. Every mesh spans every process
+  (``partitioning.mesh.split_devices``), so each process holds a copy."""
+  if a.is_fully_addressable:
+    return np.asarray(a)
+  if not a.sharding.is_fully_replicated:
+    a = jax.device_put(a, jax.sharding.NamedSharding(a.sharding.mesh,
+                                                     jax.sharding.PartitionSpec()))
+  return np.asarray(a.addressable_shards[0].data)
+
+
+LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [R], top ids [R, n], top [R, n]
+Row = tuple[str, int, int]  # (request id, row of the call, top-n logprobs it asked for)
+
+
+def want_lp(rows: Sequence[Row]) -> jax.Array:
+  """The calls' traced logprobs switch: on when any sampled row asked for them."""
+  return jax.device_put(np.bool_(any(k for _, _, k in rows)))
+
+
+@dataclasses.dataclass
+class Part:
+  """One call's sampled ids [R] (and logprobs), and which request each row answers."""
+  ids: jax.Array
+  rows: list[Row]
+  lp: LogprobArrays | None = None
+
+
+@dataclasses.dataclass
+class Pending:
+  step: int
+  parts: list[Part]
+
+  def result(self) -> StepResult:
+    tokens: dict[str, int] = {}
+    lps: dict[str, TokenLogprobs] = {}
+    for part in self.parts:
+      host = to_host(part.ids)
+      lp = None if part.lp is None or not any(k for _, _, k in part.rows) else \
+          [to_host(a) for a in part.lp]
+      for rid, i, k in part.rows:
+        tokens[rid] = int(host[i])
+        if lp is not None and k:
+          lps[rid] = TokenLogprobs(int(host[i]), float(lp[0][i]),
+                                   tuple(zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist())))
+    return StepResult(self.step, tokens, lps)
