@@ -150,9 +150,8 @@ def load(path: str) -> Calibration:
 
 def default_path(hardware: str) -> str:
   """Where the installed calibration of ``hardware`` lives (see the module docstring)."""
-  root = os.environ.get("PHASESERVE_CALIBRATION_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve", "calibration")
-  return os.path.join(root, f"{hardware}.json")
+  from models.cpu import env
+  return os.path.join(env.calibration_dir(), f"{hardware}.json")
 
 
 def resolve(spec: str | None, hardware: str) -> tuple[Calibration | None, str]:
