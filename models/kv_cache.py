@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from models import attention
 from models.cpu import paged_attention as cpu_paged_attention
+from models.cpu.backend import CpuBackend
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -68,6 +69,8 @@ class KVCache:
   k: jax.Array  # [L, B, K, S, H]
   v: jax.Array  # [L, B, K, S, H]
   lengths: jax.Array  # [B] int32
+  # The backend this cache was made for (static: part of every jit key).
+  backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
 
   @property
   def batch(self) -> int:
@@ -100,23 +103,24 @@ class KVCache:
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     if (t == 1 and self.k.dtype in (jnp.float32, jnp.bfloat16)
-        and cpu_paged_attention.available()
+        and self.backend.paged_attention
         and cpu_paged_attention.supported(n, self.k.shape[2], h, self.k.dtype)):
       # Decode on XLA:CPU: [L, B, K, S, H] is a page pool of one S-position page per row, read
       # in place by the native attention (XLA's two small dots per layer cost more to dispatch
       # than to compute).
       table_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
       return cpu_paged_attention.attend_paged(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
-                                              min(attend_len, self.max_len))
+                                              min(attend_len, self.max_len),
+                                              self.backend.paged_bf16_dot)
     return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
-               dtype=jnp.float32) -> KVCache:
+               dtype=jnp.float32, backend: CpuBackend = CpuBackend()) -> KVCache:
   s = max_len or cfg.max_seq_len
   shape = (cfg.num_layers, batch, cfg.num_kv_heads, s, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 lengths=jnp.zeros((batch,), jnp.int32))
+                 lengths=jnp.zeros((batch,), jnp.int32), backend=backend)
 
 
 def write(k_cache: jax.Array, v_cache: jax.Array, layer: int, wpos_BT: jax.Array,

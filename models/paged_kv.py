@@ -76,6 +76,7 @@ import numpy as np
 
 from models import attention, kv_cache, quant
 from models.cpu import paged_attention as cpu_paged_attention
+from models.cpu.backend import CpuBackend
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import rotate, rotation
@@ -121,6 +122,9 @@ class PagedKV:
   sinks: jax.Array | None = None  # [B] int32 first positions kept (with a window)
   window: jax.Array | None = None  # [B] int32 most recent positions kept; 0: all of them
   rope_theta: float | None = flax.struct.field(pytree_node=False, default=None)
+  # The backend this pool was made for (static: part of every jit key; says whether ``attend``
+  # may run the native paged attention).
+  backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
 
   @property
   def sink_pool(self) -> bool:
@@ -227,7 +231,7 @@ class PagedKV:
     return self.sink_pool and self._kernel(n_heads)
 
   def _kernel(self, n_heads: int) -> bool:
-    return (cpu_paged_attention.available()
+    return (self.backend.paged_attention
             and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
                                               self.k_pages.shape[4], pages_dtype(self.k_pages)))
 
@@ -238,14 +242,16 @@ class PagedKV:
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
-                                              self.page_table, pos_BT, layer, attend_len)
+                                              self.page_table, pos_BT, layer, attend_len,
+                                              self.backend.paged_bf16_dot)
     if self.sink_pool:
       out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys
         ring_B = self._policy()[1] > 0
         full_BTNH = cpu_paged_attention.attend_paged(
             q_BTNH, self.k_pages, self.v_pages, self.page_table,
-            jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len)  # -1: no work
+            jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len,  # -1: no work
+            self.backend.paged_bf16_dot)
         out_BTNH = jnp.where(ring_B[:, None, None, None], out_BTNH, full_BTNH)
       return out_BTNH
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
@@ -302,8 +308,10 @@ def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -
 
 
 def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
-               pages_per_seq: int, dtype=jnp.float32, sink_pool: bool = False) -> PagedKV:
-  """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized."""
+               pages_per_seq: int, dtype=jnp.float32, sink_pool: bool = False,
+               backend: CpuBackend = CpuBackend()) -> PagedKV:
+  """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized;
+  ``backend``: the one the pool's attention runs on."""
   shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
   def empty() -> Pages:
@@ -317,7 +325,7 @@ def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
                  lengths=jnp.zeros((batch,), jnp.int32),
                  sinks=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
                  window=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
-                 rope_theta=cfg.rope_theta if sink_pool else None)
+                 rope_theta=cfg.rope_theta if sink_pool else None, backend=backend)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | np.dtype | type) -> int:
@@ -356,7 +364,7 @@ def to_cache(kv: PagedKV, max_len: int | None = None) -> KVCache:
   layers = range(kv.k_pages.shape[0])
   k = jnp.stack([kv.read(l, s)[0] for l in layers])
   v = jnp.stack([kv.read(l, s)[1] for l in layers])
-  return KVCache(k=k, v=v, lengths=kv.lengths)
+  return KVCache(k=k, v=v, lengths=kv.lengths, backend=kv.backend)
 
 
 __all__ = ["PagedKV", "Pages", "ring_entries", "is_int8", "pages_dtype", "init_paged",

@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 import jax
 
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.step import PhaseDecode, Step, UnshardedStep
 
 
@@ -115,9 +116,10 @@ def check_multiprocess(deployment: Deployment, host_tier_bytes: int = 0) -> None
 
 def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_chunk: int,
                max_context: int, quantized: bool,
-               devices: Sequence[jax.Device] | None = None) -> Steps:
+               devices: Sequence[jax.Device] | None = None,
+               backend: CpuBackend = CpuBackend()) -> Steps:
   if deployment.mode == "single":
-    step = UnshardedStep(cfg, deployment.scan_layers)
+    step = UnshardedStep(cfg, deployment.scan_layers, backend)
     return Steps(step, None, 1, {"mode": "single", "step": step.describe()})
   from partitioning import paged_step as PS
   from partitioning.mesh import make_mesh, make_submeshes, mesh_shape
@@ -148,7 +150,8 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)
   pre, dec = tuple(pre), tuple(dec)
   steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
-                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None)
+                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None,
+                         backend=backend)
   one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
   decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
   desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,

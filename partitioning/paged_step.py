@@ -63,6 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.paged_kv import PagedKV, Pages, init_paged, is_int8, pages_dtype
 from models.quant import QuantArray
 from models.weights import Params, abstract_params
@@ -82,11 +83,12 @@ class PagedShardedStep:
   mesh: Mesh
   ffn: FfnLayout
   attn: AttnLayout
+  backend: CpuBackend = CpuBackend()  # static: part of the jit key (models.cpu.backend)
 
   @classmethod
   def make(cls, cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout,
-           attn: str | AttnLayout) -> "PagedShardedStep":
-    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn))
+           attn: str | AttnLayout, backend: CpuBackend = CpuBackend()) -> "PagedShardedStep":
+    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), backend)
 
   # -- the pool's sharding ------------------------------------------------------------------
 
@@ -106,7 +108,8 @@ class PagedShardedStep:
     """``PagedKV`` of ``PartitionSpec`` (``dtype`` int8: the pages are ``QuantArray`` specs,
     values and scales sharded alike)."""
     pages = _pages_spec(P(None, spec_entry(self.kv_axes)), dtype)  # [L, P.ab, K, Z, H]
-    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P())  # type: ignore[arg-type]
+    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P(),  # type: ignore[arg-type]
+                   backend=self.backend)
 
   def kv_sharding(self, dtype=None) -> PagedKV:
     """``PagedKV`` of ``NamedSharding``: pages ``[L, P.ab, K, Z, H]`` (int8: and their scales
@@ -142,7 +145,7 @@ class PagedShardedStep:
       raise ValueError("attention sinks (a sink pool) run on the unsharded step only")
     self._check_pages(num_pages)
     make = functools.partial(init_paged, self.cfg, batch, num_pages, page_size, pages_per_seq,
-                             dtype)
+                             dtype, backend=self.backend)
     return jax.jit(make, out_shardings=self.kv_sharding(dtype))()
 
   def describe(self) -> dict[str, object]:
@@ -184,7 +187,7 @@ class PagedShardedStep:
     ab = spec_entry(self.kv_axes)
     pages = _pages_spec(P(None, ab), pages_dtype(kv.k_pages))  # [L, P.ab, K, Z, H]
     spec = PagedKV(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
-                   lengths=P())  # type: ignore[arg-type]  # lengths unread inside (positions are)
+                   lengths=P(), backend=kv.backend)  # type: ignore[arg-type]  # lengths unread inside
     axes = self.kv_axes
 
     def localize(block: PagedKV) -> PagedKV:
@@ -199,7 +202,7 @@ class PagedShardedStep:
     logits, out = sharded_forward(params, tokens_BT, kv, c, cfg=self.cfg, mesh=self.mesh,
                                   ffn=self.ffn, plan=plan, attend_len=attend_len,
                                   all_logits=False, store_spec=spec, localize=localize,
-                                  merge=merge)
+                                  merge=merge, backend=self.backend)
     return logits, kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=c.lengths_B)
 
 
@@ -292,26 +295,27 @@ class PhaseSteps:
 
 
 def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: LayoutChoice, *,
-                decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family") -> PhaseSteps:
+                decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family",
+                backend: CpuBackend = CpuBackend()) -> PhaseSteps:
   """The (prefill, decode) pair on ``mesh`` (or decode on its own ``decode_mesh``:
   disaggregated, always its own params copy and pool)."""
   p_ffn, p_attn, p_note = _names(prefill)
   d_ffn, d_attn, d_note = _names(decode)
   notes = [n for n in (p_note, d_note) if n]
-  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn)
+  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn, backend)
   if decode_mesh is not None:
-    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn)
+    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn, backend)
     notes.append("disaggregated: decode on its own sub-mesh with its own params copy and pool; "
                  "KV moves by transfer_pages")
     return PhaseSteps(pre, dec, shared_params=False, relayout=True, notes=tuple(notes))
-  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn)
+  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn, backend)
   shared = pre.ffn.stored == dec.ffn.stored
   if not shared:
     if on_mismatch == "family":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: decode "
                    f"kept in the prefill layout's family ({pre.ffn.name}+{dec.attn.name}), one "
                    "params copy")
-      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn)
+      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn, backend)
       shared = True
     elif on_mismatch == "two_copies":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: two "

@@ -91,8 +91,8 @@ class AutotuneResult:
 
 
 def default_cache_dir() -> str:
-  return os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve")
+  from models.cpu import env
+  return env.cache_dir()
 
 
 def cache_key(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, quantized: bool,
