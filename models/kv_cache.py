@@ -1,27 +1,20 @@
-"""The KV cache pytree: one slot per batch row, each row at its own length (ragged batch), and the
-small KV-store interface the model's block runs over (this contiguous cache or
-``models.paged_kv.PagedKV``).
+"""The contiguous KV cache and the small KV-store interface the model's block runs over (this
+cache or ``models.paged_kv.PagedKV``).
 
 Contract:
-  * ``KVCache``: ``k`` and ``v`` are ``[L, B, K, S, H]`` (layers, batch slots, kv heads, cache
-    positions, head dim); ``lengths[b]`` counts the valid positions of row ``b``. Positions
-    ``>= lengths[b]`` may hold stale values: attention is causal in absolute position, so a query
-    never reads a position that its own sequence has not written.
-  * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
-    can hold; a write position ``>= max_len`` is dropped), ``sink_pool`` (True: rows may keep
-    sinks and a window, and queries are rotated by ``rope_positions``),
-    ``rope_positions(pos_BT)`` (the positions the model rotates the queries by: ``pos_BT``
-    itself, or a store's in-cache positions), ``write(layer, wpos_BT,
-    k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
-    with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
-    (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
-    layer ``layer``; a store may compute it without ``read``: both stores do for decode on
-    XLA:CPU, with ``models.cpu.paged_attention``),
-    and ``replace(**fields)``.
-  * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
-    ``t`` tokens per row (absolute positions, write positions with padding routed to ``PAD_POS``,
-    which every store drops,
-    last valid index, new lengths), shared by ``models.transformer`` and the sharded step.
+  * ``KVCache``: ``k`` / ``v`` ``[L, B, K, S, H]``, ``lengths [B]`` (each row at its own
+    length), and the static ``backend`` it was made for (``init_cache(..., backend)``).
+    Positions past a row's length may hold stale values: attention is causal in absolute
+    position.
+  * ``KVStore`` (the Protocol both stores implement): ``lengths``, ``max_len`` (a write at or
+    past it is dropped), ``sink_pool``, ``rope_positions(pos_BT)``, ``write(layer, wpos_BT,
+    k_BTKH, v_BTKH)``, ``read(layer, attend_len) -> (k_BKSH, v_BKSH)``,
+    ``attend(layer, q_BTNH, pos_BT, attend_len) -> [B, T, N, H]`` (``models.attention.attend``
+    over the first ``attend_len`` positions, or the native paged attention where the store's
+    backend allows it) and ``replace(**fields)``.
+  * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: one chunk's absolute and write
+    positions (padding routed to ``PAD_POS``, which every store drops), last valid index and
+    new lengths.
 """
 
 from __future__ import annotations

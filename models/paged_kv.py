@@ -1,70 +1,22 @@
-"""Paged KV memory on the device: a pool of fixed-size pages per layer, read and written through a
-page table per batch slot (the vLLM design). The host-side allocator is ``serving.kv_pages``.
-
-Letters (besides ``models/config.py``'s): P pages in the pool, Z positions per page (page size),
-M page-table entries per slot (a slot holds at most M * Z positions).
+"""Paged KV memory on the device: a pool of fixed-size pages per layer, read and written through
+a page table per batch slot (vLLM's design; the host allocator is ``serving.kv_pages``).
+Letters: P pages in the pool, Z positions per page, M table entries per slot.
 
 Contract:
-  * ``PagedKV`` (a ``flax.struct`` pytree, a ``models.kv_cache.KVStore``): ``k_pages`` and
-    ``v_pages`` ``[L, P, K, Z, H]`` (``Pages``: a float array, or for an int8 pool a
-    ``models.quant.QuantArray`` of int8 values ``[L, P, K, Z, H]`` and float32 scales
-    ``[L, P, K, Z, 1]``, one per token and kv head), ``page_table [B, M] int32``,
-    ``lengths [B] int32``. Every page-level operation (copies, transfers, the host tier) maps
-    over the leaves of ``Pages``: the page axis is axis 1 of each. Position
-    ``p`` of slot ``b`` lives at page ``page_table[b, p // Z]``, offset ``p % Z``, in every
-    layer. A table entry outside ``[0, P)`` is the null page (``init_paged`` and the allocator use
-    ``P``): nothing is written there and reads of it return zeros. ``max_len = M * Z``.
-  * int8 pools (``init_paged(dtype=int8)``): ``write`` quantizes each token's K and V per kv
-    head (symmetric, max |x| -> 127, ``quant.quantize_array`` over H), ``read`` dequantizes
-    after the gather, and the native decode kernel reads int8 with the scales in its loop (the
-    logit of a key times its K scale, each probability times its V scale). Unwritten pages hold
-    scale 0 and read as zeros. ``page_bytes`` counts the scales.
-  * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
-    page is the null page, past the table (``>= max_len``, but for a window row's ring), or
-    padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it
-    never lands on page 0 or on another slot's page. That a real token has a page is the
-    allocator's job (``serving.kv_pages`` refuses to extend a sequence past its capacity);
-    ``unbacked`` counts the tokens of a chunk that would be dropped, for a debug check before
-    the step.
-  * ``read(layer, attend_len, dtype=None)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``
-    (``dtype``: of an int8 pool's dequantized values, default float32): a gather of the first
-    ``ceil(attend_len / Z)`` table entries of every slot into contiguous ``[B, K, S, H]``.
-    Cost: it materialises the attended context once per layer and step, i.e. one extra write and
-    read of ``2 * B * K * attend_len * H`` elements over the contiguous cache's slice (decode at
-    batch 8, context 2048, ``small`` bf16: 4 MiB per layer); ``notes_paged_kv.md`` has the
-    measured price; ``attend`` avoids it wherever the native kernel runs.
-  * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
-    On XLA:CPU (``native_attention``) every query, decode and prefill chunk alike, runs
-    ``models.cpu.paged_attention``: it walks the table itself and reads only the keys the query
-    sees (no gather; ``attend_len`` is only a bound); otherwise ``read`` then
-    ``models.attention.attend``.
-  * Pages shared by several slots (a fork) are only ever read: the allocator copies a partly
-    filled last page (``copy_pages``) before the child writes.
-  * Attention is causal in absolute position, so stale or foreign values past a slot's length are
-    never seen; unwritten pages hold zeros (finite), which the masked softmax needs.
-
-Attention sinks (StreamingLLM). ``init_paged(sink_pool=True)`` makes a sink pool
-(``rope_theta`` set). Keys are stored rotated by their absolute position, as in any pool, and
-queries are rotated by their in-cache position (``rope_positions``); a decode query's logit
-against a key must be the one of both at their in-cache positions, and RoPE's logit depends
-only on the difference, so ``attend`` rotates each gathered key by (in-cache less absolute
-position): ``-shift`` for a window key, 0 for a sink. Per row, ``sinks`` and ``window``
-(``[B]`` int32, ``window == 0``: plain causal attention) keep the first ``sinks`` positions and
-the last ``window``. In-cache positions: while the row is at most ``sinks + window`` long they
-are the absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at
-``t``, a sink keeps its own, a window key at ``p`` is at ``p - shift`` and the query at ``t -
-shift = sinks + window - 1`` (``rope_positions``): the kept list indexed from 0, as the paper
-does.
-Causality and the window are masks on absolute positions (``attention.KeyPositions``).
-A window row uses ``R = ring_entries(window, Z)`` table entries: entry 0 (positions [0, Z),
-the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`` reuses at
-``1 + (q - 1) % (R - 1)``, so its KV is R pages however long it runs (``key_positions`` maps
-each cache position back to the absolute position it holds). Limits: ``sinks <= Z``; a chunk of
-more than one query (prefill) must not pass ``sinks + window`` (so it needs no shift: its keys
-are at their absolute positions, and the native kernel runs it as in any pool); decode has no
-limit: its rows with a window take the gather path (the native kernel knows no ring and no
-shift) over ``attend_len`` positions, which need cover only their rings (``rings_only``), and
-the rows without one the kernel.
+  * ``PagedKV`` (a ``models.kv_cache.KVStore``): ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]``
+    (int8 pools: ``QuantArray`` with per-token, per-head scales ``[L, P, K, Z, 1]``),
+    ``page_table [B, M]``, ``lengths [B]``, and the static ``backend`` the pool was made for.
+    Position ``p`` of slot ``b`` lives at page ``page_table[b, p // Z]``, offset ``p % Z``; a
+    table entry outside ``[0, P)`` is the null page: never written, read as zeros.
+  * ``write`` scatters through the table and drops padding, null-page and out-of-table writes;
+    ``read`` gathers ``attend_len`` positions into ``[B, K, S, H]``; ``attend`` runs
+    ``models.cpu.paged_attention`` where ``native_attention`` (the backend allows it), else
+    ``read`` + ``models.attention.attend``. Shared (forked) pages are only read.
+  * Attention sinks (StreamingLLM, ``init_paged(sink_pool=True)``): per row ``sinks`` first and
+    ``window`` last positions kept, the window in a ring of ``ring_entries(window, Z)`` table
+    entries; keys re-rotated to their in-cache positions (``rope_positions``); a chunk of more
+    than one query must not pass ``sinks + window``; ``rings_only``: decode's ``attend_len``
+    need cover only the rings.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """The decoder-only transformer as pure functions: ``prefill`` a chunk, ``decode_step`` a batch.
 
 Contract:
-  * ``prefill(params, tokens_BT, cache, start_B, lens_B, cfg=..., attend_len=...)`` runs row b's
-    ``lens_B[b]`` tokens at absolute positions ``start_B[b] + t``, writes their K/V into the cache
-    and returns the logits of each row's last valid token (``all_logits=True``: every position).
-    ``start_B=None`` continues every row at ``cache.lengths`` (pass None rather than
-    ``cache.lengths`` itself, which the donated cache owns). Rows with ``lens_B[b] == 0`` are
-    untouched. Padding tokens (t >= lens_B[b]) write nothing.
-    Long prompts are fed as consecutive chunks; a cached prefix is continued by starting at its
-    length.
-  * ``decode_step(params, tokens_B, cache, cfg=..., attend_len=...)`` appends one token to every
-    active row, each at its own position ``cache.lengths[b]`` (ragged batch).
-  * ``params`` in either layout of ``models.weights``: a list of layers (a Python loop: every
-    layer its own code, the fastest steps) or stacked (``stack_layers``: one ``lax.scan`` over
-    the layers, so a program's compile time does not grow with depth; the layer index reaching
-    the KV store is then traced).
-  * ``attend_len`` (static) is how many cache positions attention reads: a padded bucket covering
-    every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
-    ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
-  * ``cache`` is any ``models.kv_cache.KVStore``: the contiguous ``KVCache`` or the paged
-    ``models.paged_kv.PagedKV``; the same store type comes back.
-  * ``backend`` (static, ``models.cpu.backend.CpuBackend``; default: XLA only) is how XLA:CPU
-    computes the matmuls; the store's own ``backend`` says how it attends. Queries are rotated by
-    ``cache.rope_positions`` (absolute positions, or a sink + window pool's in-cache ones); keys
-    by their absolute position before the write.
+  * ``prefill(params, tokens_BT, cache, start_B, lens_B, cfg=, attend_len=, all_logits=,
+    backend=)``: row b's ``lens_B[b]`` tokens at positions ``start_B[b] + t`` (``start_B=None``:
+    at ``cache.lengths``), K/V written into the cache; logits of each row's last valid token
+    (``all_logits``: every position). Rows with ``lens_B[b] == 0`` and padding write nothing.
+  * ``decode_step(params, tokens_B, cache, cfg=, attend_len=, active_B=, backend=)``: one token
+    per active row at ``cache.lengths[b]`` (ragged batch).
+  * ``params``: a list of layers (a Python loop) or stacked (``models.weights.stack_layers``: one
+    ``lax.scan``, the layer index traced). ``cache``: any ``models.kv_cache.KVStore``; the same
+    type comes back. Queries are rotated by ``cache.rope_positions``, keys by absolute position.
+  * Static: ``cfg``, ``attend_len`` (the attended positions: a bucket covering every row),
+    ``all_logits`` and ``backend`` (a ``models.cpu.backend.CpuBackend``: how XLA:CPU computes
+    the matmuls; default XLA only). ``jit_prefill`` / ``jit_decode_step`` donate the cache.
 """
 
 from __future__ import annotations

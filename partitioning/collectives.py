@@ -1,36 +1,19 @@
 """The transformer forward under a partitioning layout: ``shard_map`` with explicit collectives.
 
 Contract:
-  * ``make_sharded_step(cfg, mesh, ffn_layout, attn_layout, phase)`` returns a jitted step with the
-    call signature of ``models.transformer.jit_prefill`` (phase ``"prefill"``) or
-    ``jit_decode_step`` (``"decode"``), the same semantics (logits and KV cache) and the cache
-    donated. ``cfg=`` may still be passed and must equal the bound config. ``step.plan(batch)``
-    returns the ``layouts.StepPlan`` (effective axes and recorded fallbacks) it runs.
-  * Inputs may live anywhere (jit moves them), but to avoid per-call transfers place the params
-    with ``shard_params(params, cfg, mesh, layout)`` (the resident copy: ``ws_2d`` and every
-    ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
-    (ffn, attn) pair that will run on it.
-  * ``sharded_forward(params, tokens, store, chunk, plan=..., store_spec=...)`` is the one
-    ``shard_map`` forward both KV memories run through: the block writes and reads KV only via
-    the ``models.kv_cache.KVStore`` interface of the chip's local store (the contiguous
-    ``KVCache`` here, ``partitioning.paged_step``'s paged pool), exactly as
-    ``models.transformer`` does.
-  * The model math is ``models``' own: ``layers.rms_norm/rope/mlp``, ``attention.attend``,
-    ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer.embed``. What is added is
-    communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
-    summed over the embed shards and the GLU between the FFN's reduce-scatter and all-gather.
-
-Per layer (paper Sec. 3.2-3.3; ``{a}`` = partial sums over mesh axes a; names as in StepPlan):
-  x [B.rb, T, E.re] --reshard--> [B.rb, T, E.we] -> norm -> Q [B.rb, T, N.wh, H]{we}
-  --RS(we) onto heads--> [B.rb, T, N.wh+we, H] --A2A(move)--> [B.ab, T, N, H] attends the cache
-  [L, B.ab, K, S, H] --A2A(move)--> --AG(we)--> [B.rb, T, N.wh, H] -> o -> [B.rb, T, E.we]{wh}
-  --RS(wh)--> [B.rb, T, E.re]; FFN: -> [B.rb, T, F.wf]{we} --RS(we)--> GLU --AG(we)--> down
-  -> [B.rb, T, E.we]{wf} --RS(wf)--> [B.rb, T, E.re]. Weight-gathered layouts first all-gather
-  each layer's weights from the stored E_x F_yz to the gathered spec.
-
-int8 with ``act_quant=True`` quantizes activations per token over the *local* contracted slice,
-so sharded contractions over E or F round differently from the unsharded model (weight-only
-int8, ``act_quant=False``, is exact up to summation order).
+  * ``make_sharded_step(cfg, mesh, ffn_layout, attn_layout, phase)``: a jitted step with the
+    signature and semantics of ``models.transformer.jit_prefill`` / ``jit_decode_step`` (cache
+    donated); ``step.plan(batch)`` is the ``layouts.StepPlan`` it runs. Place params with
+    ``shard_params`` and the cache with ``shard_cache`` / ``init_sharded_cache``.
+  * ``sharded_forward(params, tokens, store, chunk, plan=, store_spec=, backend=)``: the one
+    ``shard_map`` forward both KV memories run through, reading and writing KV only through the
+    chip's local ``models.kv_cache.KVStore``; ``backend`` (static) is how XLA:CPU computes
+    the matmuls.
+  * The math is ``models``' own (norms, rope, mlp, attend, ``quant.einsum``); what is added is
+    communication (paper Sec. 3.2-3.3: reduce-scatter, all-to-all, all-gather per layer as
+    ``StepPlan`` names them) and the RMSNorm / GLU split around it.
+  * W8A8 int8 quantizes activations over the local contracted slice, so sharded contractions
+    round differently from the unsharded model (weight-only int8 is exact up to order).
 """
 
 from __future__ import annotations

@@ -1,52 +1,20 @@
 """The partitioned step over paged KV memory: ``models.step.Step`` for a (mesh, FFN layout,
-attention layout), and the helpers for two phases in two layouts (one mesh or two sub-meshes).
+attention layout), and the pair of steps for two phases (one mesh or two sub-meshes).
 
 Contract:
-  * ``PagedShardedStep(cfg, mesh, ffn, attn)`` runs ``partitioning.collectives``' forward (one
-    ``shard_map``, the same math as ``make_sharded_step``) over a ``models.paged_kv.PagedKV``.
-    ``prefill`` / ``decode`` are traceable (the engine calls them inside its jitted programs,
-    ``attend_len`` static) and follow ``models.step.Step``.
-  * **Pool sharding.** ``kv_axes`` are the layout's attention batch axes (``StepPlan.ab`` of
-    ``layouts.make_plan`` at a batch every axis divides); ``kv_shards`` is their size. The
-    page axis of ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]`` is sharded over them:
-    ``[L, P.ab, K, Z, H]``, shard ``s`` (the linear index over ``kv_axes``, major first) owns the
-    global page ids ``[s * P_s, (s + 1) * P_s)``, ``P_s = P / kv_shards``, exactly the
-    sub-pools of ``serving.kv_pages.PagePool(PageBudget(num_shards=kv_shards))``. K and V are
-    never replicated over the kv shards; over the remaining mesh axes (the chips that shard
-    query heads, e.g. all of them under ``ws_2d + heads``, where ``kv_axes`` is empty) every
-    chip holds the same pages, as the contiguous cache is under ``heads``. ``page_table`` and
-    ``lengths`` (per engine slot, small) are replicated.
-  * **Rows.** The ``R`` rows of a call (``tokens`` and the store's ``page_table`` / ``lengths``
-    rows) are sharded the same way: row ``r`` runs on kv shard ``r // (R / kv_shards)`` and its
-    pages must be in that shard's range (so a sequence's row, its queries and its pages are on
-    the same chips, and the paged attention needs no KV traffic). ``R`` must be a multiple of
-    ``kv_shards`` (``ValueError`` otherwise). Inside the ``shard_map`` each shard maps its rows'
-    global ids to local ids (``id - s * P_s``; outside ``[0, P_s)`` -> the local null page
-    ``P_s``): a page of another shard is never written and reads as zeros, so a misplaced row
-    computes garbage for itself only (``misplaced`` counts such table entries, for checks).
-    The engine arranges rows by shard (``serving.engine`` reads ``kv_shards``).
-  * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
-    and every ``wg_*`` share it, ``ws_1d`` has its own); ``param_sharding(path, sds)`` is that
-    copy's sharding per param path, for loaders to make params straight into it; ``init_kv``
-    creates the pool directly in ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
-    fallbacks, the KV sharding.
-  * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=)`` builds the (prefill, decode)
-    pair from layout names or ``partitioning.planner`` candidates. One resident params copy
-    serves both when their stored layouts are equal; otherwise ``on_mismatch="family"`` runs
-    decode in the prefill layout's FFN layout (keeping decode's attention layout) and
-    ``"two_copies"`` places two copies and reports their bytes. ``PhaseSteps.describe()`` says
-    which. When the two pools' shardings differ, ``relayout`` re-lays the WHOLE pool into the
-    decode sharding (one ``device_put``; replicated -> sharded is a local slice, sharded ->
-    sharded over other axes an all-to-all of the pool) and ``transfer_pages`` copies only the
-    given pages. Page ids keep their meaning across the two pools: the host allocator's
-    sub-pools (``PhaseSteps.kv_shards()``, the lcm of the two shard counts) each lie inside one
-    shard of each pool.
-  * ``transfer_pages(src_kv, dst_kv, src_ids, dst_ids)`` copies pages ``src_ids[c]`` of a pool
-    (on any mesh) to ``dst_ids[c]`` of another (on its own mesh, e.g. a disaggregated decode
-    sub-mesh) and returns the new destination pool (donated, still in its sharding). Ids
-    outside ``[0, P_dst)`` are padding. Cost: the ``C`` pages are gathered on the source mesh
-    and sent whole to every destination chip (``C * page_bytes`` per chip), which keeps its own
-    pages.
+  * ``PagedShardedStep(cfg, mesh, ffn, attn, backend)``: ``partitioning.collectives``' forward
+    (one ``shard_map``) over a ``models.paged_kv.PagedKV``; ``backend`` (static, a
+    ``models.cpu.backend.CpuBackend``) is part of every jit key and of the pools it makes.
+  * Pool sharding: the page axis is sharded over ``kv_axes`` (the layout's attention batch
+    axes; ``kv_shards`` their size): shard ``s`` owns page ids ``[s * P_s, (s + 1) * P_s)``,
+    the sub-pools of ``serving.kv_pages``. Row ``r`` of a call runs on shard
+    ``r // (R / kv_shards)`` and its pages must be there (``misplaced`` counts the others).
+  * ``place_params`` / ``param_sharding``: the FFN layout's resident copy; ``init_kv``: the pool
+    in ``kv_sharding()``; ``describe()``: JSON-able plan, reasons and KV sharding.
+  * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=, backend=)``: the (prefill,
+    decode) pair, one params copy when their stored layouts agree (else decode in the prefill
+    family, or two copies); ``relayout`` re-lays a whole pool, ``transfer_pages`` copies given
+    pages between pools (ids outside ``[0, P_dst)`` are padding).
 """
 
 from __future__ import annotations
