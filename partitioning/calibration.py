@@ -25,7 +25,8 @@ Contract:
     calibration=)``), ``launch.lab.sweep_frontier --calibration`` and ``launch.lab.plan --calibration``
     use a loaded calibration when one is given.
   * Installed calibrations: ``default_path(hardware)`` is where ``launch.lab.calibrate --install``
-    saves a hardware's calibration (``<models.cpu.env.calibration_dir()>/<hardware>.json``); ``resolve(spec, hardware)`` turns a ``--calibration``
+    saves a hardware's calibration (``<models.cpu.env.calibration_dir()>/<hardware>.json``);
+    ``resolve(spec, hardware)`` turns a ``--calibration``
     flag into ``(calibration or None, where)``: ``"auto"`` the installed one if it exists,
     ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.lab.plan``,
     ``sweep_frontier``, ``simulate``, the server's layout choice) default to ``"auto"``, so a
