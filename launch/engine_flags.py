@@ -125,6 +125,7 @@ def resolve_backend() -> "CpuBackend":
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
     from partitioning.distributed import agree
     fields = agree("cpu_backend_policy", lambda: dataclasses.asdict(backend.policy))
+    assert isinstance(fields, dict)
     backend = dataclasses.replace(backend, policy=CpuPolicy(**fields))
   return backend
 

@@ -21,7 +21,6 @@ from typing import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from models.cpu import router
 from models.cpu.backend import CpuBackend
