@@ -22,9 +22,9 @@ import os
 
 
 def default_directory() -> str:
-  from models.cpu import lowering as cpu_lowering
-  cpu = hashlib.sha256(cpu_lowering.cpu_model().encode()).hexdigest()[:16]
-  return os.path.join(cpu_lowering.cache_dir(), "jax", cpu)
+  from models.cpu import cpuinfo, env
+  cpu = hashlib.sha256(cpuinfo.key().encode()).hexdigest()[:16]
+  return os.path.join(env.cache_dir(), "jax", cpu)
 
 
 def configure(directory: str | None) -> str | None:

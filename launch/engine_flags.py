@@ -12,7 +12,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
 given) and assembles the serving loop, with JAX's persistent compilation cache on
-(``launch.compile_cache``) before anything compiles; user errors raise ``CliError``.
+(``launch.compile_cache``) before anything compiles and the CPU backend resolved once
+(``resolve_backend``) and handed to the steps; user errors raise ``CliError``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from launch.cli import CliError
 if TYPE_CHECKING:
   import prometheus_client as prom
   from models.config import ModelConfig
+  from models.cpu.backend import CpuBackend
   from models.text.tokenizer import Tokenizer
   from partitioning.deployment import Steps
   from serving.loop import ServingLoop
@@ -110,6 +112,24 @@ def set_fake_devices() -> None:
                                f" --xla_force_host_platform_device_count={FAKE_DEVICES.value}")
 
 
+def resolve_backend() -> "CpuBackend":
+  """The XLA:CPU backend, once, before anything is traced (``models.cpu.backend.resolve``:
+  native kernels and the lowering, cached or measured); under several processes, process 0's
+  policy everywhere (measured, it could differ, and it decides the traced programs)."""
+  import jax
+  from models.cpu import backend as cpu_backend
+  from models.cpu.lowering import CpuPolicy
+  resolved = cpu_backend.resolve()
+  backend = resolved.backend
+  logging.info("cpu backend (%s): %s", resolved.choice.source, backend)
+  if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    from partitioning.distributed import agree
+    fields = agree("cpu_backend_policy", lambda: dataclasses.asdict(backend.policy))
+    assert isinstance(fields, dict)
+    backend = dataclasses.replace(backend, policy=CpuPolicy(**fields))
+  return backend
+
+
 def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
           max_traces: int | None = None, *, wrap_engine=None, fault_hook=None,
           restarts: bool = True) -> Built:
@@ -121,6 +141,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
   from partitioning.deployment import Deployment, check_multiprocess, make_steps
   cache = compile_cache.configure(COMPILE_CACHE.value)
   logging.info("compilation cache: %s", cache or "off")
+  backend = resolve_backend()
   dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
   try:
     cfg = load_config(MODEL.value)  # the steps first: the params are made in their shardings
@@ -146,7 +167,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
     check_multiprocess(deployment, HOST_TIER.value)
     steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
-                       max_context=config.max_context, quantized=QUANTIZE.value == "int8")
+                       max_context=config.max_context, quantized=QUANTIZE.value == "int8",
+                       backend=backend)
   except (ValueError, OSError) as e:  # OSError: an unreadable --calibration file
     raise CliError(str(e))
   try:

@@ -1,24 +1,17 @@
 """What machine a benchmark ran on, for every figure the launch scripts print.
 
-Contract: ``cpu_model()`` is ``/proc/cpuinfo``'s model name (else ``platform``'s guess);
+Contract: ``cpu_model()`` is this CPU's model name (``models.cpu.cpuinfo``);
 ``describe()`` adds the JAX platform, device kind and count, CPU count and the 1-minute load.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 
 
 def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+  from models.cpu import cpuinfo
+  return cpuinfo.model_name()
 
 
 def describe() -> dict[str, object]:

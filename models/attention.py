@@ -1,27 +1,15 @@
 """Multiquery / grouped-query attention of a chunk of queries over a KV cache.
 
-Contract: ``attend(q_BTNH, k_BKSH, v_BKSH, q_pos_BT, keys=None)`` computes causal attention in
-absolute positions: query (b, t) sees key s iff ``s <= q_pos_BT[b, t]``. With ``keys`` (a
-``KeyPositions``: the absolute position of every key ``pos_BS`` (< 0: no key there), and per row
-``sinks_B`` / ``window_B``) key s is visible iff ``0 <= pos_BS[b, s] <= q_pos`` and
-(``window_B[b] == 0`` or ``pos_BS[b, s] < sinks_B[b]`` or ``pos_BS[b, s] > q_pos - window_B[b]``):
-the first ``sinks`` tokens plus the last ``window`` (StreamingLLM), keys in any order. N query
-heads share K kv heads (N = K * G; K = 1 is multiquery). Softmax in float32; result in the query
-dtype. A query that sees no key gets zeros; a block of keys all hidden from a query adds nothing
-to it (the probabilities are masked, not only the logits).
-
-How (internals, free to change):
-  * The G query heads of a kv head and the T queries are folded into one row axis R = T * G, so
-    each kv head is one plain ``[R, H] x [S, H]`` product (K and V are never broadcast over G).
-  * Short key ranges (decode; chunks over at most ``KEY_BLOCK`` keys) take one block: logits
-    ``[R, S]``, masked softmax, ``[R, S] x [S, H]``.
-  * Longer ranges (prefill) cut the queries into blocks of ``QUERY_BLOCK`` positions and run a
-    ``while`` loop over key blocks of ``KEY_BLOCK`` positions with an online softmax (running max
-    and sum, as FlashAttention), stopping at the block holding the block's last visible key. Only
-    keys at or before a query's position are ever read, so a causal prefill does about half the
-    work of the full ``[T, S]`` product, and the f32 logits of one step stay in cache. With
-    explicit ``keys`` every block is visited (a key's place says nothing of its position).
-  * Softmax normalisation is applied to the ``[R, H]`` output rather than to ``[R, S]`` weights.
+Contract: ``attend(q_BTNH, k_BKSH, v_BKSH, q_pos_BT, keys=None)``: causal attention in absolute
+positions (query (b, t) sees key s iff ``s <= q_pos_BT[b, t]``). With ``keys``
+(``KeyPositions``: each key's absolute position ``pos_BS`` (< 0: none) and per row ``sinks_B`` /
+``window_B``) a key is visible iff ``0 <= pos <= q_pos`` and (``window == 0`` or
+``pos < sinks`` or ``pos > q_pos - window``): StreamingLLM's sinks plus window, keys in any
+order. N query heads share K kv heads (N = K * G). Softmax in f32, result in the query dtype; a
+query that sees no key gets zeros, and a fully hidden block of keys adds nothing.
+Internals (free to change): the G heads and T queries fold into one row axis per kv head; short
+key ranges take one block, long ones an online-softmax loop over key blocks that stops at the
+last visible key.
 """
 
 from __future__ import annotations

@@ -1,27 +1,20 @@
-"""The KV cache pytree: one slot per batch row, each row at its own length (ragged batch), and the
-small KV-store interface the model's block runs over (this contiguous cache or
-``models.paged_kv.PagedKV``).
+"""The contiguous KV cache and the small KV-store interface the model's block runs over (this
+cache or ``models.paged_kv.PagedKV``).
 
 Contract:
-  * ``KVCache``: ``k`` and ``v`` are ``[L, B, K, S, H]`` (layers, batch slots, kv heads, cache
-    positions, head dim); ``lengths[b]`` counts the valid positions of row ``b``. Positions
-    ``>= lengths[b]`` may hold stale values: attention is causal in absolute position, so a query
-    never reads a position that its own sequence has not written.
-  * ``KVStore`` (a Protocol both stores implement): ``lengths [B]``, ``max_len`` (positions a row
-    can hold; a write position ``>= max_len`` is dropped), ``sink_pool`` (True: rows may keep
-    sinks and a window, and queries are rotated by ``rope_positions``),
-    ``rope_positions(pos_BT)`` (the positions the model rotates the queries by: ``pos_BT``
-    itself, or a store's in-cache positions), ``write(layer, wpos_BT,
-    k_BTKH, v_BTKH)`` -> the updated store, ``read(layer, attend_len)`` -> ``(k_BKSH, v_BKSH)``
-    with ``S = attend_len``, ``attend(layer, q_BTNH, pos_BT, attend_len)`` -> ``[B, T, N, H]``
-    (``models.attention.attend`` of the queries over the first ``attend_len`` positions of
-    layer ``layer``; a store may compute it without ``read``: both stores do for decode on
-    XLA:CPU, with ``models.cpu.paged_attention``),
-    and ``replace(**fields)``.
-  * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: the bookkeeping of one chunk of
-    ``t`` tokens per row (absolute positions, write positions with padding routed to ``PAD_POS``,
-    which every store drops,
-    last valid index, new lengths), shared by ``models.transformer`` and the sharded step.
+  * ``KVCache``: ``k`` / ``v`` ``[L, B, K, S, H]``, ``lengths [B]`` (each row at its own
+    length), and the static ``backend`` it was made for (``init_cache(..., backend)``).
+    Positions past a row's length may hold stale values: attention is causal in absolute
+    position.
+  * ``KVStore`` (the Protocol both stores implement): ``lengths``, ``max_len`` (a write at or
+    past it is dropped), ``sink_pool``, ``rope_positions(pos_BT)``, ``write(layer, wpos_BT,
+    k_BTKH, v_BTKH)``, ``read(layer, attend_len) -> (k_BKSH, v_BKSH)``,
+    ``attend(layer, q_BTNH, pos_BT, attend_len) -> [B, T, N, H]`` (``models.attention.attend``
+    over the first ``attend_len`` positions, or the native paged attention where the store's
+    backend allows it) and ``replace(**fields)``.
+  * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: one chunk's absolute and write
+    positions (padding routed to ``PAD_POS``, which every store drops), last valid index and
+    new lengths.
 """
 
 from __future__ import annotations
@@ -34,6 +27,7 @@ import jax.numpy as jnp
 
 from models import attention
 from models.cpu import paged_attention as cpu_paged_attention
+from models.cpu.backend import CpuBackend
 from models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -68,6 +62,8 @@ class KVCache:
   k: jax.Array  # [L, B, K, S, H]
   v: jax.Array  # [L, B, K, S, H]
   lengths: jax.Array  # [B] int32
+  # The backend this cache was made for (static: part of every jit key).
+  backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
 
   @property
   def batch(self) -> int:
@@ -100,23 +96,24 @@ class KVCache:
              ) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     if (t == 1 and self.k.dtype in (jnp.float32, jnp.bfloat16)
-        and cpu_paged_attention.available()
+        and self.backend.paged_attention
         and cpu_paged_attention.supported(n, self.k.shape[2], h, self.k.dtype)):
       # Decode on XLA:CPU: [L, B, K, S, H] is a page pool of one S-position page per row, read
       # in place by the native attention (XLA's two small dots per layer cost more to dispatch
       # than to compute).
       table_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
       return cpu_paged_attention.attend_paged(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
-                                              min(attend_len, self.max_len))
+                                              min(attend_len, self.max_len),
+                                              self.backend.paged_bf16_dot)
     return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
-               dtype=jnp.float32) -> KVCache:
+               dtype=jnp.float32, backend: CpuBackend = CpuBackend()) -> KVCache:
   s = max_len or cfg.max_seq_len
   shape = (cfg.num_layers, batch, cfg.num_kv_heads, s, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 lengths=jnp.zeros((batch,), jnp.int32))
+                 lengths=jnp.zeros((batch,), jnp.int32), backend=backend)
 
 
 def write(k_cache: jax.Array, v_cache: jax.Array, layer: int, wpos_BT: jax.Array,

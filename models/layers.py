@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from models import quant
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool,
@@ -67,7 +68,9 @@ def glu(gate: jax.Array, up: jax.Array, activation: str, dtype) -> jax.Array:
   return (act * up.astype(jnp.float32)).astype(dtype)
 
 
-def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
-  gate_BTF, up_BTF = quant.einsums(("btd,df->btf",) * 2, x_BTD, (layer["gate"], layer["up"]))
+def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig, backend: CpuBackend = CpuBackend()
+        ) -> jax.Array:
+  gate_BTF, up_BTF = quant.einsums(("btd,df->btf",) * 2, x_BTD, (layer["gate"], layer["up"]),
+                                   backend)
   h_BTF = glu(gate_BTF, up_BTF, cfg.activation, x_BTD.dtype)
-  return quant.einsum("btf,fd->btd", h_BTF, layer["down"])
+  return quant.einsum("btf,fd->btd", h_BTF, layer["down"], backend)

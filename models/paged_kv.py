@@ -1,70 +1,22 @@
-"""Paged KV memory on the device: a pool of fixed-size pages per layer, read and written through a
-page table per batch slot (the vLLM design). The host-side allocator is ``serving.kv_pages``.
-
-Letters (besides ``models/config.py``'s): P pages in the pool, Z positions per page (page size),
-M page-table entries per slot (a slot holds at most M * Z positions).
+"""Paged KV memory on the device: a pool of fixed-size pages per layer, read and written through
+a page table per batch slot (vLLM's design; the host allocator is ``serving.kv_pages``).
+Letters: P pages in the pool, Z positions per page, M table entries per slot.
 
 Contract:
-  * ``PagedKV`` (a ``flax.struct`` pytree, a ``models.kv_cache.KVStore``): ``k_pages`` and
-    ``v_pages`` ``[L, P, K, Z, H]`` (``Pages``: a float array, or for an int8 pool a
-    ``models.quant.QuantArray`` of int8 values ``[L, P, K, Z, H]`` and float32 scales
-    ``[L, P, K, Z, 1]``, one per token and kv head), ``page_table [B, M] int32``,
-    ``lengths [B] int32``. Every page-level operation (copies, transfers, the host tier) maps
-    over the leaves of ``Pages``: the page axis is axis 1 of each. Position
-    ``p`` of slot ``b`` lives at page ``page_table[b, p // Z]``, offset ``p % Z``, in every
-    layer. A table entry outside ``[0, P)`` is the null page (``init_paged`` and the allocator use
-    ``P``): nothing is written there and reads of it return zeros. ``max_len = M * Z``.
-  * int8 pools (``init_paged(dtype=int8)``): ``write`` quantizes each token's K and V per kv
-    head (symmetric, max |x| -> 127, ``quant.quantize_array`` over H), ``read`` dequantizes
-    after the gather, and the native decode kernel reads int8 with the scales in its loop (the
-    logit of a key times its K scale, each probability times its V scale). Unwritten pages hold
-    scale 0 and read as zeros. ``page_bytes`` counts the scales.
-  * ``write(layer, wpos_BT, k_BTKH, v_BTKH)`` scatters through the table. A write position whose
-    page is the null page, past the table (``>= max_len``, but for a window row's ring), or
-    padding (``kv_cache.PAD_POS``, routed there by ``kv_cache.chunk_positions``) is dropped: it
-    never lands on page 0 or on another slot's page. That a real token has a page is the
-    allocator's job (``serving.kv_pages`` refuses to extend a sequence past its capacity);
-    ``unbacked`` counts the tokens of a chunk that would be dropped, for a debug check before
-    the step.
-  * ``read(layer, attend_len, dtype=None)`` -> ``(k_BKSH, v_BKSH)``, ``S = attend_len``
-    (``dtype``: of an int8 pool's dequantized values, default float32): a gather of the first
-    ``ceil(attend_len / Z)`` table entries of every slot into contiguous ``[B, K, S, H]``.
-    Cost: it materialises the attended context once per layer and step, i.e. one extra write and
-    read of ``2 * B * K * attend_len * H`` elements over the contiguous cache's slice (decode at
-    batch 8, context 2048, ``small`` bf16: 4 MiB per layer); ``notes_paged_kv.md`` has the
-    measured price; ``attend`` avoids it wherever the native kernel runs.
-  * ``attend(layer, q_BTNH, pos_BT, attend_len)``: attention of the queries over the table.
-    On XLA:CPU (``native_attention``) every query, decode and prefill chunk alike, runs
-    ``models.cpu.paged_attention``: it walks the table itself and reads only the keys the query
-    sees (no gather; ``attend_len`` is only a bound); otherwise ``read`` then
-    ``models.attention.attend``.
-  * Pages shared by several slots (a fork) are only ever read: the allocator copies a partly
-    filled last page (``copy_pages``) before the child writes.
-  * Attention is causal in absolute position, so stale or foreign values past a slot's length are
-    never seen; unwritten pages hold zeros (finite), which the masked softmax needs.
-
-Attention sinks (StreamingLLM). ``init_paged(sink_pool=True)`` makes a sink pool
-(``rope_theta`` set). Keys are stored rotated by their absolute position, as in any pool, and
-queries are rotated by their in-cache position (``rope_positions``); a decode query's logit
-against a key must be the one of both at their in-cache positions, and RoPE's logit depends
-only on the difference, so ``attend`` rotates each gathered key by (in-cache less absolute
-position): ``-shift`` for a window key, 0 for a sink. Per row, ``sinks`` and ``window``
-(``[B]`` int32, ``window == 0``: plain causal attention) keep the first ``sinks`` positions and
-the last ``window``. In-cache positions: while the row is at most ``sinks + window`` long they
-are the absolute ones; past it, with ``shift = t - (sinks + window - 1)`` for the query at
-``t``, a sink keeps its own, a window key at ``p`` is at ``p - shift`` and the query at ``t -
-shift = sinks + window - 1`` (``rope_positions``): the kept list indexed from 0, as the paper
-does.
-Causality and the window are masks on absolute positions (``attention.KeyPositions``).
-A window row uses ``R = ring_entries(window, Z)`` table entries: entry 0 (positions [0, Z),
-the sinks among them) and a ring over entries [1, R) that logical page ``q >= R`` reuses at
-``1 + (q - 1) % (R - 1)``, so its KV is R pages however long it runs (``key_positions`` maps
-each cache position back to the absolute position it holds). Limits: ``sinks <= Z``; a chunk of
-more than one query (prefill) must not pass ``sinks + window`` (so it needs no shift: its keys
-are at their absolute positions, and the native kernel runs it as in any pool); decode has no
-limit: its rows with a window take the gather path (the native kernel knows no ring and no
-shift) over ``attend_len`` positions, which need cover only their rings (``rings_only``), and
-the rows without one the kernel.
+  * ``PagedKV`` (a ``models.kv_cache.KVStore``): ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]``
+    (int8 pools: ``QuantArray`` with per-token, per-head scales ``[L, P, K, Z, 1]``),
+    ``page_table [B, M]``, ``lengths [B]``, and the static ``backend`` the pool was made for.
+    Position ``p`` of slot ``b`` lives at page ``page_table[b, p // Z]``, offset ``p % Z``; a
+    table entry outside ``[0, P)`` is the null page: never written, read as zeros.
+  * ``write`` scatters through the table and drops padding, null-page and out-of-table writes;
+    ``read`` gathers ``attend_len`` positions into ``[B, K, S, H]``; ``attend`` runs
+    ``models.cpu.paged_attention`` where ``native_attention`` (the backend allows it), else
+    ``read`` + ``models.attention.attend``. Shared (forked) pages are only read.
+  * Attention sinks (StreamingLLM, ``init_paged(sink_pool=True)``): per row ``sinks`` first and
+    ``window`` last positions kept, the window in a ring of ``ring_entries(window, Z)`` table
+    entries; keys re-rotated to their in-cache positions (``rope_positions``); a chunk of more
+    than one query must not pass ``sinks + window``; ``rings_only``: decode's ``attend_len``
+    need cover only the rings.
 """
 
 from __future__ import annotations
@@ -76,6 +28,7 @@ import numpy as np
 
 from models import attention, kv_cache, quant
 from models.cpu import paged_attention as cpu_paged_attention
+from models.cpu.backend import CpuBackend
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.layers import rotate, rotation
@@ -121,6 +74,9 @@ class PagedKV:
   sinks: jax.Array | None = None  # [B] int32 first positions kept (with a window)
   window: jax.Array | None = None  # [B] int32 most recent positions kept; 0: all of them
   rope_theta: float | None = flax.struct.field(pytree_node=False, default=None)
+  # The backend this pool was made for (static: part of every jit key; says whether ``attend``
+  # may run the native paged attention).
+  backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
 
   @property
   def sink_pool(self) -> bool:
@@ -227,7 +183,7 @@ class PagedKV:
     return self.sink_pool and self._kernel(n_heads)
 
   def _kernel(self, n_heads: int) -> bool:
-    return (cpu_paged_attention.available()
+    return (self.backend.paged_attention
             and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
                                               self.k_pages.shape[4], pages_dtype(self.k_pages)))
 
@@ -238,14 +194,16 @@ class PagedKV:
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
-                                              self.page_table, pos_BT, layer, attend_len)
+                                              self.page_table, pos_BT, layer, attend_len,
+                                              self.backend.paged_bf16_dot)
     if self.sink_pool:
       out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys
         ring_B = self._policy()[1] > 0
         full_BTNH = cpu_paged_attention.attend_paged(
             q_BTNH, self.k_pages, self.v_pages, self.page_table,
-            jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len)  # -1: no work
+            jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len,  # -1: no work
+            self.backend.paged_bf16_dot)
         out_BTNH = jnp.where(ring_B[:, None, None, None], out_BTNH, full_BTNH)
       return out_BTNH
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
@@ -302,8 +260,10 @@ def _gather_one(pages_LPKZH: jax.Array, layer: int, ids_BM: jax.Array, s: int) -
 
 
 def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
-               pages_per_seq: int, dtype=jnp.float32, sink_pool: bool = False) -> PagedKV:
-  """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized."""
+               pages_per_seq: int, dtype=jnp.float32, sink_pool: bool = False,
+               backend: CpuBackend = CpuBackend()) -> PagedKV:
+  """An empty pool (zeros) with every table entry the null page; ``dtype`` int8: quantized;
+  ``backend``: the one the pool's attention runs on."""
   shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
   def empty() -> Pages:
@@ -317,7 +277,7 @@ def init_paged(cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
                  lengths=jnp.zeros((batch,), jnp.int32),
                  sinks=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
                  window=jnp.zeros((batch,), jnp.int32) if sink_pool else None,
-                 rope_theta=cfg.rope_theta if sink_pool else None)
+                 rope_theta=cfg.rope_theta if sink_pool else None, backend=backend)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str | np.dtype | type) -> int:
@@ -356,7 +316,7 @@ def to_cache(kv: PagedKV, max_len: int | None = None) -> KVCache:
   layers = range(kv.k_pages.shape[0])
   k = jnp.stack([kv.read(l, s)[0] for l in layers])
   v = jnp.stack([kv.read(l, s)[1] for l in layers])
-  return KVCache(k=k, v=v, lengths=kv.lengths)
+  return KVCache(k=k, v=v, lengths=kv.lengths, backend=kv.backend)
 
 
 __all__ = ["PagedKV", "Pages", "ring_entries", "is_int8", "pages_dtype", "init_paged",

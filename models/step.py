@@ -34,6 +34,7 @@ import numpy as np
 
 from models import transformer
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.kv_cache import KVStore
 from models.paged_kv import PagedKV, init_paged
 from models.weights import Params, is_stacked, stack_layers
@@ -77,17 +78,20 @@ class PhaseDecode:
 @dataclasses.dataclass(frozen=True)
 class UnshardedStep:
   """The model on one device; ``scan_layers``: params stacked (``models.weights.stack_layers``),
-  every program one ``lax.scan`` over the layers (compile time independent of depth)."""
+  every program one ``lax.scan`` over the layers (compile time independent of depth);
+  ``backend``: how XLA:CPU computes it (static: the step and its pools carry it into every
+  jit key; default: XLA only, see ``models.cpu.backend``)."""
   cfg: ModelConfig
   scan_layers: bool = False
+  backend: CpuBackend = CpuBackend()
 
   def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len):
     return transformer.prefill(params, tokens_BT, kv, start_B, lens_B, cfg=self.cfg,
-                               attend_len=attend_len)
+                               attend_len=attend_len, backend=self.backend)
 
   def decode(self, params, tokens_B, kv, active_B, *, attend_len):
     return transformer.decode_step(params, tokens_B, kv, cfg=self.cfg, attend_len=attend_len,
-                                   active_B=active_B)
+                                   active_B=active_B, backend=self.backend)
 
   @property
   def stacked_params(self) -> bool:
@@ -108,8 +112,8 @@ class UnshardedStep:
 
   def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False
               ) -> PagedKV:
-    return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5, 6))(
-        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool)
+    return jax.jit(init_paged, static_argnums=(0, 1, 2, 3, 4, 5, 6, 7))(
+        self.cfg, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool, self.backend)
 
   def describe(self) -> dict[str, object]:
     dev = jax.local_devices()[0]

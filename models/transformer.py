@@ -1,27 +1,18 @@
 """The decoder-only transformer as pure functions: ``prefill`` a chunk, ``decode_step`` a batch.
 
 Contract:
-  * ``prefill(params, tokens_BT, cache, start_B, lens_B, cfg=..., attend_len=...)`` runs row b's
-    ``lens_B[b]`` tokens at absolute positions ``start_B[b] + t``, writes their K/V into the cache
-    and returns the logits of each row's last valid token (``all_logits=True``: every position).
-    ``start_B=None`` continues every row at ``cache.lengths`` (pass None rather than
-    ``cache.lengths`` itself, which the donated cache owns). Rows with ``lens_B[b] == 0`` are
-    untouched. Padding tokens (t >= lens_B[b]) write nothing.
-    Long prompts are fed as consecutive chunks; a cached prefix is continued by starting at its
-    length.
-  * ``decode_step(params, tokens_B, cache, cfg=..., attend_len=...)`` appends one token to every
-    active row, each at its own position ``cache.lengths[b]`` (ragged batch).
-  * ``params`` in either layout of ``models.weights``: a list of layers (a Python loop: every
-    layer its own code, the fastest steps) or stacked (``stack_layers``: one ``lax.scan`` over
-    the layers, so a program's compile time does not grow with depth; the layer index reaching
-    the KV store is then traced).
-  * ``attend_len`` (static) is how many cache positions attention reads: a padded bucket covering
-    every row's new length, so short contexts do not pay for ``max_len``. Jit these functions with
-    ``cfg``, ``attend_len`` and ``all_logits`` static and the cache donated (see ``jit_prefill``).
-  * ``cache`` is any ``models.kv_cache.KVStore``: the contiguous ``KVCache`` or the paged
-    ``models.paged_kv.PagedKV``; the same store type comes back. Queries are rotated by
-    ``cache.rope_positions`` (absolute positions, or a sink + window pool's in-cache ones); keys
-    by their absolute position before the write.
+  * ``prefill(params, tokens_BT, cache, start_B, lens_B, cfg=, attend_len=, all_logits=,
+    backend=)``: row b's ``lens_B[b]`` tokens at positions ``start_B[b] + t`` (``start_B=None``:
+    at ``cache.lengths``), K/V written into the cache; logits of each row's last valid token
+    (``all_logits``: every position). Rows with ``lens_B[b] == 0`` and padding write nothing.
+  * ``decode_step(params, tokens_B, cache, cfg=, attend_len=, active_B=, backend=)``: one token
+    per active row at ``cache.lengths[b]`` (ragged batch).
+  * ``params``: a list of layers (a Python loop) or stacked (``models.weights.stack_layers``: one
+    ``lax.scan``, the layer index traced). ``cache``: any ``models.kv_cache.KVStore``; the same
+    type comes back. Queries are rotated by ``cache.rope_positions``, keys by absolute position.
+  * Static: ``cfg``, ``attend_len`` (the attended positions: a bucket covering every row),
+    ``all_logits`` and ``backend`` (a ``models.cpu.backend.CpuBackend``: how XLA:CPU computes
+    the matmuls; default XLA only). ``jit_prefill`` / ``jit_decode_step`` donate the cache.
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ import jax.numpy as jnp
 
 from models import kv_cache, quant
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.kv_cache import KVStore
 from models.layers import Rotation, mlp, rms_norm, rotate, rotation
 from models.weights import Params, is_stacked
@@ -48,37 +40,39 @@ def embed(params: Params, tokens: jax.Array, cfg: ModelConfig, dtype) -> jax.Arr
   return x
 
 
-def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig, backend: CpuBackend
+             ) -> jax.Array:
   x = rms_norm(x_BTD, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
   if cfg.tie_embeddings:
-    logits = quant.einsum("btd,vd->btv", x, params["embed"])
+    logits = quant.einsum("btd,vd->btv", x, params["embed"], backend)
   else:
-    logits = quant.einsum("btd,dv->btv", x, params["unembed"])
+    logits = quant.einsum("btd,dv->btv", x, params["unembed"], backend)
   return logits.astype(jnp.float32)
 
 
 def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q: Rotation,
-           cfg: ModelConfig, attend_len: int) -> tuple[jax.Array, Store]:
+           cfg: ModelConfig, attend_len: int, backend: CpuBackend) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
   q_BTNH, k_BTKH, v_BTKH = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"),
-                                         h_BTD, (layer["q"], layer["k"], layer["v"]))
+                                         h_BTD, (layer["q"], layer["k"], layer["v"]), backend)
   q_BTNH = rotate(q_BTNH, rot_q)
   k_BTKH = rotate(k_BTKH, rot)
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
-  attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"])
+  attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"], backend)
   if cfg.parallel_block:
-    x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg)
+    x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg, backend)
   else:
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + mlp(rms_norm(x_BTD, layer["mlp_norm"], cfg.norm_eps, cfg.norm_plus_one),
-                        layer, cfg)
+                        layer, cfg, backend)
   return x_BTD, cache
 
 
 def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Array | None,
             lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
-            all_logits: bool = False) -> tuple[jax.Array, Store]:
+            all_logits: bool = False, backend: CpuBackend = CpuBackend()
+            ) -> tuple[jax.Array, Store]:
   """Returns (logits [B, V] of each row's last valid token, or [B, T, V]; updated cache)."""
   b, t = tokens_BT.shape
   attend_len = attend_len or cache.max_len
@@ -93,44 +87,46 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
     def body(carry, xs):
       x, store = carry
       layer, l = xs
-      return _block(x, layer, l, store, c.pos_BT, c.wpos_BT, rot, rot_q, cfg, attend_len), None
+      return _block(x, layer, l, store, c.pos_BT, c.wpos_BT, rot, rot_q, cfg, attend_len,
+                    backend), None
 
     (x_BTD, cache), _ = jax.lax.scan(
         body, (x_BTD, cache), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
   else:
     for l, layer in enumerate(params["layers"]):
       x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, rot_q, cfg,
-                            attend_len)
+                            attend_len, backend)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
-  logits = _unembed(params, x_BTD, cfg)
+  logits = _unembed(params, x_BTD, cfg, backend)
   cache = cache.replace(lengths=c.lengths_B)
   return (logits if all_logits else logits[:, 0]), cache
 
 
 def decode_step(params: Params, tokens_B: jax.Array, cache: Store, *, cfg: ModelConfig,
-                attend_len: int | None = None, active_B: jax.Array | None = None
-                ) -> tuple[jax.Array, Store]:
+                attend_len: int | None = None, active_B: jax.Array | None = None,
+                backend: CpuBackend = CpuBackend()) -> tuple[jax.Array, Store]:
   """One token per active row at position ``cache.lengths[b]``; returns (logits [B, V], cache)."""
   ones = jnp.ones_like(cache.lengths) if active_B is None else active_B.astype(jnp.int32)
   return prefill(params, tokens_B[:, None], cache, None, ones, cfg=cfg,
-                 attend_len=attend_len)
+                 attend_len=attend_len, backend=backend)
 
 
-jit_prefill = jax.jit(prefill, static_argnames=("cfg", "attend_len", "all_logits"),
+jit_prefill = jax.jit(prefill, static_argnames=("cfg", "attend_len", "all_logits", "backend"),
                       donate_argnames=("cache",))
-jit_decode_step = jax.jit(decode_step, static_argnames=("cfg", "attend_len"),
+jit_decode_step = jax.jit(decode_step, static_argnames=("cfg", "attend_len", "backend"),
                           donate_argnames=("cache",))
 
 
-def forward(params: Params, tokens_BT: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+def forward(params: Params, tokens_BT: jax.Array, *, cfg: ModelConfig,
+            backend: CpuBackend = CpuBackend()) -> jax.Array:
   """Full causal forward of unpadded sequences from position 0: logits [B, T, V] (reference)."""
   from models.kv_cache import init_cache
   b, t = tokens_BT.shape
   dtype = params["final_norm"].dtype
-  cache = init_cache(cfg, b, t, dtype)
+  cache = init_cache(cfg, b, t, dtype, backend)
   logits, _ = prefill(params, tokens_BT, cache, jnp.zeros((b,), jnp.int32),
-                      jnp.full((b,), t, jnp.int32), cfg=cfg, all_logits=True)
+                      jnp.full((b,), t, jnp.int32), cfg=cfg, all_logits=True, backend=backend)
   return logits
 
 

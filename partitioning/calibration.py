@@ -25,8 +25,8 @@ Contract:
     calibration=)``), ``launch.lab.sweep_frontier --calibration`` and ``launch.lab.plan --calibration``
     use a loaded calibration when one is given.
   * Installed calibrations: ``default_path(hardware)`` is where ``launch.lab.calibrate --install``
-    saves a hardware's calibration (``$PHASESERVE_CALIBRATION_DIR/<hardware>.json``, default
-    ``~/.cache/phaseserve/calibration``); ``resolve(spec, hardware)`` turns a ``--calibration``
+    saves a hardware's calibration (``<models.cpu.env.calibration_dir()>/<hardware>.json``);
+    ``resolve(spec, hardware)`` turns a ``--calibration``
     flag into ``(calibration or None, where)``: ``"auto"`` the installed one if it exists,
     ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.lab.plan``,
     ``sweep_frontier``, ``simulate``, the server's layout choice) default to ``"auto"``, so a
@@ -150,9 +150,8 @@ def load(path: str) -> Calibration:
 
 def default_path(hardware: str) -> str:
   """Where the installed calibration of ``hardware`` lives (see the module docstring)."""
-  root = os.environ.get("PHASESERVE_CALIBRATION_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve", "calibration")
-  return os.path.join(root, f"{hardware}.json")
+  from models.cpu import env
+  return os.path.join(env.calibration_dir(), f"{hardware}.json")
 
 
 def resolve(spec: str | None, hardware: str) -> tuple[Calibration | None, str]:

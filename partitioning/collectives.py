@@ -1,36 +1,19 @@
 """The transformer forward under a partitioning layout: ``shard_map`` with explicit collectives.
 
 Contract:
-  * ``make_sharded_step(cfg, mesh, ffn_layout, attn_layout, phase)`` returns a jitted step with the
-    call signature of ``models.transformer.jit_prefill`` (phase ``"prefill"``) or
-    ``jit_decode_step`` (``"decode"``), the same semantics (logits and KV cache) and the cache
-    donated. ``cfg=`` may still be passed and must equal the bound config. ``step.plan(batch)``
-    returns the ``layouts.LayoutPlan`` (effective axes and recorded fallbacks) it runs.
-  * Inputs may live anywhere (jit moves them), but to avoid per-call transfers place the params
-    with ``shard_params(params, cfg, mesh, layout)`` (the resident copy: ``ws_2d`` and every
-    ``wg_*`` share it) and the cache with ``shard_cache`` / ``init_sharded_cache`` for the
-    (ffn, attn) pair that will run on it.
-  * ``sharded_forward(params, tokens, store, chunk, plan=..., store_spec=...)`` is the one
-    ``shard_map`` forward both KV memories run through: the block writes and reads KV only via
-    the ``models.kv_cache.KVStore`` interface of the chip's local store (the contiguous
-    ``KVCache`` here, ``partitioning.paged_step``'s paged pool), exactly as
-    ``models.transformer`` does.
-  * The model math is ``models``' own: ``layers.rms_norm/rope/mlp``, ``attention.attend``,
-    ``quant.einsum`` (float or int8 ``QuantArray``) and ``transformer.embed``. What is added is
-    communication, plus the few lines the 2D layout must split around it: the RMSNorm mean square
-    summed over the embed shards and the GLU between the FFN's reduce-scatter and all-gather.
-
-Per layer (paper Sec. 3.2-3.3; ``{a}`` = partial sums over mesh axes a; names as in LayoutPlan):
-  x [B.rb, T, E.re] --reshard--> [B.rb, T, E.we] -> norm -> Q [B.rb, T, N.wh, H]{we}
-  --RS(we) onto heads--> [B.rb, T, N.wh+we, H] --A2A(move)--> [B.ab, T, N, H] attends the cache
-  [L, B.ab, K, S, H] --A2A(move)--> --AG(we)--> [B.rb, T, N.wh, H] -> o -> [B.rb, T, E.we]{wh}
-  --RS(wh)--> [B.rb, T, E.re]; FFN: -> [B.rb, T, F.wf]{we} --RS(we)--> GLU --AG(we)--> down
-  -> [B.rb, T, E.we]{wf} --RS(wf)--> [B.rb, T, E.re]. Weight-gathered layouts first all-gather
-  each layer's weights from the stored E_x F_yz to the gathered spec.
-
-int8 with ``act_quant=True`` quantizes activations per token over the *local* contracted slice,
-so sharded contractions over E or F round differently from the unsharded model (weight-only
-int8, ``act_quant=False``, is exact up to summation order).
+  * ``make_sharded_step(cfg, mesh, ffn_layout, attn_layout, phase)``: a jitted step with the
+    signature and semantics of ``models.transformer.jit_prefill`` / ``jit_decode_step`` (cache
+    donated); ``step.plan(batch)`` is the ``layouts.LayoutPlan`` it runs. Place params with
+    ``shard_params`` and the cache with ``shard_cache`` / ``init_sharded_cache``.
+  * ``sharded_forward(params, tokens, store, chunk, plan=, store_spec=, backend=)``: the one
+    ``shard_map`` forward both KV memories run through, reading and writing KV only through the
+    chip's local ``models.kv_cache.KVStore``; ``backend`` (static) is how XLA:CPU computes
+    the matmuls.
+  * The math is ``models``' own (norms, rope, mlp, attend, ``quant.einsum``); what is added is
+    communication (paper Sec. 3.2-3.3: reduce-scatter, all-to-all, all-gather per layer as
+    ``LayoutPlan`` names them) and the RMSNorm / GLU split around it.
+  * W8A8 int8 quantizes activations over the local contracted slice, so sharded contractions
+    round differently from the unsharded model (weight-only int8 is exact up to order).
 """
 
 from __future__ import annotations
@@ -45,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from models import quant
 from models.attention import attend
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models import kv_cache
 from models.kv_cache import KVCache, KVStore, init_cache
 from models.layers import Rotation, glu, mlp, rms_norm, rotate, rotation
@@ -114,11 +98,11 @@ def _embed(table, tokens_BT, plan: LayoutPlan, cfg: ModelConfig, dtype) -> jax.A
 
 def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation,
                plan: LayoutPlan,
-               cfg: ModelConfig, attend_len: int):
+               cfg: ModelConfig, attend_len: int, backend: CpuBackend):
   # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
   # q [B.rb, T, N.wh, H]{we}; k, v [B.rb, T, K, H]{we}
   q, k, v = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), h,
-                          (layer["q"], layer["k"], layer["v"]))
+                          (layer["q"], layer["k"], layer["v"]), backend)
   q = comm.reduce(q, 2, plan.we, plan.wh, plan.wh + plan.q_scatter)  # [B.rb, T, N.wh+qs, H]
   ids = comm.slice_chunk(ids, 0, plan.q_scatter)
   k, v = comm.psum(k, plan.we), comm.psum(v, plan.we)  # [B.rb, T, K, H], same on head shards
@@ -142,58 +126,59 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotatio
     out = store.attend(l, q, pos_a, attend_len)  # [B.ab, T, N.(qh - move), H]
   out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
   out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
-  y = quant.einsum("btnh,nhd->btd", out, layer["o"])  # [B.rb, T, E.we]{wh}
+  y = quant.einsum("btnh,nhd->btd", out, layer["o"], backend)  # [B.rb, T, E.we]{wh}
   return y, store
 
 
-def _mlp(h, layer, plan: LayoutPlan, cfg: ModelConfig) -> jax.Array:
+def _mlp(h, layer, plan: LayoutPlan, cfg: ModelConfig, backend: CpuBackend) -> jax.Array:
   """[B.rb, T, E.we] -> [B.rb, T, E.we]{wf}."""
   if not plan.we:  # E is whole on every chip: models.layers.mlp on the F shard as is.
-    return mlp(h, layer, cfg)
+    return mlp(h, layer, cfg, backend)
   # [B.rb, T, F.wf]{we} each
-  gate, up = quant.einsums(("btd,df->btf",) * 2, h, (layer["gate"], layer["up"]))
+  gate, up = quant.einsums(("btd,df->btf",) * 2, h, (layer["gate"], layer["up"]), backend)
   fs = plan.wf + plan.f_scatter
   gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
   up = comm.reduce(up, 2, plan.we, plan.wf, fs)
   hid = comm.reshard(glu(gate, up, cfg.activation, h.dtype), 2, fs, plan.wf)  # --AG(we)--> [B.rb, T, F.wf]
-  return quant.einsum("btf,fd->btd", hid, layer["down"])  # [B.rb, T, E.we]{wf}
+  return quant.einsum("btf,fd->btd", hid, layer["down"], backend)  # [B.rb, T, E.we]{wf}
 
 
 def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: LayoutPlan,
-           cfg: ModelConfig, attend_len: int):
+           cfg: ModelConfig, attend_len: int, backend: CpuBackend):
   # x: [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
   attn, store = _attention(h, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg,
-                           attend_len)
+                           attend_len, backend)
   if cfg.parallel_block:
-    ffn = _mlp(h, layer, plan, cfg)
+    ffn = _mlp(h, layer, plan, cfg, backend)
     if plan.wh == plan.wf:  # one reduce-scatter for both (PaLM's fused collective)
       return x + comm.reduce(attn + ffn, 2, plan.wh, plan.we, plan.re), store
     x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)
     return x + comm.reduce(ffn, 2, plan.wf, plan.we, plan.re), store
   x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)  # [B.rb, T, E.re]
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["mlp_norm"], cfg, plan.we)
-  x = x + comm.reduce(_mlp(h, layer, plan, cfg), 2, plan.wf, plan.we, plan.re)
+  x = x + comm.reduce(_mlp(h, layer, plan, cfg, backend), 2, plan.wf, plan.we, plan.re)
   return x, store
 
 
-def _unembed(x, top, last_B, plan: LayoutPlan, cfg: ModelConfig, all_logits: bool) -> jax.Array:
+def _unembed(x, top, last_B, plan: LayoutPlan, cfg: ModelConfig, all_logits: bool,
+             backend: CpuBackend) -> jax.Array:
   # x: [B.rb, T, E.re] -> logits [B.ub, T, V.wv] (or [B.ub, V.wv]).
   if not all_logits:
     last = comm.slice_chunk(last_B, 0, plan.rb)
     x = jnp.take_along_axis(x, last[:, None, None], axis=1)
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), top["final_norm"], cfg, plan.we)
   if cfg.tie_embeddings:
-    logits = quant.einsum("btd,vd->btv", h, top["embed"])  # [B.rb, T, V.wv]{we}
+    logits = quant.einsum("btd,vd->btv", h, top["embed"], backend)  # [B.rb, T, V.wv]{we}
   else:
-    logits = quant.einsum("btd,dv->btv", h, top["unembed"])
+    logits = quant.einsum("btd,dv->btv", h, top["unembed"], backend)
   logits = comm.reduce(logits, 0, plan.we, plan.rb, plan.ub).astype(jnp.float32)
   return logits if all_logits else logits[:, 0]
 
 
 def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, store: KVStore, *,
                 plan: LayoutPlan, cfg: ModelConfig, stored, gathered, attend_len: int,
-                all_logits: bool):
+                all_logits: bool, backend: CpuBackend):
   top_keys = [k for k in params if k != "layers"]
   top = _gather({k: params[k] for k in top_keys}, {k: stored[k] for k in top_keys},
                 {k: gathered[k] for k in top_keys})
@@ -203,8 +188,9 @@ def _local_step(params, ids, tokens_BT, pos_BT, wpos_BT, last_B, store: KVStore,
   rot_q = rotation(comm.slice_chunk(pos_BT, 0, plan.rb), cfg.head_dim, cfg.rope_theta)
   for l, layer in enumerate(params["layers"]):
     layer = _gather(layer, stored["layers"][l], gathered["layers"][l])
-    x, store = _block(x, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg, attend_len)
-  return _unembed(x, top, last_B, plan, cfg, all_logits), store
+    x, store = _block(x, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg, attend_len,
+                      backend)
+  return _unembed(x, top, last_B, plan, cfg, all_logits, backend), store
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,14 +204,15 @@ def sharded_forward(params: Params, tokens_BT: jax.Array, store: S, c: kv_cache.
                     *, cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, plan: LayoutPlan,
                     attend_len: int, all_logits: bool, store_spec: S,
                     localize: Callable[[S], KVStore] | None = None,
-                    merge: Callable[[S, KVStore], S] | None = None) -> tuple[jax.Array, S]:
+                    merge: Callable[[S, KVStore], S] | None = None,
+                    backend: CpuBackend = CpuBackend()) -> tuple[jax.Array, S]:
   """The model under ``plan`` over a KV store, in one ``shard_map``.
 
   ``store`` is any pytree holding the KV memory, split over the mesh by ``store_spec`` (a
   pytree of ``PartitionSpec`` with the store's structure) so that each chip's block holds the
   KV of its attention-batch rows ``[B.ab]``. Inside, ``localize(block)`` gives the chip's
   ``KVStore`` view (default: the block itself) and ``merge(block, local)`` the block to return
-  (default: ``local``). Returns the logits ``[B.ub, (T,) V.wv]`` and the written store; its
+  (default: ``local``). ``backend`` (static): how XLA:CPU computes the matmuls. Returns the logits ``[B.ub, (T,) V.wv]`` and the written store; its
   ``lengths`` are NOT advanced (the caller sets ``c.lengths_B``).
   """
   quantized = is_quantized(params)
@@ -236,7 +223,7 @@ def sharded_forward(params: Params, tokens_BT: jax.Array, store: S, c: kv_cache.
   logits_spec = P(ub, None, wv) if all_logits else P(ub, wv)
   local_step = functools.partial(_local_step, plan=plan, cfg=cfg, stored=stored,
                                  gathered=gathered, attend_len=attend_len,
-                                 all_logits=all_logits)
+                                 all_logits=all_logits, backend=backend)
 
   def body(p, ids, toks, pos, wpos, last, block):
     local = localize(block) if localize else block

@@ -1,24 +1,18 @@
 """Where the phases run: one device, one mesh with a layout per phase, or two sub-meshes.
 
-Contract: ``Deployment`` names the mode and (optionally) each phase's layout as ``"ffn:attn"``;
-``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized)`` returns
-``Steps(step, decode, description)`` for ``serving.engine.Engine(step, ...,
-decode=decode)`` (``kv_shards``: the host allocator's sub-pools, from the steps' own):
-  * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: its params
-    stacked, one ``lax.scan`` over the layers per program).
-  * ``interleaved``: one mesh over ``devices`` (default all); prefill and decode each in its own
-    layout (``partitioning.paged_step.phase_steps``: one resident params copy when the layouts
-    share a stored weight layout, else decode kept in the prefill layout's family). When the two
-    layouts shard the KV pool alike, the engine keeps one pool; otherwise decode gets its own pool
-    and the inserted pages are re-laid into it (``transfer_pages``).
-  * ``disaggregated`` (Splitwise): the first ``prefill_devices`` devices (default half) run
-    prefill, the rest decode, each with its own params copy and pool; KV pages move at insert.
-A layout left unset is chosen by ``partitioning.planner`` for the live mesh and the phase's
-shape (prefill: one ``max_chunk`` chunk; decode: ``max_slots`` rows at ``max_context``), on the
-``hardware`` preset (``local`` measures this machine once), calibrated by ``calibration``
-(default ``auto``: the one installed for that hardware, if any), and the reason is reported. Under
-several processes the choice is process 0's (``partitioning.distributed.agree``), so every process
-builds the same programs; ``check_multiprocess`` says which deployments run over processes.
+Contract: ``Deployment`` names the mode and (optionally) each phase's layout ``"ffn:attn"``;
+``make_steps(cfg, deployment, *, max_slots, max_chunk, max_context, quantized, devices=,
+backend=)`` returns ``Steps(step, decode, kv_shards, describe)`` for ``serving.engine.Engine``,
+every step on ``backend`` (a static ``models.cpu.backend.CpuBackend``, resolved by the caller):
+  * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: stacked).
+  * ``interleaved``: one mesh over ``devices``, each phase in its own layout
+    (``partitioning.paged_step.phase_steps``); one KV pool when both shard it alike, else decode
+    gets its own and inserted pages move (``transfer_pages``).
+  * ``disaggregated`` (Splitwise): ``prefill_devices`` (default half) prefill, the rest decode,
+    each with its own params copy and pool.
+An unset layout is chosen by ``partitioning.planner`` (on ``hardware``, calibrated by
+``calibration``) and the reason reported; under several processes process 0's choice is used
+everywhere. ``check_multiprocess`` says which deployments run over processes.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from typing import Literal, Sequence
 import jax
 
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.step import PhaseDecode, Step, UnshardedStep
 
 
@@ -121,9 +116,10 @@ def check_multiprocess(deployment: Deployment, host_tier_bytes: int = 0) -> None
 
 def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_chunk: int,
                max_context: int, quantized: bool,
-               devices: Sequence[jax.Device] | None = None) -> Steps:
+               devices: Sequence[jax.Device] | None = None,
+               backend: CpuBackend = CpuBackend()) -> Steps:
   if deployment.mode == "single":
-    step = UnshardedStep(cfg, deployment.scan_layers)
+    step = UnshardedStep(cfg, deployment.scan_layers, backend)
     return Steps(step, None, {"mode": "single", "step": step.describe()})
   from partitioning import paged_step as PS
   from partitioning.mesh import make_mesh, make_submeshes, mesh_shape
@@ -154,7 +150,8 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   (pre, pre_why), (dec, dec_why) = agree("deployment_layouts", choose)
   pre, dec = tuple(pre), tuple(dec)
   steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
-                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None)
+                         decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None,
+                         backend=backend)
   one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
   decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
   desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,

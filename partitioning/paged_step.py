@@ -1,52 +1,20 @@
 """The partitioned step over paged KV memory: ``models.step.Step`` for a (mesh, FFN layout,
-attention layout), and the helpers for two phases in two layouts (one mesh or two sub-meshes).
+attention layout), and the pair of steps for two phases (one mesh or two sub-meshes).
 
 Contract:
-  * ``PagedShardedStep(cfg, mesh, ffn, attn)`` runs ``partitioning.collectives``' forward (one
-    ``shard_map``, the same math as ``make_sharded_step``) over a ``models.paged_kv.PagedKV``.
-    ``prefill`` / ``decode`` are traceable (the engine calls them inside its jitted programs,
-    ``attend_len`` static) and follow ``models.step.Step``.
-  * **Pool sharding.** ``kv_axes`` are the layout's attention batch axes (``LayoutPlan.ab`` of
-    ``layouts.make_plan`` at a batch every axis divides); ``kv_shards`` is their size. The
-    page axis of ``k_pages`` / ``v_pages`` ``[L, P, K, Z, H]`` is sharded over them:
-    ``[L, P.ab, K, Z, H]``, shard ``s`` (the linear index over ``kv_axes``, major first) owns the
-    global page ids ``[s * P_s, (s + 1) * P_s)``, ``P_s = P / kv_shards``, exactly the
-    sub-pools of ``serving.kv_pages.PagePool(PageBudget(num_shards=kv_shards))``. K and V are
-    never replicated over the kv shards; over the remaining mesh axes (the chips that shard
-    query heads, e.g. all of them under ``ws_2d + heads``, where ``kv_axes`` is empty) every
-    chip holds the same pages, as the contiguous cache is under ``heads``. ``page_table`` and
-    ``lengths`` (per engine slot, small) are replicated.
-  * **Rows.** The ``R`` rows of a call (``tokens`` and the store's ``page_table`` / ``lengths``
-    rows) are sharded the same way: row ``r`` runs on kv shard ``r // (R / kv_shards)`` and its
-    pages must be in that shard's range (so a sequence's row, its queries and its pages are on
-    the same chips, and the paged attention needs no KV traffic). ``R`` must be a multiple of
-    ``kv_shards`` (``ValueError`` otherwise). Inside the ``shard_map`` each shard maps its rows'
-    global ids to local ids (``id - s * P_s``; outside ``[0, P_s)`` -> the local null page
-    ``P_s``): a page of another shard is never written and reads as zeros, so a misplaced row
-    computes garbage for itself only (``misplaced`` counts such table entries, for checks).
-    The engine arranges rows by shard (``kv_shards`` is the ``models.step.Step`` protocol's).
-  * ``place_params`` = ``collectives.shard_params`` (the FFN layout's resident copy: ``ws_2d``
-    and every ``wg_*`` share it, ``ws_1d`` has its own); ``param_sharding(path, sds)`` is that
-    copy's sharding per param path, for loaders to make params straight into it; ``init_kv``
-    creates the pool directly in ``kv_sharding()``; ``describe()`` is JSON-able: layouts, mesh shape, plan, reasons and
-    fallbacks, the KV sharding.
-  * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=)`` builds the (prefill, decode)
-    pair from layout names or ``partitioning.planner`` candidates. One resident params copy
-    serves both when their stored layouts are equal; otherwise ``on_mismatch="family"`` runs
-    decode in the prefill layout's FFN layout (keeping decode's attention layout) and
-    ``"two_copies"`` places two copies and reports their bytes. ``PhaseSteps.describe()`` says
-    which. When the two pools' shardings differ, ``relayout`` re-lays the WHOLE pool into the
-    decode sharding (one ``device_put``; replicated -> sharded is a local slice, sharded ->
-    sharded over other axes an all-to-all of the pool) and ``transfer_pages`` copies only the
-    given pages. Page ids keep their meaning across the two pools: the host allocator's
-    sub-pools (``PhaseSteps.kv_shards()``, the lcm of the two shard counts) each lie inside one
-    shard of each pool.
-  * ``transfer_pages(src_kv, dst_kv, src_ids, dst_ids)`` copies pages ``src_ids[c]`` of a pool
-    (on any mesh) to ``dst_ids[c]`` of another (on its own mesh, e.g. a disaggregated decode
-    sub-mesh) and returns the new destination pool (donated, still in its sharding). Ids
-    outside ``[0, P_dst)`` are padding. Cost: the ``C`` pages are gathered on the source mesh
-    and sent whole to every destination chip (``C * page_bytes`` per chip), which keeps its own
-    pages.
+  * ``PagedShardedStep(cfg, mesh, ffn, attn, backend)``: ``partitioning.collectives``' forward
+    (one ``shard_map``) over a ``models.paged_kv.PagedKV``; ``backend`` (static, a
+    ``models.cpu.backend.CpuBackend``) is part of every jit key and of the pools it makes.
+  * Pool sharding: the page axis is sharded over ``kv_axes`` (the layout's attention batch
+    axes; ``kv_shards`` their size): shard ``s`` owns page ids ``[s * P_s, (s + 1) * P_s)``,
+    the sub-pools of ``serving.kv_pages``. Row ``r`` of a call runs on shard
+    ``r // (R / kv_shards)`` and its pages must be there (``misplaced`` counts the others).
+  * ``place_params`` / ``param_sharding``: the FFN layout's resident copy; ``init_kv``: the pool
+    in ``kv_sharding()``; ``describe()``: JSON-able plan, reasons and KV sharding.
+  * ``phase_steps(cfg, mesh, prefill=, decode=, on_mismatch=, backend=)``: the (prefill,
+    decode) pair, one params copy when their stored layouts agree (else decode in the prefill
+    family, or two copies); ``relayout`` re-lays a whole pool, ``transfer_pages`` copies given
+    pages between pools (ids outside ``[0, P_dst)`` are padding).
 """
 
 from __future__ import annotations
@@ -63,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.paged_kv import PagedKV, Pages, init_paged, is_int8, pages_dtype
 from models.quant import QuantArray
 from models.weights import Params, abstract_params
@@ -82,11 +51,12 @@ class PagedShardedStep:
   mesh: Mesh
   ffn: FfnLayout
   attn: AttnLayout
+  backend: CpuBackend = CpuBackend()  # static: part of the jit key (models.cpu.backend)
 
   @classmethod
   def make(cls, cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout,
-           attn: str | AttnLayout) -> "PagedShardedStep":
-    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn))
+           attn: str | AttnLayout, backend: CpuBackend = CpuBackend()) -> "PagedShardedStep":
+    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), backend)
 
   # -- the pool's sharding ------------------------------------------------------------------
 
@@ -106,7 +76,8 @@ class PagedShardedStep:
     """``PagedKV`` of ``PartitionSpec`` (``dtype`` int8: the pages are ``QuantArray`` specs,
     values and scales sharded alike)."""
     pages = _pages_spec(P(None, spec_entry(self.kv_axes)), dtype)  # [L, P.ab, K, Z, H]
-    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P())  # type: ignore[arg-type]
+    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P(),  # type: ignore[arg-type]
+                   backend=self.backend)
 
   def kv_sharding(self, dtype=None) -> PagedKV:
     """``PagedKV`` of ``NamedSharding``: pages ``[L, P.ab, K, Z, H]`` (int8: and their scales
@@ -142,7 +113,7 @@ class PagedShardedStep:
       raise ValueError("attention sinks (a sink pool) run on the unsharded step only")
     self._check_pages(num_pages)
     make = functools.partial(init_paged, self.cfg, batch, num_pages, page_size, pages_per_seq,
-                             dtype)
+                             dtype, backend=self.backend)
     return jax.jit(make, out_shardings=self.kv_sharding(dtype))()
 
   def describe(self) -> dict[str, object]:
@@ -184,7 +155,7 @@ class PagedShardedStep:
     ab = spec_entry(self.kv_axes)
     pages = _pages_spec(P(None, ab), pages_dtype(kv.k_pages))  # [L, P.ab, K, Z, H]
     spec = PagedKV(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
-                   lengths=P())  # type: ignore[arg-type]  # lengths unread inside (positions are)
+                   lengths=P(), backend=kv.backend)  # type: ignore[arg-type]  # lengths unread inside
     axes = self.kv_axes
 
     def localize(block: PagedKV) -> PagedKV:
@@ -199,7 +170,7 @@ class PagedShardedStep:
     logits, out = sharded_forward(params, tokens_BT, kv, c, cfg=self.cfg, mesh=self.mesh,
                                   ffn=self.ffn, plan=plan, attend_len=attend_len,
                                   all_logits=False, store_spec=spec, localize=localize,
-                                  merge=merge)
+                                  merge=merge, backend=self.backend)
     return logits, kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=c.lengths_B)
 
 
@@ -292,26 +263,27 @@ class PhaseSteps:
 
 
 def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: LayoutChoice, *,
-                decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family") -> PhaseSteps:
+                decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family",
+                backend: CpuBackend = CpuBackend()) -> PhaseSteps:
   """The (prefill, decode) pair on ``mesh`` (or decode on its own ``decode_mesh``:
   disaggregated, always its own params copy and pool)."""
   p_ffn, p_attn, p_note = _names(prefill)
   d_ffn, d_attn, d_note = _names(decode)
   notes = [n for n in (p_note, d_note) if n]
-  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn)
+  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn, backend)
   if decode_mesh is not None:
-    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn)
+    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn, backend)
     notes.append("disaggregated: decode on its own sub-mesh with its own params copy and pool; "
                  "KV moves by transfer_pages")
     return PhaseSteps(pre, dec, shared_params=False, relayout=True, notes=tuple(notes))
-  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn)
+  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn, backend)
   shared = pre.ffn.stored == dec.ffn.stored
   if not shared:
     if on_mismatch == "family":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: decode "
                    f"kept in the prefill layout's family ({pre.ffn.name}+{dec.attn.name}), one "
                    "params copy")
-      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn)
+      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn, backend)
       shared = True
     elif on_mismatch == "two_copies":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: two "

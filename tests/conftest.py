@@ -7,9 +7,10 @@ os.environ["XLA_FLAGS"] = (
 # CPU unless asked to test the accelerator (launch/device_check.sh sets PHASESERVE_TEST_ACCELERATOR=1).
 if os.environ.get("PHASESERVE_TEST_ACCELERATOR") != "1":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# A fixed CPU lowering policy (models.cpu.lowering.DEFAULT) for every test and the CLIs they start:
-# deterministic, and no start-up measurement on a loaded CI machine; tests/models/cpu/test_cpu_lowering.py
-# exercises the measurement itself.
+# The CLIs the tests start resolve their CPU backend with the fixed lowering policy
+# (models.cpu.lowering.DEFAULT): deterministic, and no start-up measurement on a loaded CI machine;
+# tests/models/cpu/test_cpu_lowering.py exercises the measurement itself. Library calls in tests
+# take a backend value (tests/cpu_policies.py), never this switch.
 os.environ.setdefault("PHASESERVE_CPU_AUTOTUNE", "0")
 
 

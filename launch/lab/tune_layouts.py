@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from launch import cli
 from models.config import ModelConfig
-from models.cpu import json_cache
+from models.cpu import env, json_cache
 from models.weights import Params, init_params, quantize
 from partitioning import collectives, distributed, layouts
 from partitioning.mesh import mesh_shape
@@ -92,8 +92,7 @@ class AutotuneResult:
 
 
 def default_cache_dir() -> str:
-  return os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve")
+  return env.cache_dir()
 
 
 def cache_key(cfg: ModelConfig, mesh: Mesh, phase: str, batch: int, seq: int, quantized: bool,

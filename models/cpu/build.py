@@ -1,26 +1,29 @@
-"""Compiling and caching the native XLA:CPU kernels (``models.cpu.kernels``,
+"""Compiling, caching and loading the native XLA:CPU kernels (``models.cpu.kernels``,
 ``models.cpu.paged_attention``).
 
 Contract:
-  * ``cpu_flags() -> frozenset[str]``: the ``flags`` line of ``/proc/cpuinfo`` (empty if
-    unreadable), read once per process.
-  * ``source(name) -> str``: the C++ source ``models/cpu/native/<name>.cc`` (package data), with
-    each ``#include "<file>.h"`` line replaced by ``models/cpu/native/<file>.h`` (shared helpers), so
-    the text hashed into a library's cache key is everything compiled.
-  * ``build(name, source, flags) -> path``: compiles C++ ``source`` (with ``c++`` / ``g++``,
-    ``-O3 -std=c++17 -shared -fPIC`` plus ``flags``, against ``jax.ffi.include_dir()``) into
-    ``<cache dir>/<name>_<key>.so`` and returns its path; ``key`` hashes the source, the jax
-    version, the include dir and the flags, so a changed kernel never loads a stale library. The
-    cache dir is ``$PHASESERVE_CACHE_DIR`` (default ``~/.cache/phaseserve``). Concurrent builders
-    race benignly (atomic rename). Raises ``RuntimeError`` when no compiler is found or the
-    compile fails (the message ends with the compiler's stderr).
+  * ``source(name) -> str``: ``models/cpu/native/<name>.cc`` (package data) with each
+    ``#include "<file>.h"`` inlined from ``models/cpu/native/``, so the hashed text is all that
+    is compiled.
+  * ``build(name, source, flags) -> path``: compiles ``source`` (``c++`` / ``g++``, ``-O3
+    -std=c++17 -shared -fPIC`` plus ``flags``, against ``jax.ffi.include_dir()``) into
+    ``<models.cpu.env.cache_dir()>/<name>_<key>.so``; ``key`` hashes the source, jax version,
+    include dir and flags. Concurrent builders race benignly (atomic rename). Raises
+    ``RuntimeError`` when no compiler is found or the compile fails.
+  * ``load(name, flags, need, targets, init=None) -> CDLL | None`` (the one loader, once per
+    process and name): when the default backend is CPU and the CPU lists every flag in
+    ``need``, builds ``name``, loads it, calls ``init`` (a C function returning 0 on success)
+    if given, and registers each ``(target, symbol)`` as an XLA:CPU FFI target. Any failure is
+    ``None``, logged once (``optional``: at INFO, else WARNING).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.resources
+import logging
 import os
 import re
 import shutil
@@ -29,18 +32,7 @@ import tempfile
 
 import jax
 
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return frozenset(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  return frozenset()
-
+from models.cpu import cpuinfo, env
 
 _INCLUDE = re.compile(r'^#include "(\w+\.h)"$', re.MULTILINE)
 
@@ -59,8 +51,7 @@ def build(name: str, source: str, flags: list[str]) -> str:
   flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w", *flags]
   key = hashlib.sha256("\n".join([source, jax.__version__, include, *flags]).encode()
                        ).hexdigest()[:16]
-  cache = os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve")
+  cache = env.cache_dir()
   os.makedirs(cache, exist_ok=True)
   lib = os.path.join(cache, f"{name}_{key}.so")
   if os.path.exists(lib):
@@ -78,4 +69,27 @@ def build(name: str, source: str, flags: list[str]) -> str:
   return lib
 
 
-__all__ = ["cpu_flags", "build"]
+@functools.cache
+def load(name: str, flags: tuple[str, ...], need: frozenset[str],
+         targets: tuple[tuple[str, str], ...], init: str | None = None,
+         optional: bool = False) -> ctypes.CDLL | None:
+  if jax.default_backend() != "cpu":
+    return None
+  try:
+    missing = need - cpuinfo.flags()
+    if missing:
+      raise RuntimeError(f"CPU lacks {sorted(missing)}")
+    lib = ctypes.cdll.LoadLibrary(build(name, source(name), list(flags)))
+    if init is not None and lib[init]() != 0:
+      raise RuntimeError(f"{init} failed (e.g. the OS refused the AMX tile state)")
+    for target, symbol in targets:
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib[symbol]),
+                                  platform="cpu")
+    return lib
+  except Exception as e:  # noqa: BLE001 - any failure means "use XLA's own ops"
+    logging.getLogger(__name__).log(logging.INFO if optional else logging.WARNING,
+                                    "native %s unavailable: %s", name, e)
+    return None
+
+
+__all__ = ["source", "build", "load"]

@@ -1,74 +1,24 @@
-"""Native XLA:CPU kernels for the few-row matmuls of decode: int8 x int8 -> int32 (alone or with
-the W8A8 activation quantization fused in), and f32 x (f32 | bf16) -> f32.
+"""Native XLA:CPU kernels for the few-row matmuls of decode (FFI targets ``phaseserve_*``).
 
 Contract:
-  * ``available()`` says whether the kernels can be used in this process: the default backend is
-    CPU, the CPU has AVX-512 BW + VBMI + VNNI, ``PHASESERVE_NATIVE_KERNELS`` is not ``0``, and the
-    C++ source ``models/cpu/native/matmul_kernels.cc`` compiled (``c++`` / ``g++``) against
-    ``jax.ffi.include_dir()`` and registered as the XLA FFI targets ``phaseserve_int8_matmul``,
-    ``phaseserve_w8a8_matmul``, ``phaseserve_w8a8_nk_matmul``, ``phaseserve_float_matmul``,
-    ``phaseserve_float_nk_matmul`` and the two ``*_group`` targets below. The shared library is
-    cached under ``$PHASESERVE_CACHE_DIR`` (default ``~/.cache/phaseserve``), keyed by the
-    source, jax version and compiler flags; any failure means ``False`` (callers fall back to
-    XLA's own dot) and is logged once.
-  * ``matmul_s8(x_MK, w_KN)`` returns ``x @ w`` as int32 ``[M, N]``: exact integer arithmetic,
-    bit-identical to ``lax.dot_general(..., preferred_element_type=jnp.int32)``.
-  * ``matmul_w8a8(x_MK, w_KN, w_scale_N)``: f32 ``[M, N]``, bit-identical to the W8A8 formula of
-    ``models.quant.einsum`` as XLA compiles it (per-row scale amax * (1 / 127), round-half-even,
-    clip to +-127, int32 dot, ``* row_scale * w_scale``), in one call.
-  * ``matmul_w8a8_nk(x_MK, w_NK, w_scale_N)``: the same for a weight laid out ``[N, K]`` (the
-    tied ``[V, D]`` embedding as the unembedding, contracted on its trailing axis), bit-identical
-    to XLA's int8 dot contracting ``w``'s axis 1.
-  * ``matmul_float(x_MK, w_KN)``: f32 ``x`` times an f32, bf16 or int8 (raw values) ``w``, f32
-    products and f32 accumulation (what XLA computes for ``preferred_element_type=f32``; bf16 x
-    bf16 products are exact in f32), up to summation order. ``matmul_float_nk``: the same for
-    ``[N, K]``.
-  * ``matmul_float_group(x_MK, ws_KN)`` / ``matmul_w8a8_group(x_MK, ws_KN, w_scales_N)``: the
-    list of ``matmul_float`` / ``matmul_w8a8`` products of one activation with several weights
-    (one dtype), in ONE call (targets ``phaseserve_float_matmul_group`` /
-    ``phaseserve_w8a8_matmul_group``, variadic operands): one task per thread streams its K
-    share of every weight in turn, so a group pays one fan-out and one join instead of one per
-    weight (W8A8: x is quantized once; bit-identical to separate calls).
-  * ``amx_available()`` / ``matmul_amx_group(x_MK, ws_KN)`` / ``matmul_amx_nk(x_MK, w_NK)``:
-    bf16 activations times bf16 or int8 (raw values) weights on Intel AMX tiles (separate library
-    ``models/cpu/native/amx_matmul.cc``, built with AMX flags, loaded only where the CPU lists
-    ``amx_tile`` / ``amx_bf16`` / ``avx512_fp16`` and the OS grants the tile state): f32 results,
-    bf16 products exact in f32, f32 accumulation, so XLA's bf16 dot up to summation order.
-  Callers: ``models.quant.einsum`` / ``einsums`` (for at most the ``models.cpu.lowering`` policy's
-  ``*_native_max_rows`` rows, or in its ``amx_*_rows`` ranges) and the measurements of
-  ``models.cpu.lowering``.
-
-Why: XLA:CPU reads decode-shaped (few-row) weights at a fraction of memory bandwidth except for
-f32 with exactly one row. Its int8 and bf16 dots (YNNPACK) repack the weight on every call (about
-3x slower than these kernels for int8 at batch 1 on the 2-core dev machine; see
-launch/lab/bench_model.py and the perf notes), and f32 with 2..16 rows is about half as fast as one
-row. These kernels stream the ``[K, N]`` row-major weight as stored (no repacking, no transposed
-copy; ``weights.py`` layouts unchanged) in blocks of 16 (int8) or 8 (float) rows, prefetching
-the next block into L2 (short rows starve the hardware prefetchers), over tiles of 32 columns x
-up to 8 activation rows held in registers. int8: per 4 rows x 16 columns one ``vpermb`` makes
-the dot-product groups and AVX-512 VNNI ``vpdpbusd`` accumulates ``(w + 128) . x`` (the
-``128 * sum(x)`` excess is subtracted at the end). Float: bf16 is widened to f32 in registers,
-then FMA. The K range is split over XLA's intra-op thread pool (each part streams a contiguous
-slab; partial sums are added at the end). ``[N, K]`` int8: per block of 16 contiguous weight
-rows, one accumulator per row (``vpdpbusd`` over 64-byte K steps) and a transpose-reduce of the
-16 accumulators into 16 sums; the N range is split over the pool. For many rows (prefill) XLA's
-dots are faster (the crossover is measured per machine by ``models.cpu.lowering``).
-AMX: with tens of rows the FMA kernels run out of compute (64 FLOPs per cycle per core) and
-XLA's bf16 dot re-packs each weight at ~8-10 GB/s; the AMX kernel streams the weight's rows in
-long runs, re-lays them into B tiles in L2 (int8 widened to bf16 through fp16 on the way) and
-multiplies at ~2 TFLOP/s per core (see amx_matmul.cc and BUILD_NOTES "AMX tiles for decode
-batches").
-Inside ``shard_map`` the kernels run on each shard's local block like any op; under automatic
-(GSPMD) partitioning a custom call is not partitioned, so sharded weights would be gathered: the
-``partitioning`` layouts use ``shard_map``.
+  * ``available()`` / ``amx_available()``: the library is loaded (``models.cpu.build.load``:
+    CPU backend, AVX-512 BW + VBMI + VNNI, resp. AMX tiles granted by the OS); builds on the
+    first call. Callers choose through ``models.cpu.backend.CpuBackend``, never at trace time.
+  * ``matmul_s8(x_MK, w_KN)``: exact int32 ``x @ w`` (bit-identical to XLA's int8 dot).
+  * ``matmul_w8a8`` / ``matmul_w8a8_nk``: f32 ``[M, N]``, bit-identical to the W8A8 formula of
+    ``models.quant.einsum`` for ``[K, N]`` / ``[N, K]`` weights, in one call.
+  * ``matmul_float`` / ``matmul_float_nk``: f32 ``x`` times f32, bf16 or int8 (raw values)
+    weights, f32 products and accumulation (XLA's result up to summation order).
+  * ``matmul_float_group`` / ``matmul_w8a8_group``: the list of products of one activation with
+    several weights of one dtype in ONE call (W8A8 bit-identical to separate calls).
+  * ``matmul_amx_group`` / ``matmul_amx_nk``: bf16 activations times bf16 or int8 weights on
+    AMX tiles, f32 results (XLA's bf16 dot up to summation order).
+Inside ``shard_map`` the kernels run on each shard's local block; under GSPMD a custom call is
+not partitioned, so the ``partitioning`` layouts use ``shard_map``.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import threading
 from typing import Sequence
 
 import jax
@@ -84,54 +34,21 @@ _W8A8_TARGET = "phaseserve_w8a8_matmul"
 _W8A8_NK_TARGET = "phaseserve_w8a8_nk_matmul"
 _FLOAT_GROUP_TARGET = "phaseserve_float_matmul_group"
 _W8A8_GROUP_TARGET = "phaseserve_w8a8_matmul_group"
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
-
 _FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512vnni", "-mavx512vbmi"]
 
 
 def available() -> bool:
-  """True when the kernels may be used (see the module contract); builds on first call."""
-  if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0":
-    return False
-  if jax.default_backend() != "cpu":
-    return False
-  with _lock:
-    if "ok" not in _state:
-      try:
-        need = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
-        missing = need - native_build.cpu_flags()
-        if missing:
-          raise RuntimeError(f"CPU lacks {sorted(missing)}")
-        lib = ctypes.cdll.LoadLibrary(native_build.build(
-            "matmul_kernels", native_build.source("matmul_kernels"), _FLAGS))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PhaseserveInt8Matmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_FLOAT_TARGET, jax.ffi.pycapsule(lib.PhaseserveFloatMatmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_FLOAT_NK_TARGET,
-                                    jax.ffi.pycapsule(lib.PhaseserveFloatNKMatmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_W8A8_TARGET, jax.ffi.pycapsule(lib.PhaseserveW8A8Matmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_W8A8_NK_TARGET,
-                                    jax.ffi.pycapsule(lib.PhaseserveW8A8NKMatmul),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_FLOAT_GROUP_TARGET,
-                                    jax.ffi.pycapsule(lib.PhaseserveFloatMatmulGroup),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_W8A8_GROUP_TARGET,
-                                    jax.ffi.pycapsule(lib.PhaseserveW8A8MatmulGroup),
-                                    platform="cpu")
-        _state["lib"] = lib
-        _state["ok"] = True
-      except Exception as e:  # noqa: BLE001 - any failure means "use XLA's dot"
-        logging.getLogger(__name__).warning("native CPU kernels unavailable: %s", e)
-        _state["ok"] = False
-    return bool(_state["ok"])
+  """True when the kernels are loaded in this process (see the module contract); builds and
+  registers them on the first call (start-up: ``models.cpu.backend.resolve``)."""
+  return native_build.load(
+      "matmul_kernels", tuple(_FLAGS),
+      frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
+      ((_TARGET, "PhaseserveInt8Matmul"), (_FLOAT_TARGET, "PhaseserveFloatMatmul"),
+       (_FLOAT_NK_TARGET, "PhaseserveFloatNKMatmul"), (_W8A8_TARGET, "PhaseserveW8A8Matmul"),
+       (_W8A8_NK_TARGET, "PhaseserveW8A8NKMatmul"),
+       (_FLOAT_GROUP_TARGET, "PhaseserveFloatMatmulGroup"),
+       (_W8A8_GROUP_TARGET, "PhaseserveW8A8MatmulGroup"))) is not None
 
 
 def matmul_s8(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
@@ -269,35 +186,14 @@ AMX_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
 
 def amx_available() -> bool:
-  """True when the AMX kernel may be used: ``available()``'s conditions (backend, env switch),
-  the CPU lists ``amx_tile`` and ``amx_bf16``, Linux granted this process the AMX tile state
-  (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), and ``models/cpu/native/amx_matmul.cc`` compiled and
-  registered as ``phaseserve_amx_matmul_group`` / ``phaseserve_amx_matmul_nk``. Builds on first call; any failure is False
-  (logged once)."""
-  if os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
-    return False
-  with _lock:
-    if "amx_ok" not in _state:
-      try:
-        missing = ({"amx_tile", "amx_bf16", "avx512bw", "avx512vl", "avx512_fp16"}
-                   - native_build.cpu_flags())
-        if missing:
-          raise RuntimeError(f"CPU lacks {sorted(missing)}")
-        lib = ctypes.cdll.LoadLibrary(native_build.build(
-            "amx_matmul", native_build.source("amx_matmul"), _AMX_FLAGS))
-        if lib.phaseserve_amx_init() != 0:
-          raise RuntimeError("the OS refused the AMX tile state (arch_prctl XCOMP_PERM)")
-        jax.ffi.register_ffi_target(_AMX_GROUP_TARGET,
-                                    jax.ffi.pycapsule(lib.PhaseserveAmxMatmulGroup),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(_AMX_NK_TARGET, jax.ffi.pycapsule(lib.PhaseserveAmxMatmulNK),
-                                    platform="cpu")
-        _state["amx_lib"] = lib
-        _state["amx_ok"] = True
-      except Exception as e:  # noqa: BLE001 - any failure means "not this kernel"
-        logging.getLogger(__name__).info("AMX kernel unavailable: %s", e)
-        _state["amx_ok"] = False
-    return bool(_state["amx_ok"])
+  """True when the AMX kernel is loaded: the CPU lists ``amx_tile`` / ``amx_bf16`` /
+  ``avx512_fp16``, Linux granted the AMX tile state (``phaseserve_amx_init``) and
+  ``models/cpu/native/amx_matmul.cc`` compiled and registered. Builds on the first call."""
+  return native_build.load(
+      "amx_matmul", tuple(_AMX_FLAGS),
+      frozenset({"amx_tile", "amx_bf16", "avx512bw", "avx512vl", "avx512_fp16"}),
+      ((_AMX_GROUP_TARGET, "PhaseserveAmxMatmulGroup"), (_AMX_NK_TARGET, "PhaseserveAmxMatmulNK")),
+      init="phaseserve_amx_init", optional=True) is not None
 
 
 def matmul_amx_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Array]:

@@ -1,78 +1,37 @@
-"""Per-machine choice of how ``models.quant.einsum`` lowers each matmul shape class on XLA:CPU.
+"""How ``models.quant.einsum`` lowers each matmul shape class on XLA:CPU: the policy, its
+lowerings, and the start-up measurement that chooses it per machine.
 
 Contract:
-  * ``policy() -> CpuPolicy`` is the process-wide choice, decided once (first call) and then
-    returned from memory; ``quant.einsum`` reads it at trace time, so it never runs per call and
-    never causes a retrace (jit caches are not keyed on it: fix it before the first trace).
-    Decided as follows, first match wins:
-      1. a policy fixed with ``set_policy(p)`` / ``use_policy(p)`` (tests, experiments);
-      2. the default backend is not CPU, or ``PHASESERVE_CPU_AUTOTUNE=0``: ``DEFAULT`` (the
-         constants hand-tuned on an AMD EPYC Zen 4 in Nov 2026), nothing measured;
-      3. the disk cache ``<cache dir>/cpu_lowering.json`` (``$PHASESERVE_CACHE_DIR``, default
-         ``~/.cache/phaseserve``) holds an entry for this machine's key: CPU model string
-         (``model name``, family, model, AVX-512/AMX flags), jax + jaxlib versions, the
-         ``models.cpu.kernels`` source hash, whether the native kernels are available, and
-         ``VERSION`` of this module's candidates;
-      4. ``autotune()``: measured now (about 5-15 s on a 2-core machine) and stored in the cache.
-    Any failure while measuring or reading the cache falls back to ``DEFAULT`` (logged once).
-    ``PHASESERVE_CPU_AUTOTUNE=1`` (the default) allows 3 and 4; ``refresh`` re-measures.
-  * ``report() -> dict`` (JSON-able): the chosen value of every field, where it came from
-    (``source``: default | fixed | cache | measured), the cache key and path, and the best
-    time (ms, minimum of round-robin rounds) of every candidate measured for each shape class.
-  * Shape classes and candidates (``CpuPolicy`` fields):
-      - ``float_prefill`` (bf16) / ``f32_prefill`` (f32 activations; no ``xw_nacc``) for float
-        weights and rows above the native limit: ``xw`` = one
-        ``dot_general`` ``x[M, K] . w[K, N]`` with f32 accumulation (``preferred_element_type``);
-        ``xw_nacc`` = the same with the result in the activation dtype (no f32 accumulation
-        asked for; bf16 only); ``wx`` = ``w[K, N]`` as the left operand (``[N, M]``, transposed
-        after); ``wt`` = the weight transposed to ``[N, K]`` inside the computation (a
-        temporary per call, never a second resident copy) and contracted on its trailing axis,
-        as a minimal loop with ``[out, in]`` storage does. Weights stay as stored in every case.
-      - ``float_native_max_rows`` / ``f32_native_max_rows``: up to this many rows, bf16 / f32
-        ``[K, N]`` weights go to the native float kernel (0: never); measured native vs XLA at
-        1, 8, 16 rows (f32: 1 and 8); ``f32_native_min_rows`` is 2 where XLA's f32
-        matrix-vector product beats the native kernel at one row.
-      - ``bf16_min_rows``: XLA bf16 dots with fewer rows are zero-padded to this many.
-      - ``int8_native_max_rows`` / ``int8_nk_native_max_rows``: W8A8 rows up to which the native
-        kernel is used for ``[K, N]`` / ``[N, K]`` (tied unembedding) int8 weights.
-      - ``int8_row_multiple``: XLA's W8A8 int8 dot pads rows to a multiple of this.
-      - ``amx_min_rows`` / ``amx_max_rows`` (bf16 weights) and ``amx_int8_min_rows`` /
-        ``amx_int8_max_rows`` (weight-only int8): bf16 activations with this many rows times a
-        ``[K, N]`` weight go to ``cpu_kernels.matmul_amx_group`` (AMX tiles; only where the
-        CPU has AMX). Measured at 8, 16, 32, 64, 128, 256, 512 rows (decode batches and the prefill chunks of a
-        serving step) against what that count would
-        otherwise use (the native float kernel or XLA's dot): the range is the first run of
-        counts where AMX is faster by ``MARGIN``; 0 / 0 (never) in ``DEFAULT``.
-      - ``int8_prefetch_l1``: the native ``[K, N]`` W8A8 kernel prefetches the next weight block
-        into L1 instead of L2: chosen when L1 is faster by ``MARGIN`` at 1 row and not slower
-        by more than that at 8 (L2 was faster on Zen 4, L1 ~13% faster at 1 row on Zen 5).
-    Robust to a shared machine: candidates are timed round-robin and compared by their best
-    time, and a measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN`` (10%).
-    A crossover is the largest measured row count up to which the native kernel is chosen at
-    every count (no extrapolation beyond the largest count measured).
-  * Every candidate computes the plain einsum up to summation order (``xw_nacc``: up to the
-    accumulation precision XLA picks for a bf16 result); int8 candidates give bit-identical
-    results. ``tests/models/cpu/test_cpu_lowering.py`` checks each against the reference einsum within a
-    stated relative tolerance.
+  * ``CpuPolicy`` (frozen, hashable; ``DEFAULT``: hand-tuned constants) names, per shape class,
+    the XLA dot lowering of float prefill (``float_prefill`` / ``f32_prefill``: ``xw``,
+    ``xw_nacc``, ``wx``, ``wt``), the row counts up to which the native kernels of
+    ``models.cpu.kernels`` are used (float, f32, W8A8 ``[K, N]`` / ``[N, K]``), the AMX row
+    ranges, XLA's bf16 / int8 row padding and the W8A8 kernel's prefetch target.
+  * ``choose(allowed, native, amx, cache_dir, refresh) -> Choice``: run once at start-up
+    (``models.cpu.backend.resolve``), never inside a trace: ``DEFAULT`` when not ``allowed`` or
+    not on CPU; else the entry of ``<cache_dir>/cpu_lowering.json`` for this machine's key
+    (CPU, jax / jaxlib, kernel sources, native / AMX availability, ``VERSION``); else
+    ``measure()`` (seconds on a small machine), stored there. Any failure: ``DEFAULT``.
+  * ``measure()`` races the candidates of each class round-robin by their best time; a
+    measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN``.
+  * Every candidate computes the plain einsum up to summation order; int8 ones bit-identically.
 No measuring or compiling happens at import.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
-import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.cpu import kernels as cpu_kernels, json_cache, build as native_build
+from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
 VERSION = 6
 CACHE_FILE = "cpu_lowering.json"
@@ -110,8 +69,6 @@ class CpuPolicy:
 
 DEFAULT = CpuPolicy()
 
-_lock = threading.RLock()
-_state: dict[str, object] = {}
 _log = logging.getLogger(__name__)
 
 
@@ -158,119 +115,50 @@ def w8a8_xla(x32: jax.Array, wq: jax.Array, w_scale_1N: jax.Array, w_kn: bool,
   return acc.astype(jnp.float32) * x_scale * w_scale_1N
 
 
-# ---- the policy --------------------------------------------------------------------------------
+# ---- the choice, at start-up -----------------------------------------------------------------
 
-def cache_dir() -> str:
-  return os.environ.get("PHASESERVE_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "phaseserve")
-
-
-def cpu_model() -> str:
-  """``model name`` / family / model of the first CPU and its AVX-512 + AMX flags."""
-  fields: dict[str, str] = {}
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if ":" not in line:
-          if fields:
-            break
-          continue
-        k, v = (s.strip() for s in line.split(":", 1))
-        if k in ("model name", "cpu family", "model", "flags") and k not in fields:
-          fields[k] = v
-  except OSError:
-    pass
-  flags = sorted(f for f in fields.get("flags", "").split() if f.startswith(("avx512", "amx")))
-  return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} "
-          f"model {fields.get('model', '?')}; {' '.join(flags)})")
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What ``choose`` decided: the policy, where it came from (default | cache | measured), the
+  cache key and path (None when not looked up) and the best time (ms) of every candidate."""
+  policy: CpuPolicy
+  source: str
+  key: str | None = None
+  path: str | None = None
+  measurements: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
-def cache_key() -> str:
+def cache_key(native: bool, amx: bool) -> str:
   import jaxlib
   kernels = hashlib.sha256((native_build.source("matmul_kernels")
                             + native_build.source("amx_matmul")).encode()).hexdigest()[:12]
-  parts = [cpu_model(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
-           f"kernels {kernels}", f"native {cpu_kernels.available()}",
-           f"amx {cpu_kernels.amx_available()}", f"v{VERSION}"]
+  parts = [cpuinfo.key(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+           f"kernels {kernels}", f"native {native}", f"amx {amx}", f"v{VERSION}"]
   return " | ".join(parts)
 
 
-def set_policy(p: CpuPolicy | None) -> None:
-  """Fixes the policy (``None``: decide again on the next ``policy()``). Affects traces made
-  after the call only."""
-  with _lock:
-    _state.clear()
-    if p is not None:
-      _state.update(policy=p, source="fixed", measurements={}, key=None, path=None)
-
-
-@contextlib.contextmanager
-def use_policy(p: CpuPolicy) -> Iterator[CpuPolicy]:
-  """``set_policy(p)`` for the duration of a ``with`` block, then the previous state."""
-  with _lock:
-    saved = dict(_state)
-    set_policy(p)
+def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool = False
+           ) -> Choice:
+  """The policy for this machine (start-up only, never inside a trace): ``DEFAULT`` unless
+  ``allowed`` on a CPU backend; else the cached entry for this machine's key, else ``measure()``
+  now, stored in the cache (``refresh``: measure even when cached). Any failure: ``DEFAULT``."""
+  if not allowed or jax.default_backend() != "cpu":
+    return Choice(DEFAULT, "default")
+  path = os.path.join(cache_dir, CACHE_FILE)
+  key = None
   try:
-    yield p
-  finally:
-    with _lock:
-      _state.clear()
-      _state.update(saved)
-
-
-def enabled() -> bool:
-  return (os.environ.get("PHASESERVE_CPU_AUTOTUNE", "1") != "0"
-          and jax.default_backend() == "cpu")
-
-
-def policy(refresh: bool = False) -> CpuPolicy:
-  """The process-wide policy (see the module contract)."""
-  with _lock:
-    if "policy" in _state and not refresh:
-      return _state["policy"]  # type: ignore[return-value]
-    if _state.get("source") == "fixed" and not refresh:
-      return _state["policy"]  # type: ignore[return-value]
-    _state.update(policy=DEFAULT, source="default", measurements={}, key=None, path=None)
-    if not enabled():
-      return DEFAULT
-    path = os.path.join(cache_dir(), CACHE_FILE)
-    try:
-      key = cache_key()
-      _state.update(key=key, path=path)
-      entry = None if refresh else _load(path).get(key)
-      if entry is not None:
-        _state.update(policy=CpuPolicy(**entry["policy"]), source="cache",
-                      measurements=entry.get("measurements", {}))
-      else:
-        # Eager even when first asked for inside a jit trace.
-        with jax.ensure_compile_time_eval():
-          p, meas, seconds = autotune()
-        _store(path, key, {"policy": dataclasses.asdict(p), "measurements": meas,
-                           "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-        _state.update(policy=p, source="measured", measurements=meas)
-    except Exception as e:  # noqa: BLE001 - any failure means today's constants
-      _log.warning("CPU lowering autotune failed, using the defaults: %s", e)
-      _state.update(policy=DEFAULT, source="default")
-    return _state["policy"]  # type: ignore[return-value]
-
-
-def report() -> dict:
-  """JSON-able: the policy, its source, the cache key/path and the measured medians (ms)."""
-  p = policy()
-  with _lock:
-    return {"policy": dataclasses.asdict(p), "source": _state.get("source"),
-            "key": _state.get("key"), "cache_path": _state.get("path"),
-            "native_kernels": cpu_kernels.available() if jax.default_backend() == "cpu" else False,
-            "amx_kernel": cpu_kernels.amx_available() if jax.default_backend() == "cpu" else False,
-            "measurements": _state.get("measurements", {})}
-
-
-def _load(path: str) -> dict:
-  return json_cache.load(path)
-
-
-def _store(path: str, key: str, entry: dict) -> None:
-  json_cache.store(path, key, entry)
+    key = cache_key(native, amx)
+    entry = None if refresh else json_cache.load(path).get(key)
+    if entry is not None:
+      return Choice(CpuPolicy(**entry["policy"]), "cache", key, path,
+                    entry.get("measurements", {}))
+    p, meas, seconds = measure(native=native, amx=amx)
+    json_cache.store(path, key, {"policy": dataclasses.asdict(p), "measurements": meas,
+                                 "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return Choice(p, "measured", key, path, meas)
+  except Exception as e:  # noqa: BLE001 - any failure means today's constants
+    _log.warning("measuring the CPU lowering failed, using the defaults: %s", e)
+    return Choice(DEFAULT, "default", key, path)
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -344,16 +232,15 @@ def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: 
   return [make(jax.random.key(i)) for i in range(n)]
 
 
-def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 512,
-             stream_bytes: int = 48 * 2**20, rows: tuple[int, ...] = (1, 8, 16)
-             ) -> tuple[CpuPolicy, dict, float]:
+def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 2048,
+            prefill_rows: int = 512, stream_bytes: int = 48 * 2**20,
+            rows: tuple[int, ...] = (1, 8, 16)) -> tuple[CpuPolicy, dict, float]:
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
   Decode-shaped classes stream ``stream_bytes`` of weights per call (more than the L3 of the
   machines seen) so they measure memory-bound behaviour; prefill uses one ``[prefill_rows, k] x
   [k, n]`` product."""
   t0 = time.perf_counter()
   meas: dict[str, dict[str, float]] = {}
-  native = cpu_kernels.available()
   key = jax.random.key(0)
 
   # Float prefill, per activation dtype (bf16: float_prefill, f32: f32_prefill).
@@ -453,7 +340,7 @@ def autotune(rounds: int = 7, k: int = 768, n: int = 2048, prefill_rows: int = 5
 
   # AMX for decode batches: against what each row count would otherwise use.
   amx_bf16 = amx_int8 = (0, 0)
-  if native and cpu_kernels.amx_available():
+  if native and amx:
     amx_bf16, amx_int8 = _measure_amx(meas, rounds, k, n, stream_bytes, float_prefill,
                                       float_max, int8_max)
 

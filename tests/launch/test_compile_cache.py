@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from launch import compile_cache
-from models.cpu import lowering as cpu_lowering
+from models.cpu import cpuinfo
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_default_is_per_cpu_under_the_cache_dir(no_env, monkeypatch):
   assert os.path.dirname(path) == os.path.join(str(no_env), "jax")
   assert os.path.isdir(path) and jax.config.jax_compilation_cache_dir == path
   # Another CPU model (say an AMX Xeon after an EPYC) gets another directory.
-  monkeypatch.setattr(cpu_lowering, "cpu_model", lambda: "Intel(R) Xeon(R) (amx_int8)")
+  monkeypatch.setattr(cpuinfo, "key", lambda: "Intel(R) Xeon(R) (amx_int8)")
   assert compile_cache.default_directory() != path
 
 

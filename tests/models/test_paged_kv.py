@@ -5,7 +5,7 @@ the allocator and cannot write outside its pages; a fork's copy-on-write page de
 
 Tolerance (f32): ``max|paged - contiguous| <= 1e-5 * max(1, max|contiguous|)``. Paged prefill
 gathers the same values into the same [B, K, S, H] shape and runs the same arithmetic; paged
-decode on XLA:CPU runs ``models.cpu.paged_attention`` (the same products summed in another
+decode (a pool made for the native backend) runs ``models.cpu.paged_attention`` (the same products summed in another
 order, page by page), so the decode logits differ by rounding only.
 """
 
@@ -17,9 +17,11 @@ import pytest
 from models import paged_kv as PK
 from models import transformer as T
 from models.config import get_preset
+from models.cpu.backend import CpuBackend
 from models.kv_cache import init_cache
 from models.weights import init_params, quantize
 from serving.kv_pages import PageBudget, PagePool
+from tests.cpu_policies import NATIVE
 
 CFG = get_preset("tiny").replace(num_kv_heads=2)  # GQA: K > 1 exercises the [B,M,K,Z,H] swap
 C_PAGED = 1e-5
@@ -52,7 +54,7 @@ def test_paged_prefill_and_decode_equal_contiguous(weights):
   ids = rng.permutation(np.arange(1, p))[:16]
   table = np.full((3, m), p, np.int32)
   table[0], table[1, :4], table[2] = ids[:6], ids[6:10], ids[10:16]
-  kv = PK.init_paged(CFG, 3, p, z, m).replace(page_table=jnp.asarray(table))
+  kv = PK.init_paged(CFG, 3, p, z, m, backend=NATIVE).replace(page_table=jnp.asarray(table))
   cache = init_cache(CFG, 3, z * m)
   toks = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 40)), jnp.int32)
   prompt = np.array([21, 9, 30])
@@ -123,7 +125,7 @@ def test_fork_copy_on_write_decodes_like_two_contiguous_rows():
   pool = PagePool(PageBudget(page_size=z, pages_per_shard=10), max_seq_tokens=16)
   prompt = np.random.default_rng(2).integers(0, CFG.vocab_size, 10)  # 2 full pages + 2 tokens
   assert pool.allocate("parent", 10) is None
-  kv = PK.init_paged(CFG, 2, 10, z, pool.max_pages_per_seq).replace(
+  kv = PK.init_paged(CFG, 2, 10, z, pool.max_pages_per_seq, backend=NATIVE).replace(
       page_table=jnp.asarray(pool.page_table(["parent", None])))
   toks = jnp.zeros((2, 16), jnp.int32).at[0, :10].set(jnp.asarray(prompt))
   _, kv = T.jit_prefill(PARAMS, toks, kv, None, jnp.array([10, 0], jnp.int32), cfg=CFG,
@@ -163,15 +165,14 @@ def test_copy_pages_padding_and_page_bytes():
     kv.read(0, 5)  # more than the 4-position capacity
 
 
-@pytest.mark.parametrize("t,native", [(2, "1"), (1, "0")], ids=["chunk", "decode_gather"])
-def test_a_reused_pages_stale_nan_past_the_end_adds_nothing(monkeypatch, t, native):
+@pytest.mark.parametrize("t,native", [(2, True), (1, False)], ids=["chunk", "decode_gather"])
+def test_a_reused_pages_stale_nan_past_the_end_adds_nothing(t, native):
   """A page freed by a sequence whose values went non-finite is reused: positions past the new
   owner's end still hold NaN / Inf. Masked, they must add nothing (a zero probability times NaN
   is NaN): the output equals that of a clean pool."""
-  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", native)
   cfg = get_preset("tiny").replace(num_layers=1)
   rng = np.random.default_rng(0)
-  kv = PK.init_paged(cfg, 1, 2, 8, 2, jnp.float32)
+  kv = PK.init_paged(cfg, 1, 2, 8, 2, jnp.float32, backend=NATIVE if native else CpuBackend())
   kv = kv.replace(page_table=jnp.asarray([[0, 1]], jnp.int32))
   shape = (1, 10, cfg.num_kv_heads, cfg.head_dim)
   clean = kv.write(0, jnp.arange(10, dtype=jnp.int32)[None],

@@ -10,8 +10,10 @@ import pytest
 
 from models import precision, quant
 from models.config import get_preset
+from models.cpu import router
 from models.transformer import forward
 from models.weights import init_params, quantize
+from tests.cpu_policies import NATIVE
 
 CFG = get_preset("tiny").replace(vocab_size=320, tie_embeddings=True)
 
@@ -48,15 +50,15 @@ def test_cpu_and_accelerator_branches_agree(params, mode, monkeypatch):
   W8A8, whose per-token scales are the same in both (exact int32 sums), so also close."""
   p = params if mode == "none" else precision.apply(params, CFG, "int8", mode)
   toks = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 9)))
-  cpu = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG))(p, toks))
-  monkeypatch.setattr(quant, "_on_cpu", lambda: False)
-  other = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG))(p, toks))
+  cpu = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG, backend=NATIVE))(p, toks))
+  monkeypatch.setattr(router, "_on_cpu", lambda: False)
+  other = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG, backend=NATIVE))(p, toks))
   err = np.max(np.abs(cpu - other)) / max(1.0, np.max(np.abs(cpu)))
   assert err <= 1e-5, (mode, err)
   if mode != "none":  # and the modes really differ (the test can fail)
     other_mode = "w8a8" if mode == "weight_only" else "weight_only"
     q2 = precision.apply(params, CFG, "int8", other_mode)
-    alt = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG))(q2, toks))
+    alt = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg=CFG, backend=NATIVE))(q2, toks))
     assert np.max(np.abs(alt - other)) / max(1.0, np.max(np.abs(other))) > 1e-4
 
 
@@ -66,7 +68,7 @@ def test_decode_rows_take_the_native_weight_only_kernel(params):
   q = precision.apply(params, CFG, "int8", "weight_only")
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, CFG.embed_dim)), jnp.float32)
   for spec, w in (("btd,vd->btv", q["embed"]), ("btd,df->btf", q["layers"][0]["gate"])):
-    got = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
+    got = jax.jit(lambda x, w: quant.einsum(spec, x, w, NATIVE))(x, w)
     want = jnp.einsum(spec, x, w.dequantize())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want),
                                rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))

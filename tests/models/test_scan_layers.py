@@ -18,6 +18,7 @@ import pytest
 from models import paged_kv as PK, transformer as T
 from models.config import get_preset
 from models.step import UnshardedStep
+from tests.cpu_policies import NATIVE
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params, is_stacked, quantize, stack_layers
 from serving import stack
@@ -47,10 +48,10 @@ def test_scan_equals_the_loop(int8):
   lens = jnp.asarray([24, 9, 3], jnp.int32)
   out = []
   for p in (params, stacked):
-    kv = PK.init_paged(CFG, 3, 24, 16, 8, jnp.float32).replace(
+    kv = PK.init_paged(CFG, 3, 24, 16, 8, jnp.float32, backend=NATIVE).replace(
         page_table=jnp.arange(24, dtype=jnp.int32).reshape(3, 8))
-    l1, kv = T.jit_prefill(p, toks, kv, None, lens, cfg=CFG, attend_len=32)
-    l2, _ = T.jit_decode_step(p, toks[:, 0], kv, cfg=CFG, attend_len=32)
+    l1, kv = T.jit_prefill(p, toks, kv, None, lens, cfg=CFG, attend_len=32, backend=NATIVE)
+    l2, _ = T.jit_decode_step(p, toks[:, 0], kv, cfg=CFG, attend_len=32, backend=NATIVE)
     out.append((l1, l2))
   for g, r in zip(out[1], out[0]):
     _close(g, r, 1e-5 if int8 else 1e-6, "scan vs loop")
@@ -76,7 +77,7 @@ def test_the_engine_gives_the_same_ids():
   params = init_params(CFG, jax.random.key(1), jnp.float32)
   got = {}
   for scan in (False, True):
-    loop = stack.build(UnshardedStep(CFG, scan), params, ByteTokenizer(), stack.ServingConfig(
+    loop = stack.build(UnshardedStep(CFG, scan, NATIVE), params, ByteTokenizer(), stack.ServingConfig(
         max_slots=2, page_size=16, kv_pages=16, max_chunk=16, max_context=64))
     ids: dict[str, list[int]] = {}
     for i, prompt in enumerate(((5, 6, 7, 8), tuple(range(20, 50)))):

@@ -15,12 +15,13 @@ import pytest
 from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
 from models import quant
 from models.quant import quantize_array
-from tests.cpu_policies import XLA_ONLY
+from tests.cpu_policies import NATIVE, XLA_ONLY
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
                                reason="no AMX on this CPU (or the OS refused its tile state)")
-AMX = dataclasses.replace(cpu_lowering.DEFAULT, amx_min_rows=4, amx_max_rows=96,
-                          amx_int8_min_rows=4, amx_int8_max_rows=96)
+AMX = dataclasses.replace(NATIVE, policy=dataclasses.replace(
+    cpu_lowering.DEFAULT, amx_min_rows=4, amx_max_rows=96, amx_int8_min_rows=4,
+    amx_int8_max_rows=96))
 
 
 def _rel_err(got, ref) -> float:
@@ -102,15 +103,13 @@ def test_einsums_on_amx_equal_xla(quantize, rows):
   if quantize:
     table = quantize_array(table.astype(jnp.float32), (1,))
 
-  def make():  # a new function per policy: jit's trace cache is not keyed on the policy
-    return lambda x, h: quant.einsums(specs, x, qkv) + [quant.einsum("BTF,FD->BTD", h, down),
-                                                         quant.einsum("BTD,VD->BTV", x, table)]
+  def make(b):
+    return lambda x, h: quant.einsums(specs, x, qkv, b) + [
+        quant.einsum("BTF,FD->BTD", h, down, b), quant.einsum("BTD,VD->BTV", x, table, b)]
 
-  with cpu_lowering.use_policy(XLA_ONLY):
-    ref = jax.jit(make())(x, h)
-  with cpu_lowering.use_policy(AMX):
-    got = jax.jit(make())(x, h)
-    calls = _amx_calls(make(), x, h)
+  ref = jax.jit(make(XLA_ONLY))(x, h)
+  got = jax.jit(make(AMX))(x, h)
+  calls = _amx_calls(make(AMX), x, h)
   # In the range [4, 96]: one grouped call for q / k / v and one for down; outside it none.
   assert calls == (2 if 4 <= rows <= 96 else 0)
   for g, r in zip(got, ref):
@@ -126,26 +125,25 @@ def test_amx_routing_rules():
   w_int8 = quantize_array(w_bf16.astype(jnp.float32), (0,))
   w_w8a8 = dataclasses.replace(w_int8, act_quant=True)
   x16 = jnp.ones((16, 64), jnp.bfloat16)
-  with cpu_lowering.use_policy(AMX):
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16) == 1
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8), x16) == 1
-    # Not: f32 activations (AMX would round them to bf16), W8A8, an [N, K] weight, too few rows.
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16),
-                      x16.astype(jnp.float32)) == 0
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_w8a8), x16) == 0
-    assert _amx_calls(lambda x: quant.einsum("MK,NK->MN", x, w_bf16.T), x16) == 0
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16[:3]) == 0
-    # [N, K] (a tied unembedding): weight-only int8 past the native [N, K] kernel's rows only.
-    w_nk = quantize_array(w_bf16.T.astype(jnp.float32), (1,))
-    x24 = jnp.ones((24, 64), jnp.bfloat16)
-    nk = lambda x: quant.einsum("MK,NK->MN", x, w_nk)  # noqa: E731
-    assert AMX.int8_nk_native_max_rows < 24
-    assert jax.jit(nk).lower(x24).compile().as_text().count("phaseserve_amx_matmul_nk") == 1
-    assert jax.jit(nk).lower(x16[:AMX.int8_nk_native_max_rows]).compile().as_text().count(
-        "phaseserve_amx_matmul_nk") == 0
-  with cpu_lowering.use_policy(dataclasses.replace(AMX, amx_max_rows=0)):
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16), x16) == 0
-    assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8), x16) == 1
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, AMX), x16) == 1
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8, AMX), x16) == 1
+  # Not: f32 activations (AMX would round them to bf16), W8A8, an [N, K] weight, too few rows.
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, AMX),
+                    x16.astype(jnp.float32)) == 0
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_w8a8, AMX), x16) == 0
+  assert _amx_calls(lambda x: quant.einsum("MK,NK->MN", x, w_bf16.T, AMX), x16) == 0
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, AMX), x16[:3]) == 0
+  # [N, K] (a tied unembedding): weight-only int8 past the native [N, K] kernel's rows only.
+  w_nk = quantize_array(w_bf16.T.astype(jnp.float32), (1,))
+  x24 = jnp.ones((24, 64), jnp.bfloat16)
+  nk = lambda x: quant.einsum("MK,NK->MN", x, w_nk, AMX)  # noqa: E731
+  assert AMX.policy.int8_nk_native_max_rows < 24
+  assert jax.jit(nk).lower(x24).compile().as_text().count("phaseserve_amx_matmul_nk") == 1
+  assert jax.jit(nk).lower(x16[:AMX.policy.int8_nk_native_max_rows]).compile().as_text().count(
+      "phaseserve_amx_matmul_nk") == 0
+  off = dataclasses.replace(AMX, policy=dataclasses.replace(AMX.policy, amx_max_rows=0))
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, off), x16) == 0
+  assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8, off), x16) == 1
 
 
 def test_amx_range_is_the_first_run_of_wins():
@@ -184,10 +182,10 @@ def test_decode_step_on_amx_equals_xla(quantize):
   toks = jax.random.randint(jax.random.key(1), (rows,), 0, cfg.vocab_size)
   cache = init_cache(cfg, rows, 32, jnp.bfloat16).replace(lengths=jnp.full((rows,), 5, jnp.int32))
 
-  def run(policy):
-    with cpu_lowering.use_policy(policy):
-      step = jax.jit(lambda p, t, c: decode_step(p, t, c, cfg=cfg, attend_len=32)[0])
-      return step(params, toks, cache), step.lower(params, toks, cache).compile().as_text()
+  def run(backend):
+    step = jax.jit(lambda p, t, c: decode_step(p, t, c, cfg=cfg, attend_len=32,
+                                               backend=backend)[0])
+    return step(params, toks, cache), step.lower(params, toks, cache).compile().as_text()
 
   ref, _ = run(XLA_ONLY)
   got, hlo = run(AMX)

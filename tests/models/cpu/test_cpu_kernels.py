@@ -7,17 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering, build as native_build
+from models.cpu import cpuinfo, kernels as cpu_kernels, lowering as cpu_lowering
 from models import quant
 from models.quant import quantize_array
 from tests.cpu_policies import NATIVE, XLA_ONLY, needs_kernel
 
-
-@pytest.fixture(autouse=True)
-def _fixed_policy():
-  """Every test here runs under the fixed default policy (no start-up measurement)."""
-  with cpu_lowering.use_policy(cpu_lowering.DEFAULT):
-    yield
 
 
 def assert_close(got, ref, c: float) -> None:
@@ -61,10 +55,8 @@ def test_matmul_float(m, k, n, wdtype):
 def test_float_einsum_native_equals_xla(dtype, spec, x_shape, w_shape):
   x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32).astype(dtype)
   w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32).astype(dtype)
-  with cpu_lowering.use_policy(NATIVE):
-    native = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
-  with cpu_lowering.use_policy(XLA_ONLY):
-    xla = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
+  native = jax.jit(lambda x, w: quant.einsum(spec, x, w, NATIVE))(x, w)
+  xla = jax.jit(lambda x, w: quant.einsum(spec, x, w, XLA_ONLY))(x, w)
   assert native.dtype == xla.dtype == dtype
   # f32: summation order only; bf16: the f32 sums are rounded to bf16 (2^-8 relative).
   assert_close(native, xla, 1e-5 if dtype == jnp.float32 else 1e-2)
@@ -82,10 +74,8 @@ def test_float_einsum_native_equals_xla(dtype, spec, x_shape, w_shape):
 def test_einsum_native_equals_xla(spec, x_shape, w_shape, contract):
   x = jax.random.normal(jax.random.key(0), x_shape, jnp.float32)
   w = quantize_array(jax.random.normal(jax.random.key(1), w_shape), contract, act_quant=True)
-  with cpu_lowering.use_policy(NATIVE):
-    native = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
-  with cpu_lowering.use_policy(XLA_ONLY):
-    xla = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
+  native = jax.jit(lambda x, w: quant.einsum(spec, x, w, NATIVE))(x, w)
+  xla = jax.jit(lambda x, w: quant.einsum(spec, x, w, XLA_ONLY))(x, w)
   np.testing.assert_array_equal(np.asarray(native), np.asarray(xla))
   ref = jnp.einsum(spec, x, w.dequantize())
   np.testing.assert_allclose(native, ref, atol=0.05 * float(jnp.abs(ref).max()))
@@ -103,12 +93,13 @@ def test_w8a8_decode_matches_forward(tied):
   cfg = get_preset("tiny").replace(tie_embeddings=tied)
   params = quantize(init_params(cfg, jax.random.key(0)), cfg, act_quant=True)
   toks = jax.random.randint(jax.random.key(1), (3, 12), 0, cfg.vocab_size)
-  full = T.forward(params, toks, cfg=cfg)
-  cache = init_cache(cfg, 3, 32)
+  full = T.forward(params, toks, cfg=cfg, backend=NATIVE)
+  cache = init_cache(cfg, 3, 32, backend=NATIVE)
   _, cache = T.prefill(params, toks[:, :8], cache, jnp.zeros((3,), jnp.int32),
-                       jnp.full((3,), 8, jnp.int32), cfg=cfg)
+                       jnp.full((3,), 8, jnp.int32), cfg=cfg, backend=NATIVE)
   for t in range(8, 12):
-    logits, cache = T.jit_decode_step(params, toks[:, t], cache, cfg=cfg, attend_len=16)
+    logits, cache = T.jit_decode_step(params, toks[:, t], cache, cfg=cfg, attend_len=16,
+                                      backend=NATIVE)
     assert_close(logits, full[:, t], 1e-4)
 
 
@@ -173,12 +164,10 @@ def test_matmul_w8a8_nk_equals_kn_kernel():
 def test_kernels_build_where_the_cpu_supports_them():
   """The skips above are for other CPUs only: where the CPU has the instructions and a C++
   compiler exists (as on the dev and CI machines), a failed build must fail the suite."""
-  import os
   import shutil
   need = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}
-  capable = (jax.default_backend() == "cpu" and need <= native_build.cpu_flags()
-             and any(shutil.which(c) for c in ("c++", "g++"))
-             and os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") != "0")
+  capable = (jax.default_backend() == "cpu" and need <= cpuinfo.flags()
+             and any(shutil.which(c) for c in ("c++", "g++")))
   if capable:
     assert cpu_kernels.available(), "native kernels failed to build on a capable CPU"
   else:

@@ -1,5 +1,6 @@
-"""models.cpu.lowering: the per-machine lowering policy. Disabled -> the defaults without
-measuring; measured -> written to the disk cache and read back from it; the report's content;
+"""models.cpu.lowering / backend: the per-machine lowering policy, chosen at start-up. Not
+allowed -> the defaults without measuring; measured -> written to the disk cache and read back
+from it; the report's content; ``resolve`` reads the switches;
 and every candidate lowering computes the reference einsum (float: within a stated relative
 tolerance; int8 W8A8: bit-identical across candidates)."""
 
@@ -13,92 +14,93 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
+from models.cpu import backend as cpu_backend, cpuinfo, lowering as cpu_lowering
 from models import quant
 from models.quant import quantize_array
+from tests.cpu_policies import NATIVE
 
 # A measurement small enough for the suite (well under a second on the 2-core dev machine).
 SMALL = dict(rounds=1, k=64, n=128, prefill_rows=48, stream_bytes=2**20, rows=(1, 8))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_state():
-  cpu_lowering.set_policy(None)
-  yield
-  cpu_lowering.set_policy(None)
+def test_not_allowed_is_the_default_and_measures_nothing(monkeypatch, tmp_path):
+  monkeypatch.setattr(cpu_lowering, "measure", lambda **kw: pytest.fail("measured"))
+  c = cpu_lowering.choose(False, NATIVE.matmul_kernels, NATIVE.amx, str(tmp_path))
+  assert c.policy == cpu_lowering.DEFAULT and c.source == "default" and c.measurements == {}
+  assert not os.path.exists(os.path.join(tmp_path, cpu_lowering.CACHE_FILE))
 
 
-def test_disabled_is_the_default_and_measures_nothing(monkeypatch, tmp_path):
+def test_resolve_reads_the_switches_once(monkeypatch, tmp_path):
+  """``models.cpu.backend.resolve``: PHASESERVE_CPU_AUTOTUNE=0 -> the defaults, nothing measured;
+  PHASESERVE_NATIVE_KERNELS=0 -> no native kernel; a resolved value is frozen and hashable."""
   monkeypatch.setenv("PHASESERVE_CPU_AUTOTUNE", "0")
   monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path))
-  monkeypatch.setattr(cpu_lowering, "autotune", lambda **kw: pytest.fail("measured"))
-  assert cpu_lowering.policy() == cpu_lowering.DEFAULT
-  r = cpu_lowering.report()
-  assert r["source"] == "default" and r["measurements"] == {}
-  assert not os.path.exists(os.path.join(tmp_path, cpu_lowering.CACHE_FILE))
+  monkeypatch.setattr(cpu_lowering, "measure", lambda **kw: pytest.fail("measured"))
+  r = cpu_backend.resolve()
+  assert r.backend == NATIVE and r.report()["source"] == "default"
+  json.dumps(r.report())
+  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")
+  off = cpu_backend.resolve().backend
+  assert off == cpu_backend.CpuBackend() and hash(off) == hash(cpu_backend.CpuBackend())
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    off.amx = True  # type: ignore[misc]
 
 
 def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   if jax.default_backend() != "cpu":
     pytest.skip("the policy is measured on CPU only")
-  monkeypatch.setenv("PHASESERVE_CPU_AUTOTUNE", "1")
-  monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path))
   calls = []
-  real = functools.partial(cpu_lowering.autotune, **SMALL)
+  real = functools.partial(cpu_lowering.measure, **SMALL)
 
   def counted(**kw):
     calls.append(1)
-    return real()
+    return real(**kw)
 
-  monkeypatch.setattr(cpu_lowering, "autotune", counted)
-  p = cpu_lowering.policy()
-  assert cpu_lowering.policy() is p and len(calls) == 1  # decided once per process
-  r = cpu_lowering.report()
-  assert r["source"] == "measured" and r["policy"] == dataclasses.asdict(p)
-  assert r["key"] == cpu_lowering.cache_key() and cpu_lowering.cpu_model() in r["key"]
+  monkeypatch.setattr(cpu_lowering, "measure", counted)
+  native, amx = NATIVE.matmul_kernels, NATIVE.amx
+  c = cpu_lowering.choose(True, native, amx, str(tmp_path))
+  p = c.policy
+  assert c.source == "measured" and len(calls) == 1
+  r = cpu_backend.Resolved(dataclasses.replace(NATIVE, policy=p), c).report()
+  assert r["policy"] == dataclasses.asdict(p)
+  assert r["key"] == cpu_lowering.cache_key(native, amx) and cpuinfo.key() in r["key"]
   assert jax.__version__ in r["key"]
   assert "float_prefill_bfloat16" in r["measurements"]
   assert set(r["measurements"]["float_prefill_bfloat16"]) == set(cpu_lowering.FLOAT_PREFILL)
   assert set(r["measurements"]["float_prefill_float32"]) == set(cpu_lowering.F32_PREFILL)
-  if cpu_kernels.available():
+  if native:
     assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows", "float_decode_bfloat16_8rows",
             "int8_kn_prefetch_l1_1rows"} <= set(r["measurements"])
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
-  amx = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
-  if cpu_kernels.available() and cpu_kernels.amx_available():
-    assert amx <= set(r["measurements"])
-    assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx)
+  amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
+  if native and amx:
+    assert amx_keys <= set(r["measurements"])
+    assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx_keys)
   else:
-    assert not amx & set(r["measurements"])
+    assert not amx_keys & set(r["measurements"])
     assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows) == (0,) * 4
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
     stored = json.load(f)[r["key"]]
   assert stored["policy"] == r["policy"] and stored["seconds"] > 0
-  # A new process (state reset) reads the cache instead of measuring.
-  cpu_lowering.set_policy(None)
-  assert cpu_lowering.policy() == p and len(calls) == 1
-  assert cpu_lowering.report()["source"] == "cache"
+  # The next start-up reads the cache instead of measuring.
+  again = cpu_lowering.choose(True, native, amx, str(tmp_path))
+  assert again.policy == p and again.source == "cache" and len(calls) == 1
 
 
 def test_failure_falls_back_to_default(monkeypatch, tmp_path):
   if jax.default_backend() != "cpu":
     pytest.skip("the policy is measured on CPU only")
-  monkeypatch.setenv("PHASESERVE_CPU_AUTOTUNE", "1")
-  monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path))
 
   def boom(**kw):
     raise RuntimeError("no")
 
-  monkeypatch.setattr(cpu_lowering, "autotune", boom)
-  assert cpu_lowering.policy() == cpu_lowering.DEFAULT
-  assert cpu_lowering.report()["source"] == "default"
+  monkeypatch.setattr(cpu_lowering, "measure", boom)
+  c = cpu_lowering.choose(True, NATIVE.matmul_kernels, NATIVE.amx, str(tmp_path))
+  assert c.policy == cpu_lowering.DEFAULT and c.source == "default"
 
 
-def test_fixed_policy_wins_and_is_restored():
-  p = dataclasses.replace(cpu_lowering.DEFAULT, float_prefill="wt", int8_row_multiple=32)
-  with cpu_lowering.use_policy(p):
-    assert cpu_lowering.policy() is p and cpu_lowering.report()["source"] == "fixed"
+def test_bad_policies_are_refused():
   with pytest.raises(ValueError):
     cpu_lowering.CpuPolicy(float_prefill="nope")
   with pytest.raises(ValueError):
@@ -123,8 +125,8 @@ def test_float_candidates_equal_the_einsum(dtype, method, spec, x_shape, w_shape
   p = dataclasses.replace(cpu_lowering.DEFAULT, float_prefill=method, f32_prefill=f32_method,
                           float_native_max_rows=4,
                           f32_native_max_rows=4, bf16_min_rows=8)
-  with cpu_lowering.use_policy(p):
-    got = jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)
+  b = dataclasses.replace(NATIVE, policy=p)
+  got = jax.jit(lambda x, w: quant.einsum(spec, x, w, b))(x, w)
   assert got.dtype == dtype
   ref = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
   got = np.asarray(got, np.float64)
@@ -144,8 +146,8 @@ def test_int8_candidates_are_bit_identical(spec, x_shape, w_shape, contract):
       p = dataclasses.replace(cpu_lowering.DEFAULT, int8_native_max_rows=native_rows,
                               int8_nk_native_max_rows=native_rows, int8_row_multiple=mult,
                               int8_prefetch_l1=mult == 8)
-      with cpu_lowering.use_policy(p):
-        outs.append(np.asarray(jax.jit(lambda x, w: quant.einsum(spec, x, w))(x, w)))
+      b = dataclasses.replace(NATIVE, policy=p)
+      outs.append(np.asarray(jax.jit(lambda x, w: quant.einsum(spec, x, w, b))(x, w)))
   for o in outs[1:]:
     np.testing.assert_array_equal(o, outs[0])
   ref = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w.dequantize(), np.float64))

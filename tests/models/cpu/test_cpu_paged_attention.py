@@ -15,7 +15,7 @@ f32), and the bf16 tolerance on the AVX-512 BF16 path (int8 values are exact in 
 probabilities are rounded to bf16 as for bf16 pages).
 """
 
-import os
+import dataclasses
 import shutil
 
 import jax
@@ -24,15 +24,23 @@ import numpy as np
 import pytest
 
 from models import attention, paged_kv as PK, quant
-from models.cpu import paged_attention as cpa, build as native_build
+from models.cpu import cpuinfo, paged_attention as cpa
+from models.cpu.backend import CpuBackend
 from models import transformer as T
 from models.config import get_preset
 from models.kv_cache import init_cache
 from models.weights import init_params
+from tests.cpu_policies import NATIVE
 
 needs_kernel = pytest.mark.skipif(not cpa.available(),
                                   reason="native paged attention unavailable (CPU / compiler)")
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "int8": 1e-5}
+GATHER = CpuBackend()  # XLA only: the gather path
+
+
+def _kernel(bf16_dot: bool = True) -> CpuBackend:
+  """Every native path, the paged attention's BF16 dot path as asked (where the CPU has it)."""
+  return dataclasses.replace(NATIVE, paged_bf16_dot=bf16_dot and cpa.bf16_dot_supported())
 
 
 def assert_close(got, ref, c: float) -> None:
@@ -45,9 +53,8 @@ def assert_close(got, ref, c: float) -> None:
 def test_kernel_builds_where_the_cpu_supports_it():
   """The skips here are for other CPUs only: with AVX-512 F and a compiler (the dev and CI
   machines), a failed build fails the suite."""
-  capable = (jax.default_backend() == "cpu" and "avx512f" in native_build.cpu_flags()
-             and any(shutil.which(c) for c in ("c++", "g++"))
-             and os.environ.get("PHASESERVE_NATIVE_KERNELS", "1") != "0")
+  capable = (jax.default_backend() == "cpu" and "avx512f" in cpuinfo.flags()
+             and any(shutil.which(c) for c in ("c++", "g++")))
   assert cpa.available() == capable
 
 
@@ -78,17 +85,17 @@ def _case(rng, b, n, kh, h, z, m, dtype, layers=2):
                                           (4, 4, 1, 16, 8, 5), (3, 2, 2, 32, 16, 3)])
 @pytest.mark.parametrize("dtype,bf16_dot", [("float32", "1"), ("bfloat16", "1"),
                                             ("bfloat16", "0"), ("int8", "1"), ("int8", "0")])
-def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot, monkeypatch):
-  monkeypatch.setenv("PHASESERVE_PAGED_BF16_DOT", bf16_dot)
+def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot):
   rng = np.random.default_rng(b * 100 + n)
   q, k, v, table, pos = _case(rng, b, n, kh, h, z, m, jnp.dtype(dtype))
-  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos)
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos,
+                  backend=_kernel(bf16_dot == "1"))
   for layer in range(k.shape[0]):
     for max_keys in (m * z, m * z - z // 2):
       ref = attention.attend(q, *kv.read(layer, max_keys), jnp.minimum(pos, max_keys - 1)[:, None])
       got = jax.jit(kv.attend, static_argnums=(0, 3))(layer, q, pos[:, None], max_keys)
       assert got.shape == ref.shape and got.dtype == ref.dtype
-      bf16_math = dtype == "int8" and bf16_dot == "1" and cpa.bf16_dot() and z % 16 == 0 \
+      bf16_math = dtype == "int8" and bf16_dot == "1" and cpa.bf16_dot_supported() and z % 16 == 0 \
           and h % 32 == 0  # int8 pages on the AVX-512 BF16 path round q and p to bf16
       assert_close(got, ref, TOL["bfloat16" if bf16_math else dtype])
 
@@ -101,7 +108,7 @@ def test_an_f32_query_over_bf16_pages_is_not_rounded():
   rng = np.random.default_rng(7)
   q, k, v, table, pos = _case(rng, 4, 4, 1, 64, 16, 4, jnp.dtype("bfloat16"))
   q = q.astype(jnp.float32) * 30.0  # large logits: a bf16-rounded query would miss by ~1e-2
-  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos)
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=pos, backend=_kernel())
   ref = attention.attend(q, *kv.read(0, 64, jnp.float32), pos[:, None])
   got = jax.jit(kv.attend, static_argnums=(0, 3))(0, q, pos[:, None], 64)
   assert got.dtype == jnp.float32
@@ -138,7 +145,7 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("store,dtype", [("paged", "float32"), ("paged", "bfloat16"),
                                          ("paged", "int8"), ("contiguous", "float32"),
                                          ("contiguous", "bfloat16")])
-def test_model_decode_through_the_kernel_equals_the_gather_path(store, dtype, monkeypatch):
+def test_model_decode_through_the_kernel_equals_the_gather_path(store, dtype):
   """``small``-shaped heads (multiquery, 64-wide) on a two-layer model: decode logits with the
   kernel equal those with it switched off, at the model's own tolerance for the dtype (int8:
   an int8 pool under f32 params). ``contiguous``: ``KVCache`` read in place as one page per
@@ -149,34 +156,32 @@ def test_model_decode_through_the_kernel_equals_the_gather_path(store, dtype, mo
   rng = np.random.default_rng(3)
   z, m, b = 16, 4, 3
   table = jnp.asarray(rng.permutation(b * m + 2)[:b * m].reshape(b, m), jnp.int32)
-  if store == "paged":
-    kv = PK.init_paged(cfg, b, b * m + 2, z, m, dt).replace(page_table=table)
-  else:
-    kv = init_cache(cfg, b, z * m, dt)
   lens = jnp.asarray([37, 9, 50], jnp.int32)
   toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 64)), jnp.int32)
-  _, kv = T.prefill(params, toks, kv, None, lens, cfg=cfg, attend_len=64)
   nxt = toks[:, 0]
 
-  def decode():
-    fn = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=cfg, attend_len=64))  # new trace
+  def decode(backend):
+    if store == "paged":
+      kv = PK.init_paged(cfg, b, b * m + 2, z, m, dt, backend=backend).replace(page_table=table)
+    else:
+      kv = init_cache(cfg, b, z * m, dt, backend)
+    _, kv = T.prefill(params, toks, kv, None, lens, cfg=cfg, attend_len=64, backend=backend)
+    fn = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=cfg, attend_len=64, backend=backend))
     hlo = fn.lower(params, nxt, kv).as_text()
     return fn(params, nxt, kv)[0], "phaseserve_paged_decode" in hlo
 
-  got, native = decode()
-  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")  # the gather path (a fresh trace)
-  ref, native_off = decode()
+  got, native = decode(_kernel())
+  ref, native_off = decode(GATHER)
   assert native and not native_off
   assert_close(got, ref, {"float32": 1e-4, "bfloat16": 5e-2, "int8": 5e-2}[dtype])
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_a_chunk_of_queries_equals_the_gather_path(dtype, monkeypatch):
+def test_a_chunk_of_queries_equals_the_gather_path(dtype):
   """Prefill (T > 1): row b's query t at ``start_b + t`` sees keys ``<= start_b + t`` (causal
   inside the chunk, whose keys are in the pool), each row through its own table; rows start
   at 0, mid-page and near the end; ``max_keys`` is the capacity, as the engine passes it."""
-  monkeypatch.setenv("PHASESERVE_PAGED_BF16_DOT", "0")
   rng = np.random.default_rng(11)
   b, t, n, kh, h, z, m = 3, 7, 9, 3, 64, 16, 4
   _, k, v, table, _ = _case(rng, b, n, kh, h, z, m, jnp.dtype(dtype))
@@ -184,7 +189,8 @@ def test_a_chunk_of_queries_equals_the_gather_path(dtype, monkeypatch):
   pos_BT = jnp.asarray(start[:, None] + np.arange(t)[None, :], jnp.int32)
   q_dtype = jnp.float32 if dtype == "int8" else jnp.dtype(dtype)
   q = jnp.asarray(rng.standard_normal((b, t, n, h)) * 0.1, q_dtype)
-  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=jnp.asarray(start))
+  kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=jnp.asarray(start),
+                  backend=_kernel(bf16_dot=False))
   assert kv.native_attention(n, t)
   got = jax.jit(kv.attend, static_argnums=(0, 3))(1, q, pos_BT, m * z)
   ref = attention.attend(q, *kv.read(1, m * z), pos_BT)
@@ -194,7 +200,7 @@ def test_a_chunk_of_queries_equals_the_gather_path(dtype, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_model_prefill_through_the_kernel_equals_the_gather_path(dtype, monkeypatch):
+def test_model_prefill_through_the_kernel_equals_the_gather_path(dtype):
   """A prompt fed as two chunks (the second continuing the first, rows of unequal length and
   padding) gives the same logits of every position with the kernel as with it switched off."""
   cfg = get_preset("tiny").replace(num_heads=6, num_kv_heads=2, head_dim=32)
@@ -205,10 +211,11 @@ def test_model_prefill_through_the_kernel_equals_the_gather_path(dtype, monkeypa
   toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 2, 24)), jnp.int32)
   lens = (jnp.asarray([24, 10, 24], jnp.int32), jnp.asarray([17, 0, 24], jnp.int32))
 
-  def run():
-    kv = PK.init_paged(cfg, b, b * m + 2, z, m, jnp.dtype(dtype)).replace(page_table=table)
+  def run(backend):
+    kv = PK.init_paged(cfg, b, b * m + 2, z, m, jnp.dtype(dtype), backend=backend).replace(
+        page_table=table)
     fn = jax.jit(lambda p, tk, c, n: T.prefill(p, tk, c, None, n, cfg=cfg, attend_len=m * z,
-                                                all_logits=True))  # a new trace per call
+                                                all_logits=True, backend=backend))
     native = "phaseserve_paged_decode" in fn.lower(params, toks[:, 0], kv, lens[0]).as_text()
     out = []
     for i in range(2):
@@ -216,9 +223,8 @@ def test_model_prefill_through_the_kernel_equals_the_gather_path(dtype, monkeypa
       out.append([np.asarray(logits[r, :int(lens[i][r])]) for r in range(b) if lens[i][r]])
     return out, native
 
-  got, native = run()
-  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")
-  ref, native_off = run()
+  got, native = run(_kernel())
+  ref, native_off = run(GATHER)
   assert native and not native_off
   for g, r in zip(got, ref):
     for gr, rr in zip(g, r):

@@ -9,16 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
+from models.cpu import kernels as cpu_kernels
 from models import quant
 from models.quant import quantize_array
-from tests.cpu_policies import XLA_ONLY, needs_kernel
-
-
-@pytest.fixture(autouse=True)
-def _fixed_policy():
-  with cpu_lowering.use_policy(cpu_lowering.DEFAULT):
-    yield
+from tests.cpu_policies import NATIVE, XLA_ONLY, needs_kernel
 
 
 def _rel_err(got, ref) -> float:
@@ -104,8 +98,8 @@ def test_einsums_group_decode_rows_in_one_call(kind):
   dtype = jnp.bfloat16 if kind == "bfloat16" else jnp.float32
   x = jax.random.normal(jax.random.key(1), (2, 1, 64), jnp.float32).astype(dtype)
   ws = _qkv(kind)
-  grouped = lambda x, ws: quant.einsums(QKV, x, ws)
-  separate = lambda x, ws: [quant.einsum(s, x, w) for s, w in zip(QKV, ws)]
+  grouped = lambda x, ws: quant.einsums(QKV, x, ws, NATIVE)
+  separate = lambda x, ws: [quant.einsum(s, x, w, NATIVE) for s, w in zip(QKV, ws)]
   group_target = ("phaseserve_w8a8_matmul_group" if kind == "w8a8"
                   else "phaseserve_float_matmul_group")
   assert _targets(grouped, x, ws) == [group_target]
@@ -127,15 +121,15 @@ def test_einsums_falls_back_where_products_do_not_group():
   f32, wo = _qkv("float32"), _qkv("weight_only")
   mixed = [f32[0], wo[1], wo[2]]
   assert "phaseserve_float_matmul_group" not in _targets(
-      lambda x, ws: quant.einsums(QKV, x, ws), x, mixed)
+      lambda x, ws: quant.einsums(QKV, x, ws, NATIVE), x, mixed)
   rows = jax.random.normal(jax.random.key(2), (2, 16, 64), jnp.float32)  # 32 rows > 16
-  assert _targets(lambda x, ws: quant.einsums(QKV, x, ws), rows, wo) == []
-  with cpu_lowering.use_policy(XLA_ONLY):
-    assert _targets(lambda x, ws: quant.einsums(QKV, x, ws), x, wo) == []
+  assert _targets(lambda x, ws: quant.einsums(QKV, x, ws, NATIVE), rows, wo) == []
+  assert _targets(lambda x, ws: quant.einsums(QKV, x, ws, XLA_ONLY), x, wo) == []
+  assert _targets(lambda x, ws: quant.einsums(QKV, x, ws), x, wo) == []  # the library default
   for xs, ws in ((x, mixed), (rows, wo)):
-    got = jax.jit(lambda x, ws: quant.einsums(QKV, x, ws))(xs, ws)
-    ref = jax.jit(lambda x, ws: [quant.einsum(s, x, w) for s, w in zip(QKV, ws)])(xs, ws)
+    got = jax.jit(lambda x, ws: quant.einsums(QKV, x, ws, NATIVE))(xs, ws)
+    ref = jax.jit(lambda x, ws: [quant.einsum(s, x, w, NATIVE) for s, w in zip(QKV, ws)])(xs, ws)
     for g, r in zip(got, ref):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   with pytest.raises(ValueError, match="3 specs for 2 weights"):
-    quant.einsums(QKV, x, wo[:2])
+    quant.einsums(QKV, x, wo[:2], NATIVE)

@@ -78,7 +78,7 @@ def _orbax_from(hf_dir, out) -> None:
   """An orbax checkpoint saved from the sharded params (as a serving process would save)."""
   code = (
       "import sys, jax.numpy as jnp\n"
-      "from models import loader, hf_import, checkpoint\n"
+      "from models.io import loader, hf_import, checkpoint\n"
       "from partitioning.layouts import param_shardings\n"
       "from partitioning.mesh import make_mesh\n"
       "cfg = loader.load_config(sys.argv[1])\n"

@@ -1,0 +1,67 @@
+"""The XLA:CPU backend as one static value, chosen once at start-up and passed down.
+
+Contract:
+  * ``CpuBackend`` (frozen, hashable): the lowering ``policy`` (``models.cpu.lowering``) and
+    which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
+    ``amx``, ``paged_attention`` and its ``paged_bf16_dot`` path. Steps and KV stores hold it
+    and the model's functions take it as a static argument, so it is part of every jit key;
+    nothing reads the environment or a module global at trace time.
+  * ``CpuBackend()`` (the library default): ``DEFAULT`` policy, no native kernel, no side effect.
+  * ``resolve(measure=None, refresh=False) -> Resolved``: what the CLIs call once at start-up:
+    reads the switches (``models.cpu.env``), loads the native libraries where allowed and
+    available, and chooses the lowering (``lowering.choose``: cached or measured; ``measure``
+    None: the environment's say). ``Resolved.backend`` is the value; ``Resolved.report()`` the
+    JSON-able account (policy, source, cache key and path, kernels, measurements).
+  * ``native(policy=DEFAULT)``: every available kernel with ``policy``, nothing measured (tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.cpu import env, lowering
+from models.cpu.lowering import DEFAULT, Choice, CpuPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBackend:
+  policy: CpuPolicy = DEFAULT
+  matmul_kernels: bool = False
+  amx: bool = False
+  paged_attention: bool = False
+  paged_bf16_dot: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  backend: CpuBackend
+  choice: Choice
+
+  def report(self) -> dict:
+    b, c = self.backend, self.choice
+    return {"policy": dataclasses.asdict(b.policy), "source": c.source, "key": c.key,
+            "cache_path": c.path, "native_kernels": b.matmul_kernels, "amx_kernel": b.amx,
+            "paged_attention": b.paged_attention, "measurements": c.measurements}
+
+
+def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
+  """Every native kernel this process can load (none unless ``allowed``), with ``policy``."""
+  if not allowed:
+    return CpuBackend(policy)
+  from models.cpu import kernels, paged_attention  # loading them builds the libraries
+  pa = paged_attention.available()
+  return CpuBackend(policy, matmul_kernels=kernels.available(),
+                    amx=kernels.available() and kernels.amx_available(), paged_attention=pa,
+                    paged_bf16_dot=pa and env.paged_bf16_dot()
+                    and paged_attention.bf16_dot_supported())
+
+
+def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
+  """See the module contract; call once at start-up, before any trace."""
+  b = native(DEFAULT, env.native_kernels())
+  choice = lowering.choose(env.measure_lowering() if measure is None else measure,
+                           b.matmul_kernels, b.amx, env.cache_dir(), refresh)
+  return Resolved(dataclasses.replace(b, policy=choice.policy), choice)
+
+
+__all__ = ["CpuBackend", "Resolved", "resolve", "native"]

@@ -1,0 +1,241 @@
+"""The XLA:CPU router of ``models.quant.einsum``: which kernel computes a matmul under a
+``models.cpu.backend.CpuBackend``, and how.
+
+Contract:
+  * ``as_matmul(x_letters, w_letters, out, x, w) -> Matmul | None``: the einsum as ONE 2D
+    product ``x2 [M, K]`` times the weight reshaped (never transposed) to ``[K, N]`` or
+    ``[N, K]`` (contracted weight axes leading or trailing); None for any other einsum.
+  * ``matmul(mm, x_dtype, w, backend)``: the einsum's result (dtype ``x_dtype``): a native
+    kernel of ``models.cpu.kernels`` where the backend allows it and its policy's row limits
+    say so (AMX, float, weight-only int8, W8A8), else XLA's dot lowered as the policy says
+    (bf16 / int8 row padding, the prefill dot lowering). Results are the plain einsum's up to
+    summation order (W8A8: bit-identical).
+  * ``matmul_group(mms, x_dtype, ws, backend)``: the products of one activation with several
+    weights in one native call (same kernel, one stored dtype), else None.
+Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models import quant
+from models.cpu import kernels as cpu_kernels, lowering as cpu_lowering
+from models.cpu.backend import CpuBackend
+
+
+def _matmul_plan(x_letters: str, w_letters: str, out: str):
+  """(contracted letters in weight order, weight-is-[K, N]) when ``spec`` is a plain matmul whose
+  contracted weight axes are a leading or trailing block; else None (generic einsum)."""
+  contract = [c for c in w_letters if c in x_letters and c not in out]
+  free_w = [c for c in w_letters if c not in contract]
+  free_x = [c for c in x_letters if c not in contract]
+  if (not contract or any(c not in out for c in free_w + free_x)
+      or len(set(x_letters)) != len(x_letters) or len(set(w_letters)) != len(w_letters)
+      or any(c in x_letters for c in free_w) or sorted(out) != sorted(free_x + free_w)):
+    return None
+  nc = len(contract)
+  if list(w_letters[:nc]) == contract:
+    return "".join(contract), True
+  if list(w_letters[-nc:]) == contract:
+    return "".join(contract), False
+  return None
+
+
+def _on_cpu() -> bool:
+  # The backend the computation is being traced for; jit on CPU is what the policy is for.
+  return jax.default_backend() == "cpu"
+
+
+class Matmul(NamedTuple):
+  """An einsum that is one 2D matmul: the activation as ``x2 [M, K]``, the weight read as
+  ``[K, N]`` (``w_kn``) or ``[N, K]``, and how ``[M, N]`` becomes the einsum's output."""
+  x2: jax.Array
+  x_perm: tuple[int, ...]  # x's axes in [M..., K...] order (what x2 is a reshape of)
+  w_kn: bool
+  m: int
+  k: int
+  n: int
+  y_shape: tuple[int, ...]  # the free activation axes, then the free weight axes
+  y_perm: tuple[int, ...] | None  # then this transpose into the output's order (None: none)
+
+
+def as_matmul(x_letters: str, w_letters: str, out: str, x: jax.Array, w: quant.Weight
+              ) -> Matmul | None:
+  plan = _matmul_plan(x_letters, w_letters, out)
+  if plan is None:
+    return None
+  contract, w_kn = plan
+  free_x = [c for c in x_letters if c not in contract]
+  free_w = [c for c in w_letters if c not in contract]
+  sizes = dict(zip(x_letters, x.shape))
+  sizes.update(zip(w_letters, w.shape))
+  k = math.prod(sizes[c] for c in contract)
+  n = math.prod(sizes[c] for c in free_w)
+  m = math.prod(sizes[c] for c in free_x)
+  # Activation -> [M, K] (a bitcast when its contracted axes are already trailing, in order).
+  perm = [x_letters.index(c) for c in free_x + list(contract)]
+  x2 = (x if perm == sorted(perm) else jnp.transpose(x, perm)).reshape(m, k)
+  got = "".join(free_x + free_w)
+  y_perm = None if got == out else tuple(got.index(c) for c in out)
+  return Matmul(x2, tuple(perm), w_kn, m, k, n, tuple(sizes[c] for c in got), y_perm)
+
+
+def _finish(mm: Matmul, y2: jax.Array, dtype) -> jax.Array:
+  y = y2.astype(dtype).reshape(mm.y_shape)
+  return y if mm.y_perm is None else jnp.transpose(y, mm.y_perm)
+
+
+def _weight_2d(mm: Matmul, w: jax.Array) -> jax.Array:
+  """The weight as ``[K, N]`` or ``[N, K]``: a reshape of contiguous axes, never a transpose."""
+  return w.reshape((mm.k, mm.n) if mm.w_kn else (mm.n, mm.k))
+
+
+def _native_kernel(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> str | None:
+  """Which ``models.cpu.kernels`` kernel computes this product on XLA:CPU under ``be``:
+  ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``float`` / ``float_nk`` (float or
+  weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None (XLA's dot)."""
+  if not _on_cpu():
+    return None
+  if _amx_rows(mm, x_dtype, w, be):
+    return "amx" if mm.w_kn else "amx_nk"
+  layout = "" if mm.w_kn else "_nk"
+  if isinstance(w, quant.QuantArray):
+    max_rows = be.policy.int8_native_max_rows if mm.w_kn else be.policy.int8_nk_native_max_rows
+    if mm.m > max_rows or not be.matmul_kernels:
+      return None
+    return ("w8a8" if w.act_quant else "float") + layout
+  # The native kernel multiplies in f32: exact for w's own dtype when the einsum would compute
+  # in w's dtype anyway (x.dtype == w.dtype) or cast w up to f32 (x is f32).
+  f32 = w.dtype == jnp.dtype(jnp.float32)
+  native_rows = be.policy.f32_native_max_rows if f32 else be.policy.float_native_max_rows
+  if ((mm.w_kn or not f32) and mm.m <= native_rows
+      and (not f32 or mm.m >= be.policy.f32_native_min_rows)
+      and w.dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+      and (x_dtype == w.dtype or x_dtype == jnp.float32) and be.matmul_kernels):
+    return "float" + layout
+  return None
+
+
+def _amx_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+  """Whether the AMX kernel computes this product: bf16 activations, a ``[K, N]`` bf16 or
+  weight-only int8 weight, and a row count in the policy's range for that weight. An ``[N, K]``
+  weight (the tied unembedding) only when weight-only int8 and past the native kernel's rows,
+  where the alternative converts the whole table for XLA's dot on every call (measured ~10x
+  slower than AMX on the Xeon; bf16 ``[N, K]`` tied with XLA's dot and stays there)."""
+  if x_dtype != jnp.bfloat16:
+    return False
+  if not mm.w_kn:
+    return (isinstance(w, quant.QuantArray) and not w.act_quant
+            and be.policy.int8_nk_native_max_rows < mm.m <= be.policy.amx_int8_max_rows
+            and be.amx)
+  if isinstance(w, quant.QuantArray):
+    lo, hi = be.policy.amx_int8_min_rows, be.policy.amx_int8_max_rows
+    ok = not w.act_quant
+  else:
+    lo, hi = be.policy.amx_min_rows, be.policy.amx_max_rows
+    ok = w.dtype == jnp.dtype(jnp.bfloat16)
+  return ok and lo <= mm.m <= hi and hi > 0 and be.amx
+
+
+def _amx_products(mms: Sequence[Matmul], ws: Sequence[quant.Weight]) -> list[jax.Array]:
+  """The f32 ``[M, N]`` products of one bf16 activation with ``[K, N]`` weights of one stored
+  dtype, in one AMX call; weight-only int8 scaled after."""
+  y2s = cpu_kernels.matmul_amx_group(
+      mms[0].x2, [_weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
+                  for mm, w in zip(mms, ws)])
+  return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, quant.QuantArray) else y2
+          for y2, mm, w in zip(y2s, mms, ws)]
+
+
+def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) -> jax.Array:
+  if kernel == "amx":
+    return _amx_products([mm], [w])[0]
+  if kernel == "amx_nk":  # weight-only int8 [N, K]
+    return cpu_kernels.matmul_amx_nk(mm.x2, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
+  x32 = mm.x2.astype(jnp.float32)
+  if kernel in ("float", "float_nk"):
+    fn = cpu_kernels.matmul_float if mm.w_kn else cpu_kernels.matmul_float_nk
+    if not isinstance(w, quant.QuantArray):
+      return fn(x32, _weight_2d(mm, w))
+    # quant.Weight-only int8 at memory bandwidth: the int8 values widened in registers, f32 products
+    # and sums (exact products for f32 and bf16 activations), then the scales.
+    return fn(x32, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
+  # W8A8: the same quantization, int32 dot and scaling, in one native call.
+  if mm.w_kn:
+    return cpu_kernels.matmul_w8a8(x32, _weight_2d(mm, w.quant), w.scale.reshape(mm.n),
+                                   prefetch_l1=be.policy.int8_prefetch_l1)
+  return cpu_kernels.matmul_w8a8_nk(x32, _weight_2d(mm, w.quant), w.scale.reshape(mm.n))
+
+
+def _xla_product(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> jax.Array:
+  """The product by XLA's own dot, lowered as the policy says on XLA:CPU."""
+  x2 = mm.x2
+  cpu = _on_cpu()
+  dims = (((1,), (0 if mm.w_kn else 1,)), ((), ()))
+  if not isinstance(w, quant.QuantArray):
+    if not cpu:
+      return lax.dot_general(x2, _weight_2d(mm, w).astype(x_dtype), dims,
+                             preferred_element_type=jnp.float32)
+    w2 = _weight_2d(mm, w).astype(x_dtype)
+    if x_dtype == jnp.bfloat16 and mm.m < be.policy.bf16_min_rows:
+      return cpu_lowering.float_dot(cpu_lowering.pad_rows(x2, be.policy.bf16_min_rows), w2, mm.w_kn, "xw")[:mm.m]
+    # Many rows (prefill): the lowering measured fastest on this machine.
+    f32 = w.dtype == jnp.dtype(jnp.float32)
+    native_rows = be.policy.f32_native_max_rows if f32 else be.policy.float_native_max_rows
+    method = "xw"
+    if mm.m > native_rows:
+      method = be.policy.f32_prefill if x_dtype == jnp.float32 else be.policy.float_prefill
+    return cpu_lowering.float_dot(x2, w2, mm.w_kn, method)
+  wq = _weight_2d(mm, w.quant)
+  w_scale = w.scale.reshape(1, mm.n)
+  if not w.act_quant:
+    y2 = lax.dot_general(x2, wq.astype(x_dtype), dims, preferred_element_type=jnp.float32)
+    return y2 * w_scale
+  return cpu_lowering.w8a8_xla(x2.astype(jnp.float32), wq, w_scale, mm.w_kn,
+                               be.policy.int8_row_multiple if cpu else 1)
+
+
+def matmul(mm: Matmul, x_dtype, w: quant.Weight, backend: CpuBackend) -> jax.Array:
+  kernel = _native_kernel(mm, x_dtype, w, backend)
+  y2 = (_native_product(kernel, mm, w, backend) if kernel
+        else _xla_product(mm, x_dtype, w, backend))
+  return _finish(mm, y2, x_dtype)
+
+
+def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
+                 backend: CpuBackend) -> list[jax.Array] | None:
+  """The products of one activation with several weights in ONE native call, when every one
+  would go to the same native ``[K, N]`` kernel with weights of one dtype; else None."""
+  kernels = {_native_kernel(mm, x_dtype, w, backend) for mm, w in zip(mms, ws)}
+  quantized = {isinstance(w, quant.QuantArray) for w in ws}
+  stored = {(w.quant if isinstance(w, quant.QuantArray) else w).dtype for w in ws}
+  same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
+  if len(ws) < 2 or len(kernels) != 1 or len(quantized) != 1 or len(stored) != 1 or not same_x:
+    return None
+  kernel = kernels.pop()
+  if kernel == "amx":
+    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, _amx_products(mms, ws))]
+  x32 = mms[0].x2.astype(jnp.float32)  # every einsum reads x's contracted axes alike
+  if kernel == "float":
+    y2s = cpu_kernels.matmul_float_group(
+        x32, [_weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
+              for mm, w in zip(mms, ws)])
+    if quantized.pop():
+      y2s = [y2 * w.scale.reshape(1, mm.n) for y2, mm, w in zip(y2s, mms, ws)]
+    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
+  if kernel == "w8a8":
+    y2s = cpu_kernels.matmul_w8a8_group(
+        x32, [_weight_2d(mm, w.quant) for mm, w in zip(mms, ws)],
+        [w.scale.reshape(mm.n) for mm, w in zip(mms, ws)],
+        prefetch_l1=backend.policy.int8_prefetch_l1)
+    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
+  return None
+
+
+__all__ = ["Matmul", "as_matmul", "matmul", "matmul_group"]
