@@ -28,7 +28,7 @@ _log = logging.getLogger(__name__)
 
 
 class ProgramCounter:
-  def __init__(self):
+  def __init__(self) -> None:
     self.count = 0
     self.names: collections.Counter[str] = collections.Counter()
     self._mark = 0
