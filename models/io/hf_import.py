@@ -45,10 +45,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 from safetensors import safe_open
 
 from models.io import placement
@@ -312,11 +313,12 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, name: str 
         return placement.from_host(src.shape, np_dtype, where,
                                    lambda i: src.read(reader, i, np_dtype), on_bytes)
       scales: dict[tuple[int, int], np.ndarray] = {}  # this weight's, per file row range
-      # ``where`` is a QuantArray of shardings (a placement.Placement): hence the ignores below
-      quant = placement.from_host(src.shape, np.int8, where.quant,  # type: ignore[arg-type]
+      # ``where`` is a QuantArray of shardings (a placement.Placement), not of arrays
+      quant_s, scale_s = cast(Sharding, where.quant), cast(Sharding, where.scale)
+      quant = placement.from_host(src.shape, np.int8, quant_s,
                                   lambda i: src.quant(reader, i, np_dtype, scales), on_bytes)
       scale_shape = tuple(1 if a in src.in_axes else s for a, s in enumerate(src.shape))
-      scale = placement.from_host(scale_shape, np.float32, where.scale,  # type: ignore[arg-type]
+      scale = placement.from_host(scale_shape, np.float32, scale_s,
                                   lambda i: src.scale(reader, i, np_dtype, scales), on_bytes)
       return QuantArray(quant=quant, scale=scale)
 
