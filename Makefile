@@ -35,6 +35,8 @@ run: $(VENV)/.stamp
 	$(PY) -m launch.demo --model smollm2-135m --quantize int8 --max_tokens 128 \
 	  --prompt "What are the two phases of LLM inference, and why do they need different hardware layouts?"
 
+# The suite includes the checks of the house: the import contracts (tests/test_imports.py), mypy
+# on the product packages (tests/test_types.py) and the docs' commands (tests/test_docs_commands.py).
 # Two pytest workers, one test file each at a time (--dist loadfile keeps a module's shared server
 # or engine in one process): a serial run keeps ~1.3 of the 2 cores busy (XLA compiles on one).
 TEST_WORKERS ?= 2
@@ -112,4 +114,4 @@ bench: $(VENV)/.stamp
 	$(PY) -m launch.lab.bench_model --model small --json
 
 clean:
-	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(PEERS) tests/_ref_artifacts
+	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(PEERS) tests/_ref_artifacts .cache/mypy

@@ -16,7 +16,7 @@ Shape letters (array-name suffixes, documented once, here):
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 Activation = Literal["swiglu", "geglu"]
 
@@ -152,7 +152,7 @@ def from_hf_config(hf: Mapping[str, object], name: str = "hf") -> ModelConfig:
     raise ValueError(f"config.json: malformed field ({e})") from None
 
 
-def _from_hf_config(hf: Mapping[str, object], name: str) -> ModelConfig:
+def _from_hf_config(hf: Mapping[str, Any], name: str) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face ``config.json`` (Llama family or Gemma v1).
 
   Reads both transformers 4.x (``rope_theta``, ``rope_scaling``, Gemma ``hidden_activation``) and
@@ -160,7 +160,7 @@ def _from_hf_config(hf: Mapping[str, object], name: str) -> ModelConfig:
   defaults of the corresponding transformers config class, as ``from_pretrained`` would.
   """
   model_type = str(hf.get("model_type", ""))
-  arch = " ".join(hf.get("architectures", []) or [])  # type: ignore[arg-type]
+  arch = " ".join(hf.get("architectures", []) or [])
   if model_type not in ("llama", "mistral", "gemma") and "Llama" not in arch:
     raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, gemma)")
   gemma = model_type == "gemma"
@@ -173,18 +173,18 @@ def _from_hf_config(hf: Mapping[str, object], name: str) -> ModelConfig:
   if rope_type != "default":
     raise ValueError(f"RoPE type {rope_type!r} ({dict(rope)!r}) is not supported (only default)")
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)
-  if float(partial) != 1.0:  # type: ignore[arg-type]
+  if float(partial) != 1.0:
     raise ValueError("partial_rotary_factor != 1 is not supported")
   theta = rope.get("rope_theta", hf.get("rope_theta") or 10_000.0)
-  rope_theta = float(theta)  # type: ignore[arg-type]
+  rope_theta = float(theta)
   for flag in ("attention_bias", "mlp_bias"):
     if hf.get(flag):
       raise ValueError(f"{flag}=True is not supported")
-  d = int(hf["hidden_size"])  # type: ignore[arg-type]
-  n = int(hf["num_attention_heads"])  # type: ignore[arg-type]
-  k = int(hf.get("num_key_value_heads") or n)  # type: ignore[arg-type]
+  d = int(hf["hidden_size"])
+  n = int(hf["num_attention_heads"])
+  k = int(hf.get("num_key_value_heads") or n)
   # GemmaConfig's head_dim defaults to 256 (not D / N: gemma-7b has 3072 / 16 != 256).
-  head_dim = int(hf.get("head_dim") or (256 if gemma else d // n))  # type: ignore[arg-type]
+  head_dim = int(hf.get("head_dim") or (256 if gemma else d // n))
   if gemma:
     # Gemma v1 is tanh-approximate GELU whatever the file says: 4.x read hidden_activation
     # (None -> gelu_pytorch_tanh), 5.x reads hidden_act and maps the legacy "gelu" to tanh.
@@ -201,23 +201,23 @@ def _from_hf_config(hf: Mapping[str, object], name: str) -> ModelConfig:
     raise ValueError(f"unsupported hidden activation {act_name!r} (supported: silu, "
                      f"{', '.join(tanh_gelus)})")
   max_seq_len = int(
-      hf.get("max_position_embeddings") or (8192 if gemma else 2048))  # type: ignore[arg-type]
+      hf.get("max_position_embeddings") or (8192 if gemma else 2048))
   # Mistral's sliding window (MistralConfig default 4096) is not implemented: attention is exact
   # only while the whole context fits in the window, so cap the context there.
   window = hf.get("sliding_window", 4096 if model_type == "mistral" else None)
   if window:
-    max_seq_len = min(max_seq_len, int(window))  # type: ignore[arg-type]
+    max_seq_len = min(max_seq_len, int(window))
   return ModelConfig(
       name=name,
-      vocab_size=int(hf["vocab_size"]),  # type: ignore[arg-type]
+      vocab_size=int(hf["vocab_size"]),
       embed_dim=d,
-      num_layers=int(hf["num_hidden_layers"]),  # type: ignore[arg-type]
+      num_layers=int(hf["num_hidden_layers"]),
       num_heads=n,
       num_kv_heads=k,
       head_dim=head_dim,
-      mlp_dim=int(hf["intermediate_size"]),  # type: ignore[arg-type]
+      mlp_dim=int(hf["intermediate_size"]),
       activation=activation,
-      norm_eps=float(hf.get("rms_norm_eps") or 1e-6),  # type: ignore[arg-type]
+      norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
       rope_theta=rope_theta,
       tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
       parallel_block=False,

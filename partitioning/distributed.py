@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -91,7 +91,7 @@ def initialize(cluster: Cluster) -> None:
     return
   # Only the CPU client reads this (TPU / GPU collectives are their own): set it always.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeouts = dict(initialization_timeout=cluster.init_timeout_s,
+  timeouts: dict[str, Any] = dict(initialization_timeout=cluster.init_timeout_s,
                   heartbeat_timeout_seconds=cluster.heartbeat_timeout_s,
                   shutdown_timeout_seconds=cluster.shutdown_timeout_s)
   if cluster.auto:
@@ -145,7 +145,7 @@ class Broadcast:
 _agreed: dict[str, int] = {}  # agreements made so far per name, in this process
 
 
-def agree(name: str, compute: Callable[[], object], timeout_s: float = 600.0) -> object:
+def agree(name: str, compute: Callable[[], object], timeout_s: float = 600.0) -> Any:
   """Process 0's ``compute()`` on every process (see the module contract)."""
   if jax.process_count() == 1:
     return compute()

@@ -177,7 +177,7 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
   dropped: list[Dropped] = []
   for n in sizes:
     shapes = mesh_shapes(n) if meshes is None else [
-        tuple(m) for m in meshes if m[0] * m[1] * m[2] == n]
+        (m[0], m[1], m[2]) for m in meshes if m[0] * m[1] * m[2] == n]
     for mesh in shapes:
       for layout in (FFN_LAYOUT_NAMES if layouts is None else
                      [name for name in FFN_LAYOUT_NAMES if name in layouts]):

@@ -28,7 +28,7 @@ _log = logging.getLogger(__name__)
 
 
 class ProgramCounter:
-  def __init__(self):
+  def __init__(self) -> None:
     self.count = 0
     self.names: collections.Counter[str] = collections.Counter()
     self._mark = 0
@@ -36,13 +36,14 @@ class ProgramCounter:
     self._lock = threading.Lock()
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-  def _on_event(self, event: str, secs: float, fun_name: str = "", **kw) -> None:
+  def _on_event(self, event: str, duration_secs: float, **kw: str | int) -> None:
     if event == EVENT:
+      fun_name = str(kw.get("fun_name", ""))
       with self._lock:
         self.count += 1
         self.names[fun_name] += 1
       if self._marked:
-        _log.warning("XLA program %r loaded after readiness (%.2f s)", fun_name, secs)
+        _log.warning("XLA program %r loaded after readiness (%.2f s)", fun_name, duration_secs)
 
   def mark(self) -> None:
     self._mark = self.count

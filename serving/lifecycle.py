@@ -204,8 +204,9 @@ class Metrics:
     t = trace.timings()
     for hist, key in ((self.ttft, "ttft_s"), (self.tpot, "tpot_s"), (self.e2e, "e2e_s"),
                       (self.queue, "queue_s")):
-      if t[key] is not None:
-        hist.observe(t[key])
+      value = t[key]
+      if value is not None:
+        hist.observe(value)
     for gap in trace.inter_token_s():
       self.itl.observe(gap)
     self.finished.labels(reason=trace.finish_reason or "unknown").inc()

@@ -58,7 +58,7 @@ class StepCostModel:
 
   @property
   def coef(self) -> tuple[float, float, float]:
-    return tuple(float(c) for c in self._coef)  # type: ignore[return-value]
+    return float(self._coef[0]), float(self._coef[1]), float(self._coef[2])
 
   def cost(self, prefill_tokens: int, decode_rows: int) -> float:
     a, b, c = self._coef

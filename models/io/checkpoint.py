@@ -118,7 +118,7 @@ def _as_path(path: PathLike) -> epath.Path:
 @contextlib.contextmanager
 def _checkpointer(restore_bytes: int | None = None) -> Iterator[ocp.Checkpointer]:
   handlers = {} if restore_bytes is None else {PARAMS_ITEM: ocp.StandardCheckpointHandler(
-      restore_concurrent_gb=restore_bytes / 1e9)}  # type: ignore[arg-type]  # bytes = gb * 1e9
+      restore_concurrent_gb=restore_bytes / 1e9)}  # bytes = gb * 1e9
   ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
   try:
     yield ckptr

@@ -45,10 +45,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 from safetensors import safe_open
 
 from models.io import placement
@@ -106,7 +107,7 @@ def _tensor_files(root: Path) -> dict[str, Path]:
     raise ValueError(
         f"{root}: no *.safetensors weights and no {_INDEX} (found: {present}); "
         "re-save .bin / .pth checkpoints with save_pretrained(safe_serialization=True)")
-  files: dict[str, Path] = {}
+  files = {}
   for p in paths:
     with safe_open(p, framework="numpy") as f:
       for name in f.keys():
@@ -138,7 +139,7 @@ class _Reader:
       raise ValueError(f"missing tensor {name!r} (expected shape {shape}); "
                        f"checkpoint holds {len(self.files)} tensors")
     try:
-      got = tuple(self._handle(name).get_slice(name).get_shape())  # type: ignore[attr-defined]
+      got = tuple(self._handle(name).get_slice(name).get_shape())
     except Exception as e:  # safetensors raises its own error types
       raise ValueError(f"{self.files[name].name}: cannot read tensor {name!r}: {e}") from None
     if got != shape:
@@ -312,10 +313,12 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype=jnp.float32, *, name: str 
         return placement.from_host(src.shape, np_dtype, where,
                                    lambda i: src.read(reader, i, np_dtype), on_bytes)
       scales: dict[tuple[int, int], np.ndarray] = {}  # this weight's, per file row range
-      quant = placement.from_host(src.shape, np.int8, where.quant,
+      # ``where`` is a QuantArray of shardings (a placement.Placement), not of arrays
+      quant_s, scale_s = cast(Sharding, where.quant), cast(Sharding, where.scale)
+      quant = placement.from_host(src.shape, np.int8, quant_s,
                                   lambda i: src.quant(reader, i, np_dtype, scales), on_bytes)
       scale_shape = tuple(1 if a in src.in_axes else s for a, s in enumerate(src.shape))
-      scale = placement.from_host(scale_shape, np.float32, where.scale,
+      scale = placement.from_host(scale_shape, np.float32, scale_s,
                                   lambda i: src.scale(reader, i, np_dtype, scales), on_bytes)
       return QuantArray(quant=quant, scale=scale)
 

@@ -133,6 +133,7 @@ def from_host(shape: Sequence[int], dtype, sharding: Sharding,
   dtype = np.dtype(dtype)
   groups: dict[Index, list[jax.Device]] = {}
   for device, idx in sharding.addressable_devices_indices_map(shape).items():
+    assert idx is not None  # typed Optional, but always devices_indices_map's value
     groups.setdefault(_index(shape, idx), []).append(device)
   want = sharding.shard_shape(shape)
   buffers: dict[jax.Device, jax.Array] = {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Mapping, Sequence, TypedDict
+from typing import Any, Mapping, Sequence, TypedDict
 
 import jinja2
 import jinja2.ext
@@ -106,7 +106,7 @@ def _strftime_now(fmt: str) -> str:
   return datetime.datetime.now().strftime(fmt)
 
 
-def _make_dict(*args: object, **kwargs: object) -> dict[object, object]:
+def _make_dict(*args: Any, **kwargs: object) -> dict[Any, object]:
   return dict(*args, **kwargs)
 
 

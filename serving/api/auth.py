@@ -92,7 +92,7 @@ class ApiKeys:
 class Quotas:
   WINDOW_S = 60.0
 
-  def __init__(self):
+  def __init__(self) -> None:
     self._lock = threading.Lock()
     self._windows: dict[str, collections.deque[list[float]]] = collections.defaultdict(
         collections.deque)

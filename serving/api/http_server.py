@@ -38,7 +38,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, Sequence
 
 import prometheus_client as prom
 from aiohttp import web
@@ -163,11 +163,12 @@ class _Api:
     return streams
 
   async def events(self, streams: Sequence[Stream]
-                   ) -> AsyncIterator[tuple[int, int, RequestOutput]]:
+                   ) -> AsyncGenerator[tuple[int, int, RequestOutput], None]:
     """(prompt, sample, output) from every stream as they come; ServiceError at a failure."""
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
-    wake = lambda: loop.call_soon_threadsafe(ready.set)
+    def wake() -> None:
+      loop.call_soon_threadsafe(ready.set)
     for s in streams:
       s.on_ready(wake)
     live = list(range(len(streams)))
@@ -181,7 +182,7 @@ class _Api:
             live.remove(p)
           elif item is not None:
             got = True
-            yield p, item[0], item[1]  # type: ignore[index]
+            yield p, item[0], item[1]  # type: ignore[index]  # poll() is typed `| object` (END)
         if live and not got:
           await ready.wait()
     finally:

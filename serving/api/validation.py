@@ -173,17 +173,18 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
 def _with_sinks(args: GenerateArgs, ids: list[int], limits: Limits, bad, vocab: int
                 ) -> Validated:
   window = args.sinks_window
+  assert window is not None  # the caller's condition
   sinks = 4 if args.sinks is None else args.sinks
   if not limits.attention_sinks:
     raise bad("attention_sinks", "this server was started without --attention_sinks")
-  if window < 1:  # type: ignore[operator]
+  if window < 1:
     raise bad("attention_sinks.window", f"must be >= 1, got {window}")
   if not 0 <= sinks <= limits.page_size:
     raise bad("attention_sinks.sinks", f"must be in [0, {limits.page_size}] (one KV page), "
               f"got {sinks}")
-  if len(ids) > sinks + window:  # type: ignore[operator]
+  if len(ids) > sinks + window:
     raise bad("prompt", f"the prompt has {len(ids)} tokens; with attention sinks it must fit in "
-              f"sinks + window = {sinks + window}")  # type: ignore[operator]
+              f"sinks + window = {sinks + window}")
   if args.n not in (None, 0, 1):
     raise bad("n", "attention sinks take one sample (n = 1)")
   if args.session_id:
@@ -193,7 +194,7 @@ def _with_sinks(args: GenerateArgs, ids: list[int], limits: Limits, bad, vocab: 
     raise bad("max_tokens", f"must be in [1, {MAX_STREAM_TOKENS}] for a stream, got "
               f"{max_tokens}")
   v = _rest(args, ids, max_tokens, limits, bad, vocab)
-  return dataclasses.replace(v, sinks=Sinks(window, sinks))  # type: ignore[arg-type]
+  return dataclasses.replace(v, sinks=Sinks(window, sinks))
 
 
 def _float(value: float, field: str, bad) -> float:
