@@ -5,16 +5,13 @@ Contract: every function runs on a chip's local block inside ``shard_map`` over 
 ``PartitionSpec`` entry); ``()`` makes a function the identity, so one code path serves every
 layout and every fallback.
   * ``linear_index(axes)``: this chip's chunk index over ``axes``.
-  * ``reshard(x, dim, src, dst)``: ``dim`` sharded over ``src`` -> over ``dst``. The common prefix
-    stays; the rest of ``src`` (a suffix, so its chunks are contiguous) is all-gathered; the rest
-    of ``dst`` is sliced locally (free).
-  * ``reduce(x, dim, unreduced, src, dst)``: ``x`` holds partial sums over ``unreduced``; sums them
-    and moves ``dim`` from ``src`` to ``dst``: ONE reduce-scatter when ``dst == src + unreduced``
-    (the paper's case), else an all-reduce and ``reshard``.
-  * ``gather_weight(w, dim, src, dst, permute)``: the weight-gathered layouts' all-gather.
-    ``permute=True`` gathers only the axes ``dst`` drops even when they are not a suffix, which
-    leaves ``dim`` in a permuted order; allowed for dimensions every weight (and the tracked head
-    ids) permutes identically and no output exposes (mlp, heads).
+  * ``reshard(x, dim, src, dst)``: ``dim`` sharded over ``src`` -> over ``dst`` (common prefix
+    kept, the rest of ``src`` all-gathered, the rest of ``dst`` sliced locally).
+  * ``reduce(x, dim, unreduced, src, dst)``: sums partial sums over ``unreduced`` and moves ``dim``
+    from ``src`` to ``dst``: one reduce-scatter when ``dst == src + unreduced``, else an
+    all-reduce and ``reshard``.
+  * ``gather_weight(w, dim, src, dst, permute)``: the weight-gathered layouts' all-gather
+    (``permute=True``: only the dropped axes, in a permuted order, for mlp and heads).
   * ``all_to_all(x, axes, split, concat)``: tiled all-to-all (heads <-> batch for attention).
 """
 

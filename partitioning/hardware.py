@@ -7,24 +7,11 @@ Contract:
   * ``get_hardware(name)`` returns a preset (``HARDWARE_NAMES``); ``"local"`` runs
     ``measure_local()`` on the current default JAX device (seconds of benchmarking).
   * ``measure_matmul_peak(dtype, size) -> FLOP/s`` and ``measure_read_bandwidth(nbytes) -> bytes/s``
-    are shared with ``launch/lab/bench_model.py``; both time jitted work on the default device and
-    return the best of a few repetitions.
-
-JAX is imported lazily inside the measuring functions so that the cost model and planner (pure
-arithmetic) can be imported and used without initialising a backend.
-
-Published figures, with sources (decimal units: GB = 1e9, TB = 1e12; GiB = 2**30):
-  [pope]  Pope et al., "Efficiently Scaling Transformer Inference", MLSys 2023, Section 4: TPU v4
-          has 275 TFLOP/s bf16, 32 GiB HBM at 1200 GB/s, 270 GB/s interconnect in a 3D torus
-          (= 6 links x 45 GB/s one way).
-  [book]  "How to Scale Your Model" (jax-ml scaling book), "How to think about TPUs", spec table:
-          HBM bandwidth, bf16/int8 FLOP/s and one-way ICI bandwidth per link for v4p/v5e/v5p/v6e.
-  [h100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense bf16, 1979 TOPS dense
-          int8, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (450 GB/s each way).
-  [h200]  NVIDIA H200 datasheet (SXM): same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
-          NVLink 900 GB/s bidirectional.
-  Collective step latencies are NOT published specs: ~1 us per ICI hop and ~2 us per NVLink
-  step are order-of-magnitude estimates (small-message collectives of ~10 us on 8 GPUs).
+    time jitted work on the default device (best of a few repetitions); the lab's
+    ``bench_model`` uses them too.
+JAX is imported lazily inside the measuring functions, so the cost model and planner (pure
+arithmetic) import without initialising a backend. The presets' published sources (decimal
+units) are listed in BUILD_NOTES "Design: Partitioning".
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Chooses a partitioning layout by enumerating the analytic cost model (Pope et al. 2023).
 
 Contract: ``plan(model, hardware, chips, phase, batch, context, weights, objective,
-latency_bound_s)`` evaluates every FFN layout x attention layout x mesh ``(x, y, z)`` with
-x*y*z = chips (every ordered factorisation, ws_1d included: it runs on any mesh). Shapes that only
-duplicate another layout are skipped (``cost_model.structural_reason``), and so are attention
-names that run the same program as another on that mesh (``cost_model.canonical_attention``:
-``wg_xyz`` is reported once, as ``batch_xyz``); what is invalid for the
-batch (not divisible by the weight-gathered or attention batch chips), does not fit in HBM or misses
-``latency_bound_s`` is dropped with a reason. Returns a frozen ``Plan``: the candidates sorted best
-first (meshes with identical predicted cost for the same layouts, e.g. y <-> z swaps, collapsed to
-the most cubic one; ws_1d's cost depends only on the chip count, so its meshes collapse the same
-way) and the dropped combinations.
-
-With ``layouts`` only those FFN layouts are considered (e.g. the ones sharing a resident params
-copy with the other phase's). With ``meshes`` only those mesh shapes are considered (a deployment whose mesh is already
-built: the choice must be valid, and costed, on the mesh that runs it).
-
-With ``calibration`` (``partitioning.calibration``) every candidate's cost is the calibrated one
-(fractions of peak achieved, fixed overheads), so choices and figures follow measured runs.
-
-Objectives: ``latency`` minimises step latency on exactly ``chips`` chips. ``cost`` minimises
-chip-seconds per token and may use a sub-slice: any divisor of ``chips`` (the remaining chips
-can serve another replica), so ``Plan.best.mesh`` may multiply to fewer than ``chips``.
-Ties (the model does not tell y from z) break on the other metric, then the most cubic mesh,
-then layout order. Raises ``ValueError`` for bad arguments
-and ``NoFeasiblePlan`` (a ValueError) when nothing is left.
+latency_bound_s, calibration, meshes, layouts)`` evaluates every FFN layout x
+attention layout x mesh ``(x, y, z)`` with x*y*z = chips, skipping shapes that duplicate another
+(``cost_model.structural_reason``, ``cost_model.canonical_attention``) and dropping with a reason
+what is invalid for the batch, does not fit in HBM or misses ``latency_bound_s``. It returns a
+frozen ``Plan``: the candidates best first (equal-cost meshes collapsed to the most cubic) and the
+dropped combinations. ``layouts`` / ``meshes`` restrict the FFN layouts / mesh shapes considered;
+``calibration`` (``partitioning.calibration``) makes every cost the calibrated one.
+Objectives: ``latency`` minimises step latency on exactly ``chips`` chips; ``cost`` minimises
+chip-seconds per token and may use a sub-slice (any divisor of ``chips``). Ties break on the other
+metric, then the most cubic mesh, then layout order. Raises ``ValueError`` for bad arguments and
+``NoFeasiblePlan`` (a ValueError) when nothing is left.
 """
 
 from __future__ import annotations

@@ -4,10 +4,8 @@ Contract: ``Generator(cfg, params).stream(prompts, max_tokens, sampling)`` yield
 numpy int32 array with the next token of every prompt (``-1`` once a row has stopped); rows stop at
 ``max_tokens`` or at a stop id. Shapes are padded to power-of-two buckets (prompt chunk length,
 attention length) so a new request length reuses compiled code. Decoding runs ``steps_per_call``
-steps inside one jitted ``fori_loop``: on XLA:CPU this is several times faster than one call per
-token for bf16/int8 (see BUILD_NOTES.md), at the price of tokens reaching the host in small bursts.
-This is not the continuous-batching engine (``serving/engine.py``, next issue): a batch here
-starts and ends together.
+steps inside one jitted ``fori_loop`` (tokens reach the host in small bursts). This is not the
+continuous-batching engine (``serving/engine.py``): a batch here starts and ends together.
 """
 
 from __future__ import annotations

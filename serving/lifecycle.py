@@ -1,27 +1,18 @@
 """Every request's lifecycle on one monotonic clock: events, derived latencies, metrics, traces.
 
 Contract:
-  * ``RequestTrace(request_id, clock)`` records ``Event(kind, t, detail)``s, ``t`` in seconds of
-    ``clock`` (default ``time.monotonic``; the engine, scheduler and servicer share one).
-    Kinds: ``arrival`` (received, before tokenization), ``queued``, ``prefill_start`` /
-    ``prefill_end`` (one pair per chunk), ``kv_transfer_start`` / ``kv_transfer_end``,
-    ``first_token`` (the first generated id exists, even if its text is held back), ``token``
-    (each later id), ``preempted``, ``resumed``, ``paused`` / ``resume`` (multi-turn), ``finished``
-    (detail: the finish reason).
-  * Definitions used everywhere in the project: TTFT = first_token - arrival; TPOT =
-    (e2e - TTFT) / (tokens - 1); e2e = finished - arrival; queue = first prefill_start - arrival;
-    inter-token latencies = gaps between consecutive generated ids (bursty under multi-step
-    decode, hence reported separately from TPOT).
-  * ``chrome_trace(traces)`` is Chrome-trace JSON (opens in Perfetto): one process per request,
-    one track (thread) per phase: queue, prefill, transfer, decode, and session (a multi-turn
-    request's pause since the previous turn ended, then its resume); instant events for tokens,
-    preemption and the end.
-  * ``Metrics(registry)`` holds the ``prometheus_client`` histograms (TTFT, TPOT, e2e, queue),
-    gauges (queue length, running sequences, KV pages used / cached / free) and fault counters
-    (internal errors by part, loop failures by kind, loop restarts) in the given registry; no
-    global state. ``observe(trace)`` records a finished request.
-  * ``RequestTrace(..., on_error)``: a failure while recording (other than an unknown kind) goes
-    to ``on_error`` (``serving.guard.Guard.report``) instead of the caller.
+  * ``RequestTrace(request_id, clock, on_error)`` records ``Event(kind, t, detail)``s on
+    ``clock`` (default ``time.monotonic``; engine, scheduler and servicer share one). Kinds:
+    arrival, queued, prefill_start / prefill_end (per chunk), kv_transfer_start / _end,
+    first_token, token, preempted, resumed, paused / resume, finished (detail: the reason).
+    A failure while recording (other than an unknown kind) goes to ``on_error``.
+  * The project's definitions: TTFT = first_token - arrival; TPOT = (e2e - TTFT) / (tokens - 1);
+    e2e = finished - arrival; queue = first prefill_start - arrival; inter-token latencies = gaps
+    between consecutive ids.
+  * ``chrome_trace(traces)``: Chrome-trace JSON (Perfetto), one process per request, one track
+    per phase (queue, prefill, transfer, decode, session).
+  * ``Metrics(registry)``: the ``prometheus_client`` histograms, gauges and fault counters in the
+    given registry (no global state); ``observe(trace)`` records a finished request.
 """
 
 from __future__ import annotations

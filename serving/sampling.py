@@ -2,48 +2,18 @@
 
 Contract:
   * ``sample(logits_BV, pos_B, s, greedy_only)`` returns int32 tokens [B]. Row b draws from key
-    ``fold_in(key(s.seed[b]), pos_B[b])``, so a request's tokens depend only on its own seed,
-    positions and logits, never on which other requests share the batch. Temperature, top-k and
-    top-p are per-row arrays (``SamplingArrays``, a pytree: no retrace per value). Only
-    ``greedy_only`` is static (every row greedy: one ``argmax``, nothing else is traced);
-    without it, a batch whose rows are all greedy skips the sampling work at run time (a
-    ``lax.cond``), so one program serves every mix of greedy and sampled rows.
-  * ``temperature == 0`` is greedy: the exact first-index ``argmax`` of the raw logits.
-    ``top_k == 0`` (or ``top_k >= V``) and ``top_p == 1`` disable those filters.
-  * The kept set is the sorted definition's (the vLLM / HF order: temperature, then top-k, then
-    top-p renormalised over the top-k set): rank r (descending scaled logits) is kept iff
-    ``r < top_k`` and the top-k-renormalised probability mass of ranks ``< r`` is ``< top_p``
-    (rank 0 is always kept). Ties at the threshold and float rounding at the top-p boundary
-    aside, it is exact; no full-vocabulary sort runs:
-      - fast path: one ``lax.top_k`` of ``K_MAX`` (static, 64) values per row. It serves rows
-        with ``top_k <= K_MAX``, and rows with top-k off whose nucleus (``top_p < 1``) lies
-        inside the ``K_MAX`` best ids (their mass under the full softmax is ``>= top_p``: then
-        rank ``K_MAX`` is provably dropped, so the cap loses nothing).
-      - full-vocabulary path (under a ``lax.cond``: it runs only when some row of the batch
-        needs it, and a row's path depends on its own logits and parameters only): rows with
-        no filter at all draw over all V ids; rows with
-        ``K_MAX < top_k < V``, or whose nucleus is wider than ``K_MAX`` ids, find their
-        thresholds by bisection over the 32-bit order-preserving integer image of the scaled
-        logits (32 masked count / masked sum passes each for top-k and top-p, exact to the
-        float), then draw over all V ids under the mask. Larger ``top_k`` is thus neither
-        clamped nor rejected: it is exact, just slower.
-    Measured (XLA:CPU, 2 shared cores, V=49152, jit, median of 5) against the old per-row
-    argsort (7 / 28 / 124 ms at B = 1 / 8 / 32): fast path 0.2 / 0.8 / 5 ms, no filter
-    0.3 / 2 / 18 ms, bisection path 0.6 / 4 / 30 ms.
-  * Draws are Gumbel-max over the kept ids (``argmax(z + gumbel)``), using the two-reduction
-    ``argmax`` below. NaN logits of a sampled row are never drawn (they count as ``-inf``); an
-    all-NaN / all ``-inf`` sampled row returns id 0, a greedy all-NaN row ``V - 1``: always a
-    valid id.
-  * ``logprobs(logits_BV, tokens_B, n)`` returns ``(chosen [B] f32, top_ids [B, n] int32,
-    top_logprobs [B, n] f32)``: ``log_softmax`` of the RAW logits (before temperature, top-k and
-    top-p), as vLLM returns by default; ``n <= LOGPROBS_MAX`` is static, 0 gives ``[B, 0]``.
-    ``logprobs_if(want, ...)`` is the same under a ``lax.cond`` on the traced bool ``want``
-    (zeros when false): one program serves batches with and without logprobs.
-  * Seeds: ``SamplingParams.seed`` is ``None`` when the client gave none. ``serving.request.Request``
-    replaces it with ``fresh_seed()`` when the request is created (so a preempted and
-    recomputed request keeps its tokens); ``SamplingArrays.from_params`` draws a fresh one for
-    any sampled row still without a seed (``serving.generator.Generator.stream``: once per
-    stream), greedy rows get 0 (unused).
+    ``fold_in(key(s.seed[b]), pos_B[b])``: a request's tokens depend only on its own seed,
+    positions and logits. Temperature, top-k and top-p are per-row arrays (``SamplingArrays``,
+    a pytree: no retrace per value); only ``greedy_only`` is static.
+  * ``temperature == 0`` is the first-index ``argmax`` of the raw logits; ``top_k == 0`` (or
+    ``>= V``) and ``top_p == 1`` disable those filters. The kept set is the sorted definition's
+    (temperature, then top-k, then top-p over the top-k set), exact for any ``top_k``; draws are
+    Gumbel-max over it, and a sampled row always returns a valid id.
+  * ``logprobs(logits_BV, tokens_B, n)`` -> ``(chosen [B], top_ids [B, n], top_logprobs [B, n])``,
+    ``log_softmax`` of the raw logits; ``logprobs_if(want, ...)`` under a traced bool.
+  * Seeds: a request without one gets ``fresh_seed()`` when created (``serving.request``);
+    ``SamplingArrays.from_params`` draws one for any sampled row still without a seed.
+How it avoids a full sort, and its timings: BUILD_NOTES "Design: Serving core".
 """
 
 from __future__ import annotations

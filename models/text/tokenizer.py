@@ -1,37 +1,19 @@
 """Tokenizers: text <-> token ids for the serving loop, plus streaming (incremental) decode.
 
 Contract:
-  * ``Tokenizer`` (ABC): ``encode(text) -> list[int]`` never adds special tokens (callers prepend
-    ``bos_id`` when it is not None); ``decode(ids) -> str`` drops special ids and ids the
-    tokenizer does not know, and never raises on invalid UTF-8 (U+FFFD replaces bad bytes);
-    ``vocab_size`` counts the tokenizer's ids (a model's vocab may be larger: the sampler should
-    never produce ids >= ``vocab_size``); ``bos_id`` (the id to prepend, or None); ``eos_id``
-    and ``eos_ids`` (every id that ends generation, ``eos_id`` first); ``token_bytes(id)`` is
-    the token's own bytes, which may be part of a UTF-8 character (OpenAI's logprob ``bytes``).
-  * ``ByteTokenizer`` (the built-in presets): ids 0..255 are the UTF-8 bytes, then
-    ``BOS = 256``, ``EOS = 257``, ``PAD = 258``; ``vocab_size`` is 259 whatever the model's vocab
-    (the ``small`` preset's 32000-id vocab uses only the first 259).
-  * Chat: ``chat_template`` is the model's Jinja2 chat template (None when it has none;
-    ``ByteTokenizer``, the random presets', has ``models.text.chat_template.DEFAULT_CHAT_TEMPLATE``); ``apply_chat_template(messages, add_generation_prompt=True) -> str``
-    renders it (``models.text.chat_template``: sandboxed, every failure and a tokenizer without a
-    template is a ``ValueError``) with ``bos_token`` / ``eos_token`` (the special tokens' text, set
-    even when ``bos_id`` is None); ``encode_chat`` encodes that text without prepending
-    ``bos_id`` (the template writes every special token it wants, as in transformers).
-  * ``TokenizersTokenizer`` wraps an in-memory ``tokenizers.Tokenizer`` with explicitly given
-    ``bos_id``, ``eos_ids``, chat template and special-token text (used for GGUF files).
-  * ``HFTokenizer`` wraps a Hugging Face ``tokenizer.json``. Ids come from, in priority order,
-    ``generation_config.json``, ``config.json`` (``eos_token_id`` / ``bos_token_id``, int or
-    list) and ``tokenizer_config.json`` (``eos_token`` / ``bos_token`` strings) in the same
-    directory; eos falls back to a well-known token name and must be found. bos is used only if
-    ``tokenizer_config.json`` says ``add_bos_token: true`` or, when it is silent, the
-    tokenizer's own post-processor prepends a token. The chat template is ``chat_template.jinja``
-    or else ``tokenizer_config.json``'s ``chat_template`` (a str, or a list of named templates of
-    which ``default`` is taken).
-  * ``StreamDecoder(tokenizer)``: ``push(id) -> str`` returns only newly completed text (never a
-    partial UTF-8 character, which would print as U+FFFD), ``flush() -> str`` the rest. Decoding a
-    sliding window of ids keeps word-boundary spaces right for any tokenizer.
-  * ``load_tokenizer(name_or_path)``: a model preset name -> ``ByteTokenizer``; a directory with
-    ``tokenizer.json`` (or that file itself) -> ``HFTokenizer``; anything else -> ``ValueError``.
+  * ``Tokenizer`` (ABC): ``encode(text)`` never adds special tokens (callers prepend ``bos_id``
+    when not None); ``decode(ids)`` drops special and unknown ids and never raises on invalid
+    UTF-8; ``vocab_size``, ``bos_id``, ``eos_id`` / ``eos_ids``, ``token_bytes(id)``;
+    ``chat_template``, ``apply_chat_template(messages)`` and ``encode_chat`` (no BOS prepended:
+    the template writes its special tokens); a tokenizer without a template is a ``ValueError``.
+  * Implementations: ``ByteTokenizer`` (the random presets: bytes 0..255, BOS 256, EOS 257, PAD
+    258), ``TokenizersTokenizer`` (an in-memory ``tokenizers.Tokenizer``, used for GGUF files),
+    ``HFTokenizer`` (a Hugging Face ``tokenizer.json`` with its config files).
+  * ``StreamDecoder(tokenizer)``: ``push(id)`` returns only newly completed text (never a partial
+    UTF-8 character), ``flush()`` the rest.
+  * ``load_tokenizer(name_or_path)``: a preset name -> ``ByteTokenizer``; a directory with
+    ``tokenizer.json`` (or the file) -> ``HFTokenizer``; anything else -> ``ValueError``.
+Where HF ids, BOS and the template come from: BUILD_NOTES "Design: Tokenizers and chat templates".
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """The OpenAI-compatible HTTP server: aiohttp on its own asyncio loop thread, over the Frontend.
 
 Contract: ``serve(frontend, keys, registry, HttpOptions) -> RunningHttp`` binds ``host:port``
-(0: any free port; ``RunningHttp.port`` is the bound one; HTTPS with ``tls_cert`` and
-``tls_key``) and serves at once, in the same
-process and over the same ``serving.api.frontend.Frontend`` as the gRPC service (so validation,
-quotas, the KV budget, early rejection, drain, usage records and metrics are the same);
-``RunningHttp.stop(timeout)`` closes it. Routes:
-  * ``POST /v1/completions``, ``POST /v1/chat/completions``: ``Authorization: Bearer <key>``
-    (401), a body of at most ``max_body_bytes`` (413), parsed by ``serving.api.http_api``; then one
-    ``Frontend.generate`` per prompt. Non-streaming: one JSON body. ``stream: true``: the
-    status and headers are sent with the first output (so a refusal or a fault before it is a
-    plain HTTP error), then one ``data: {...}`` server-sent event per output, the usage chunk
-    when ``stream_options.include_usage``, and ``data: [DONE]``; a stream that fails after its
-    first event sends ``data: {"error": ...}`` and then ``data: [DONE]``.
-  * ``GET /v1/models`` (authenticated), ``GET /health`` (liveness: 200 unless the engine
-    failed), ``GET /ready`` (readiness: 200 only while serving; 503 while loading, draining or
-    failed), ``GET /metrics`` (the process's Prometheus registry).
-  * Errors are OpenAI's JSON shape (``serving.api.http_api.ApiError``) with the right status; an
-    unexpected exception is a 500 and is logged.
-``Frontend.generate`` is blocking and runs in a thread pool (``loop.run_in_executor``); a
-stream's outputs are read without a thread: the loop thread wakes the event loop
-(``Stream.on_ready`` -> ``call_soon_threadsafe``) and the handler polls (``Stream.poll``) one
-output per write, so unread outputs stay in the Stream's bounded buffer (its stall / size limits
-apply as in gRPC) and any number of live streams hold no threads.
-A client that closes the connection cancels the handler (aiohttp's ``handler_cancellation``;
-a write to a closed transport raises ``ConnectionResetError`` too): every sample still running
-is cancelled in the loop, whose scheduler frees its pages before the next step.
+(0: any free port; ``RunningHttp.port`` is the bound one; HTTPS with ``tls_cert`` / ``tls_key``)
+and serves over the same ``serving.api.frontend.Frontend`` as the gRPC service (same validation,
+quotas, early rejection, drain, usage and metrics); ``RunningHttp.stop(timeout)`` closes it.
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (Bearer key, bounded body, parsed
+by ``serving.api.http_api``; JSON, or server-sent events with ``stream: true``), ``GET
+/v1/models``, ``/health`` (liveness), ``/ready`` (readiness), ``/metrics``. Errors are OpenAI's JSON
+shape (``http_api.ApiError``); an unexpected exception is a logged 500.
+``Frontend.generate`` runs in a thread pool; streams hold no thread (the loop thread wakes the
+event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
+buffer). A client that closes the connection cancels every sample it still has running.
+The route-by-route behaviour: docs/http_api.md and BUILD_NOTES "Design: The API".
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
 Contract: ``ElasticThreadPool(max_workers, idle_s=60.0, name="pool")`` is a
 ``concurrent.futures.Executor`` (what ``grpc.server`` takes). ``submit`` starts a thread only when
 every live one is busy (at most ``max_workers``; beyond that the work waits in the queue); a
-thread idle for ``idle_s`` ends. ``threads`` is how many live now. Python's
-``ThreadPoolExecutor`` never lets a thread go, so a server's thread count (each thread an 8 MiB
-stack mapping and a guard page) stayed at the highest concurrency it ever saw; this one
-follows the load back down. ``shutdown(wait)`` lets the queued work finish, then every thread
-ends.
+thread idle for ``idle_s`` ends. ``threads`` is how many live now. ``shutdown(wait)`` lets the
+queued work finish, then every thread ends. Why not ``ThreadPoolExecutor``: BUILD_NOTES
+"Design: The API".
 """
 
 from __future__ import annotations

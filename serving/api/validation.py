@@ -4,17 +4,12 @@ Contract: a front end (gRPC, JetStream's wire API, HTTP) fills ``GenerateArgs`` 
 client sent (``None`` where a field was absent, so an unset field is never read as 0) and calls
 ``validate(args, tokenizer, limits) -> Validated``. Any problem raises ``InvalidArgument(field,
 message)``; ``field`` is the API's own field name (``field_names`` maps this module's names to
-another API's, e.g. JetStream's ``max_tokens`` or OpenAI's ``max_completion_tokens``). Checks:
-exactly one prompt form, non-empty; text is valid UTF-8; token ids in ``[0, vocab)``; the chat
-template renders; prompt <= context and prompt + max_tokens <= context (never truncated);
-``1 <= max_tokens``; temperature finite and >= 0; top_p in (0, 1]; 0 <= top_k <= vocab (0 = off);
-stop strings non-empty, at most ``max_stop_strings`` of at most ``max_stop_chars`` characters;
-stop ids in range; 0 <= min_tokens <= max_tokens; logprobs in [0, LOGPROBS_MAX]; 0 <= n <=
-``max_n`` (0 means 1); the SLO class is known; a session id has at most 128 characters.
-Attention sinks (``sinks_window`` given): the server has them (``Limits.attention_sinks``),
-window >= 1, 0 <= sinks <= ``Limits.page_size`` (default 4), n = 1, no session, the prompt
-within sinks + window, and instead of the context ``max_tokens <= MAX_STREAM_TOKENS`` (the
-stream may run past the context: its KV is a fixed ring). Nothing here touches the engine.
+another API's, e.g. JetStream's ``max_tokens`` or OpenAI's ``max_completion_tokens``). It checks
+the prompt (one form, non-empty, valid UTF-8 or ids in vocab, a chat template that renders), the
+lengths (prompt + max_tokens within the context: never truncated), each sampling and stop
+parameter's range, ``n`` against ``max_n``, the SLO class, the session id, and attention sinks
+(a fixed-size ring: ``max_tokens`` may then pass the context, up to ``MAX_STREAM_TOKENS``).
+Nothing here touches the engine. The full list: BUILD_NOTES "Design: The API".
 """
 
 from __future__ import annotations
