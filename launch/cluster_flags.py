@@ -3,9 +3,9 @@
 Contract: importing this module defines ``--coordinator_address``, ``--num_processes``,
 ``--process_id`` and ``--heartbeat_timeout_s`` once. ``join() -> Cluster`` (after the fake-device
 flags are applied, before any JAX computation) calls ``partitioning.distributed.initialize`` (a
-no-op for one process) and then makes every process use process 0's CPU lowering policy
-(``models.cpu.lowering``: measured, so it could differ per process, and it decides the traced
-programs, which must be identical everywhere). Bad values raise ``CliError``.
+no-op for one process); the CPU backend is agreed on afterwards by
+``launch.engine_flags.resolve_backend`` (process 0's, so every process traces the same programs).
+Bad values raise ``CliError``.
 
   # a TPU pod slice, the same command on every host (JAX finds the others):
   python -m launch.server --coordinator_address auto ...
@@ -15,8 +15,6 @@ programs, which must be identical everywhere). Bad values raise ``CliError``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from absl import flags
 
@@ -49,11 +47,4 @@ def join() -> Cluster:
   from partitioning import distributed as multihost
   c = cluster()
   multihost.initialize(c)
-  if c.multi:
-    import jax
-    if jax.default_backend() == "cpu":
-      from models.cpu import lowering as cpu_lowering
-      fields = multihost.agree("cpu_lowering",
-                               lambda: dataclasses.asdict(cpu_lowering.policy()))
-      cpu_lowering.set_policy(cpu_lowering.CpuPolicy(**fields))
   return c

@@ -92,6 +92,7 @@ def run() -> dict:
   from models.io.loader import load_model
   from models.text.tokenizer import StreamDecoder
   from models.precision import int8_mode_of
+  from models.cpu import backend as cpu_backend
   from serving.generator import Generator
   from serving.sampling import SamplingParams
 
@@ -108,7 +109,7 @@ def run() -> dict:
     raise CliError(str(e))
   prompt = _prompt_ids(tokenizer)
   gen = Generator(cfg, params, steps_per_call=_STEPS_PER_CALL.value,
-                  valid_vocab=tokenizer.vocab_size)
+                  valid_vocab=tokenizer.vocab_size, backend=cpu_backend.resolve().backend)
   try:
     gen.check_lengths(len(prompt), _MAX_TOKENS.value)
     if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:

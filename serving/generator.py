@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.cpu.backend import CpuBackend
 from models.kv_cache import KVCache, init_cache
 from models.transformer import bucket, decode_step, prefill
 from models.weights import Params
@@ -32,7 +33,7 @@ def prefill_and_sample(params: Params, tokens_BT: jax.Array, cache: KVCache, len
                        ) -> tuple[jax.Array, KVCache]:
   """Prefills one chunk (continuing each row at its cache length); samples the next token."""
   logits_BV, cache = prefill(params, tokens_BT, cache, None, lens_B, cfg=cfg,
-                             attend_len=attend_len)
+                             attend_len=attend_len, backend=cache.backend)
   return sample(logits_BV[:, :valid_vocab], cache.lengths, s, greedy_only), cache
 
 
@@ -46,7 +47,8 @@ def decode_n(params: Params, tokens_B: jax.Array, cache: KVCache, s: SamplingArr
   """``n`` decode steps in one call; returns (tokens [n, B], cache)."""
   def body(i, carry):
     tok_B, cache, out_NB = carry
-    logits_BV, cache = decode_step(params, tok_B, cache, cfg=cfg, attend_len=attend_len)
+    logits_BV, cache = decode_step(params, tok_B, cache, cfg=cfg, attend_len=attend_len,
+                                   backend=cache.backend)
     nxt_B = sample(logits_BV[:, :valid_vocab], cache.lengths, s, greedy_only)
     return nxt_B, cache, out_NB.at[i].set(nxt_B)
 
@@ -60,8 +62,9 @@ class Generator:
 
   def __init__(self, cfg: ModelConfig, params: Params, *, max_len: int | None = None,
                prefill_chunk: int = 512, steps_per_call: int = 8, min_batch: int = 1,
-               valid_vocab: int | None = None):
-    """``steps_per_call`` is rounded down to a power of two per call (few compiled variants);
+               valid_vocab: int | None = None, backend: CpuBackend = CpuBackend()):
+    """``backend``: how XLA:CPU runs the model (resolved at start-up; the cache carries it).
+    ``steps_per_call`` is rounded down to a power of two per call (few compiled variants);
     ``valid_vocab`` limits sampling to ids below it (a tokenizer smaller than the embedding)."""
     if prefill_chunk < 1 or steps_per_call < 1 or min_batch < 1:
       raise ValueError("prefill_chunk, steps_per_call and min_batch must be >= 1")
@@ -73,6 +76,7 @@ class Generator:
     self.steps_per_call = steps_per_call
     self.min_batch = min_batch  # pad the batch (XLA:CPU int8 dots want >= 8 rows)
     self.dtype = params["final_norm"].dtype
+    self.backend = backend
 
   def check_lengths(self, prompt_len: int, max_tokens: int) -> None:
     if prompt_len < 1:
@@ -100,7 +104,7 @@ class Generator:
     s = SamplingArrays.from_params(rows)
     greedy_only = all(r.greedy for r in rows)
     cache_len = min(self.max_len, bucket(longest + max_tokens, maximum=self.max_len))
-    cache = init_cache(self.cfg, b, cache_len, self.dtype)
+    cache = init_cache(self.cfg, b, cache_len, self.dtype, self.backend)
 
     lens = np.array([len(p) for p in prompts] + [0] * (b - n_rows))
     first = None

@@ -55,13 +55,14 @@ _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 def _warmup_s(cfg, scan: bool) -> tuple[float, int]:
   import jax
   import jax.numpy as jnp
+  from models.cpu import backend as cpu_backend
   from models.step import UnshardedStep
   from models.text.tokenizer import ByteTokenizer
   from models.weights import init_params
   from serving import stack
   # Eager: a jitted init of 80 layers takes minutes to compile by itself.
   params = init_params(cfg, jax.random.key(0), jnp.float32)
-  loop = stack.build(UnshardedStep(cfg, scan), params, ByteTokenizer(), stack.ServingConfig(
+  loop = stack.build(UnshardedStep(cfg, scan, cpu_backend.resolve().backend), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=_SLOTS.value, page_size=16, kv_pages=_SLOTS.value * _CONTEXT_MAX.value // 16,
       max_chunk=_CHUNK.value, max_prefill_chunks=1, max_context=_CONTEXT_MAX.value,
       prefix_cache=False))

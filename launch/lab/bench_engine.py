@@ -27,7 +27,9 @@ Bad flags exit 2.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import time
@@ -70,6 +72,16 @@ _TPOT_TARGET = flags.DEFINE_float("tpot_target_ms", 0.0, "chunked section: also 
                                   lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 0, "trace seed")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
+_AMX = flags.DEFINE_bool("amx", True, "let the resolved CPU backend use its AMX kernel (an A/B "
+                         "switch: --noamx)")
+
+
+@functools.cache
+def _backend():
+  """The CPU backend as the server resolves it at start-up (``--noamx``: without AMX)."""
+  from models.cpu import backend as cpu_backend
+  b = cpu_backend.resolve().backend
+  return b if _AMX.value else dataclasses.replace(b, amx=False)
 
 
 def _stack(cfg, params, tok, *, slots, pages, chunk, step_tokens, context, tpot_target_ms=0.0):
@@ -79,7 +91,7 @@ def _stack(cfg, params, tok, *, slots, pages, chunk, step_tokens, context, tpot_
                                max_step_tokens=step_tokens, max_chunk=chunk,
                                max_waiting=100_000, max_context=context,
                                tpot_target_ms=tpot_target_ms)
-  return stack.build(UnshardedStep(cfg), params, tok, config)
+  return stack.build(UnshardedStep(cfg, backend=_backend()), params, tok, config)
 
 
 def _request(rid, prompt, max_tokens):
@@ -119,12 +131,13 @@ def _decode_section(cfg, params, tok, rng) -> dict:
     # The direct model: contiguous cache at the same context, one step per call.
     attend = min(bucket(ctx + (rounds + 2) * steps), loop.engine.config.pages_per_seq
                  * _PAGE_SIZE.value)
-    cache = init_cache(cfg, b, attend, params["final_norm"].dtype)
+    cache = init_cache(cfg, b, attend, params["final_norm"].dtype, _backend())
     cache = cache.replace(lengths=jnp.full((b,), ctx, jnp.int32))
     toks = jnp.zeros((b,), jnp.int32)
 
     def direct_step(params, toks, cache):
-      logits, cache = decode_step(params, toks, cache, cfg=cfg, attend_len=attend)
+      logits, cache = decode_step(params, toks, cache, cfg=cfg, attend_len=attend,
+                                  backend=_backend())
       return argmax(logits), cache
 
     # The cache donated, as the engine donates its pages: otherwise every step copies it.

@@ -208,7 +208,7 @@ def _param_sets(cfg_b: BenchConfig):
     del params
 
 
-def _prefill_call(cfg, params, b: int, t: int):
+def _prefill_call(cfg, params, b: int, t: int, backend):
   """A no-argument function running one prefill of b rows of t tokens (blocks until done)."""
   import jax
   import jax.numpy as jnp
@@ -225,7 +225,7 @@ def _prefill_call(cfg, params, b: int, t: int):
                      jnp.int32)
   lens = jnp.full((b,), t, jnp.int32)
   s = SamplingArrays.from_params([SamplingParams()] * b)
-  state = {"cache": init_cache(cfg, b, cache_len, dtype)}
+  state = {"cache": init_cache(cfg, b, cache_len, dtype, backend)}
 
   def call():  # every call prefills the prompt from position 0 (the cache is reused, donated)
     cache = state["cache"].replace(lengths=jnp.zeros((b,), jnp.int32))
@@ -236,10 +236,10 @@ def _prefill_call(cfg, params, b: int, t: int):
   return call
 
 
-def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: BenchConfig
+def _prefill(cfg, params, dtype_name: str, quant: str, b: int, t: int, cfg_b: BenchConfig, backend
              ) -> dict:
   """One prefill shape; "mfu" is filled in by ``run`` once the peaks are final."""
-  med, best = _timed(_prefill_call(cfg, params, b, t), cfg_b.repeats)
+  med, best = _timed(_prefill_call(cfg, params, b, t, backend), cfg_b.repeats)
   # int8 W8A8 multiplies int8 x int8; everything else runs in the activation dtype.
   int8_dot = quant == "w8a8"
   peak_dtype = "int8" if int8_dot else dtype_name
@@ -317,7 +317,7 @@ def _minimal_forward(p: dict, tokens, *, cfg, layout: str):
   return jnp.argmax(logits[:, 0], axis=-1)
 
 
-def _floor(cfg, params, dtype_name: str, cfg_b: BenchConfig, log) -> dict:
+def _floor(cfg, params, dtype_name: str, cfg_b: BenchConfig, log, backend) -> dict:
   """phaseserve's prefill vs the minimal JAX loops (both layouts), timed round-robin in this
   process: medians and ratios (phaseserve tok/s / loop tok/s) per batch."""
   import jax
@@ -331,7 +331,7 @@ def _floor(cfg, params, dtype_name: str, cfg_b: BenchConfig, log) -> dict:
            for lay in FLOOR_LAYOUTS}
   for b in cfg_b.floor_batches:
     toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
-    fns = {"phaseserve": _prefill_call(cfg, params, b, t)}
+    fns = {"phaseserve": _prefill_call(cfg, params, b, t, backend)}
     for lay, (p, f) in loops.items():
       fns[f"minimal_{lay}"] = lambda p=p, f=f: jax.block_until_ready(f(p, toks))
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -391,7 +391,7 @@ class _ReadMeter:
 
 
 def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig,
-            meter: "_ReadMeter") -> dict:
+            meter: "_ReadMeter", backend) -> dict:
   """One decode batch; each timed call is followed by a read-bandwidth measurement (``meter``)
   and the bound is the median over those, so a bound and the steps it is compared with are
   measured within the same second (read bandwidth of a shared VM moves 2x within minutes)."""
@@ -410,7 +410,7 @@ def _decode(cfg, params, dtype_name: str, quant: str, b: int, cfg_b: BenchConfig
     raise CliError(f"--context {ctx} + --steps {n} exceeds the model context {cache_len}")
   attend_len = min(cache_len, bucket(ctx + n, maximum=cache_len))
   s = SamplingArrays.from_params([SamplingParams()] * b)
-  state = {"cache": init_cache(cfg, b, cache_len, dtype), "tok": jnp.zeros((b,), jnp.int32)}
+  state = {"cache": init_cache(cfg, b, cache_len, dtype, backend), "tok": jnp.zeros((b,), jnp.int32)}
 
   def call():
     cache = state["cache"].replace(lengths=jnp.full((b,), ctx, jnp.int32))
@@ -476,11 +476,12 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
 
   t_start = time.perf_counter()
   load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+  from models.cpu import backend as cpu_backend
   lowering = None
+  backend = cpu_backend.CpuBackend()
   if jax.default_backend() == "cpu":
-    from models.cpu import lowering as cpu_lowering
-    cpu_lowering.policy()  # decided (measured or read from the cache) before any trace
-    lowering = cpu_lowering.report()
+    resolved = cpu_backend.resolve()  # decided (measured or read from the cache) before any trace
+    backend, lowering = resolved.backend, resolved.report()
     log(f"cpu lowering ({lowering['source']}): {lowering['policy']}")
   dtypes = ("float32", "bfloat16", "int8")
 
@@ -501,13 +502,13 @@ def run(cfg_b: BenchConfig, log=lambda msg: None) -> dict:
   cfg = None
   for cfg, dtype_name, quant, params in _param_sets(cfg_b):
     if (cfg_b.floor_batches and quant == "none" and dtype_name == floor_dtype):
-      floor = _floor(cfg, params, dtype_name, cfg_b, log)
+      floor = _floor(cfg, params, dtype_name, cfg_b, log, backend)
     for b, t in cfg_b.prefill_shapes():
-      r = _prefill(cfg, params, dtype_name, quant, b, t, cfg_b)
+      r = _prefill(cfg, params, dtype_name, quant, b, t, cfg_b, backend)
       log(f"prefill {dtype_name}/{quant} {b}x{t}: {r['tokens_per_s']:.0f} tok/s")
       prefill.append(r)
     for b in cfg_b.decode_batches:
-      r = _decode(cfg, params, dtype_name, quant, b, cfg_b, meter)
+      r = _decode(cfg, params, dtype_name, quant, b, cfg_b, meter, backend)
       log(f"decode {dtype_name}/{quant} batch {b}: {r['ms_per_step']:.2f} ms/step, "
           f"{r['tokens_per_s']:.0f} tok/s")
       decode.append(r)

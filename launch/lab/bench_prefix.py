@@ -130,6 +130,7 @@ def main(argv: list[str]) -> None:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
   import jax.numpy as jnp
   from models.io.loader import load_model
+  from models.cpu import backend as cpu_backend
   from models.step import UnshardedStep
   from serving import stack
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
@@ -147,10 +148,11 @@ def main(argv: list[str]) -> None:
   pages = -(-context // _PAGE.value) * (_REQUESTS.value + 2) * 2
   out: dict[str, object] = {}
   ids = {}
+  backend = cpu_backend.resolve().backend  # as the server resolves it at start-up
   if _MULTITURN.value:
     res = {}
     for name, on in (("recomputed", False), ("resumed", True)):
-      loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+      loop = stack.build(UnshardedStep(cfg, backend=backend), params, tok, stack.ServingConfig(
           max_slots=_MAX_SLOTS.value, page_size=_PAGE.value, kv_pages=pages,
           max_step_tokens=_STEP_TOKENS.value, max_chunk=_CHUNK.value,
           max_prefill_chunks=_CHUNKS.value,
@@ -171,7 +173,7 @@ def main(argv: list[str]) -> None:
   if _HOST.value:
     runs.append(("cache_host", True, 1 << 40))
   for name, on, host in runs:
-    loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+    loop = stack.build(UnshardedStep(cfg, backend=backend), params, tok, stack.ServingConfig(
         max_slots=_MAX_SLOTS.value, page_size=_PAGE.value, kv_pages=pages,
         max_step_tokens=_STEP_TOKENS.value, max_chunk=_CHUNK.value,
         max_prefill_chunks=_CHUNKS.value, max_context=context, prefix_cache=on,

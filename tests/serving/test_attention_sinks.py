@@ -23,6 +23,8 @@ import pytest
 
 from models import attention, paged_kv as PK, transformer as T
 from models.cpu import paged_attention as cpu_paged_attention
+from models.cpu.backend import CpuBackend
+from tests.cpu_policies import NATIVE
 from models.config import get_preset
 from models.step import UnshardedStep
 from models.text.tokenizer import ByteTokenizer
@@ -355,15 +357,18 @@ def test_decode_attends_the_rings_only_and_full_rows_see_every_key(params, monke
   table = jnp.arange(n * m, dtype=jnp.int32).reshape(n, m)
 
   def run(native):
-    kv = PK.init_paged(CFG, n, n * m + 1, z, m, jnp.float32, sink_pool=True).replace(
+    backend = NATIVE if native else CpuBackend()
+    kv = PK.init_paged(CFG, n, n * m + 1, z, m, jnp.float32, sink_pool=True,
+                       backend=backend).replace(
         page_table=table, sinks=jnp.asarray([SINKS, 0, 0], jnp.int32),
         window=jnp.asarray([WINDOW, 0, 0], jnp.int32))
     assert kv.rings_only(CFG.num_heads) == native
     lg, kv = T.prefill(params, jnp.asarray(ids[:, :PROMPT]), kv, None,
                        jnp.full((n,), PROMPT, jnp.int32), cfg=CFG, attend_len=m * z,
-                       all_logits=True)
+                       all_logits=True, backend=backend)
     steps = [np.asarray(lg)]
-    decode = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=CFG, attend_len=ring))
+    decode = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=CFG, attend_len=ring,
+                                                   backend=backend))
     for i in range(PROMPT, stream_len):
       lg, kv = decode(params, jnp.asarray(ids[:, i]), kv)
       steps.append(np.asarray(lg)[:, None])
@@ -374,7 +379,6 @@ def test_decode_attends_the_rings_only_and_full_rows_see_every_key(params, monke
       reference_stream(params, CFG, ids[r], 0, 0) for r in (1, 2)]
   for r in range(n):
     _close(got[r], refs[r], f"row {r}")
-  monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")
   control = run(False)
   err = np.max(np.abs(control[1] - refs[1]))
   assert err > 100 * TOL * max(1.0, float(np.max(np.abs(refs[1]))))

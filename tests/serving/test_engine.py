@@ -211,11 +211,11 @@ def test_native_attention_makes_one_program_per_rows_and_chunk(params):
   """With the native paged attention (work follows each query's position) every model program
   attends the cap: one program per (phase, rows, chunk), not one per attended power of two; a
   sink pool's decode (the gather path: ring and shift) keeps the attended-length buckets."""
-  from models.cpu import paged_attention as cpu_paged_attention
+  from tests.cpu_policies import NATIVE
   kw = dict(max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len)
-  engine = Engine(UnshardedStep(CFG), params, EngineConfig(**kw))
-  sinks = Engine(UnshardedStep(CFG), params, EngineConfig(**kw, sinks=True))
-  native = cpu_paged_attention.available()
+  engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(**kw))
+  sinks = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(**kw, sinks=True))
+  native = NATIVE.paged_attention
   assert engine.length_free == {"prefill": native, "decode": native}
   assert sinks.length_free == {"prefill": native, "decode": False}
   model = lambda e, p: [b for b in e.buckets(2, 32) if b[0] == p]

@@ -1,6 +1,6 @@
 """The session-11 A/B of the AMX kernel in the serving engine (BUILD_NOTES "AMX tiles for decode
 batches"): ``launch.lab.bench_engine``'s decode section with this machine's measured CPU lowering
-policy (variant ``amx``) or the same policy with the AMX ranges set to 0 (``off``), each in its
+backend (variant ``amx``) or the same backend without the AMX kernel (``off``), each in its
 own process, alternated:
 
     for v in amx off amx off; do .venv/bin/python -m launch.lab.model_speed.ab_amx_s11 $v bfloat16 none; done
@@ -10,24 +10,18 @@ Arguments: variant, --dtype, --quantize. Prints the variant, then bench_engine's
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 
 def main() -> None:
   from absl import app
 
-  from models.cpu import lowering as cpu_lowering
-
   variant, dtype, quantize = sys.argv[1:4]
-  measured = cpu_lowering.policy()
-  if variant == "off":
-    cpu_lowering.set_policy(dataclasses.replace(measured, amx_min_rows=0, amx_max_rows=0,
-                                                amx_int8_min_rows=0, amx_int8_max_rows=0))
-  print(variant, cpu_lowering.policy(), flush=True)
+  print(variant, flush=True)
   from launch.lab import bench_engine
 
-  app.run(bench_engine.main, argv=["bench_engine", "--model", "smollm2-135m", "--dtype", dtype,
+  app.run(bench_engine.main, argv=["bench_engine", "--amx" if variant == "amx" else "--noamx",
+                                   "--model", "smollm2-135m", "--dtype", dtype,
                                    "--quantize", quantize, "--sections", "decode",
                                    "--decode_batches", "16,64", "--rounds", "2", "--json"])
 
