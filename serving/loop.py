@@ -330,20 +330,19 @@ class ServingLoop:
 
   def capacity(self) -> Capacity:
     s = self.scheduler
-    pool, cache = s.pool, s.prefix_cache
+    pool, cache = s.kv.pool, s.kv.prefix_cache
     return Capacity(
         kv_pages=pool.budget.num_pages, page_size=pool.page_size, kv_bytes=pool.budget.bytes,
         bytes_per_page=pool.budget.bytes_per_page, max_slots=s.max_slots,
         max_context=s.max_context, max_step_tokens=s.max_step_tokens,
         max_prefill_chunks=s.max_prefill_chunks, max_chunk=s.max_chunk,
-        prefix_cache=cache is not None,
-        host_tier_pages=cache.host_capacity if cache is not None else 0,
+        prefix_cache=s.kv.caching, host_tier_pages=cache.host_capacity,
         attention_sinks=s.sinks, vocab_size=s.tokenizer.vocab_size)
 
   def _count_kv(self) -> None:
-    pool, cache = self.scheduler.pool, self.scheduler.prefix_cache
-    self._kv_counts = (pool.pages_used, pool.pages_free, pool.pages_cached,
-                       cache.host_pages_used if cache is not None else 0)
+    kv = self.scheduler.kv
+    self._kv_counts = (kv.pool.pages_used, kv.pool.pages_free, kv.pool.pages_cached,
+                       kv.prefix_cache.host_pages_used)
 
   def occupancy(self) -> Occupancy:
     """From any thread: the queue counts now, the KV page counts as of the last step."""
@@ -357,7 +356,7 @@ class ServingLoop:
   def can_ever_fit(self, n_tokens: int, ring: int = 0) -> Refusal | None:
     """Why a sequence of ``n_tokens`` positions (or a window's ring of ``ring`` pages) could
     never be held, whatever else runs; None when it could (``serving.kv_pages.PagePool``)."""
-    return self.scheduler.pool.can_ever_fit(n_tokens, ring)
+    return self.scheduler.kv.pool.can_ever_fit(n_tokens, ring)
 
   def slot_wait_steps(self, ahead: int) -> int:
     """Steps until a slot frees for a request with ``ahead`` requests before it."""
@@ -369,11 +368,7 @@ class ServingLoop:
     if not self._sched_lock.acquire(timeout=timeout):
       return 0
     try:
-      cache = self.scheduler.prefix_cache
-      if cache is None:
-        return 0
-      shard = cache.best_shard(ids)
-      return 0 if shard is None else cache.match(ids, shard, count=False).tokens(cache.page_size)
+      return self.scheduler.kv.cached_prefix(ids)
     finally:
       self._sched_lock.release()
 

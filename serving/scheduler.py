@@ -106,24 +106,6 @@ class Scheduler:
     self._cancelled: list[str] = []
     self._outputs: list[RequestOutput] = []
 
-  # Read-only paths of the memory it used to hold itself (readers should move to ``kv``).
-  @property
-  def pool(self) -> PagePool:
-    return self.kv.pool
-
-  @property
-  def prefix_cache(self) -> BasePrefixCache | None:
-    """The prefix cache, None when caching is off."""
-    return self.kv.prefix_cache if self.kv.caching else None
-
-  @property
-  def sessions(self) -> Sessions | None:
-    return self.kv.sessions
-
-  @property
-  def prefix_copied_pages(self) -> int:
-    return self.kv.prefix_copied_pages
-
   # -- arrivals and cancellations -------------------------------------------------------------
 
   def add(self, req: Request, trace: RequestTrace) -> RequestOutput | None:

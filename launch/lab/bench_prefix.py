@@ -75,13 +75,13 @@ def _run(loop, prompts, max_tokens):
   stop = StopCriteria(max_tokens=max_tokens, ignore_eos=True)
   loop.submit(Request("warm", tuple(prompts[0]), stop=stop), cb)
   loop.run_until_idle()
-  cache = loop.scheduler.prefix_cache
-  if cache is not None and cache.host_capacity:  # push every cached page to the host tier
-    cache.evict(0, loop.scheduler.pool.budget.num_pages)
+  cache = loop.scheduler.kv.prefix_cache
+  if cache.host_capacity:  # push every cached page to the host tier
+    cache.evict(0, loop.scheduler.kv.pool.budget.num_pages)
   t0 = time.perf_counter()
   for i, p in enumerate(prompts[1:]):
     loop.submit(Request(f"r{i}", tuple(p), stop=stop), cb)
-  pool, sched = loop.scheduler.pool, loop.scheduler
+  pool, sched = loop.scheduler.kv.pool, loop.scheduler
   peak = 0
   worst = 0.0  # KV held by running sequences / the least they need, at the worst step
   least = lambda r: _PREFIX.value + r * (
@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
     stack.warmup(loop)
     out[name], ids[name] = _run(loop, prompts, _MAX_TOKENS.value)
     if host:
-      c = loop.scheduler.prefix_cache
+      c = loop.scheduler.kv.prefix_cache
       out[name].update(spilled=c.spilled, loaded=c.loaded, host_hit_tokens=c.host_hit_tokens)
   on, off = out["cache_on"], out["cache_off"]
   # The KV the batch needs at the least: the shared prefix once, plus each request's own tokens.

@@ -361,7 +361,7 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
     assert pool.pages_used == 0 and sched.idle
     last = Request("c", base + (9, 9), stop=StopCriteria(max_tokens=5, ignore_eos=True))
     if cache and shards > 1:  # fill every shard holding the prefix: its pages are copied across
-      c = sched.prefix_cache
+      c = sched.kv.prefix_cache
       for sh in range(shards):
         m = c.match(last.prompt_ids, sh, count=False)
         if m.nodes:
@@ -372,10 +372,10 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
             n = min(pool.usage()[sh].free, pool.max_pages_per_seq)
             assert pool.allocate(f"filler{sh}-{k}", n * 8, shard=sh) is None
             k += 1
-    before = (sched.prefix_copied_pages, engine.copied_pages)
+    before = (sched.kv.prefix_copied_pages, engine.copied_pages)
     run([last])
     if cache and shards > 1:
-      assert (sched.prefix_copied_pages - before[0], engine.copied_pages - before[1]) == (3, 3)
+      assert (sched.kv.prefix_copied_pages - before[0], engine.copied_pages - before[1]) == (3, 3)
       for seq in [q for q in pool.sequences if str(q).startswith("filler")]:
         pool.release(seq)
     pool.check()

@@ -240,7 +240,7 @@ def _run(loop, reqs):
                               final.__setitem__(o.request_id, o) if o.finish_reason else None))
   while not loop.idle:
     loop.step()
-    pool = loop.scheduler.pool
+    pool = loop.scheduler.kv.pool
     pool.check()
     for seq in pool.sequences:
       peak[seq] = max(peak.get(seq, 0), len(pool.table(seq)))
@@ -257,7 +257,7 @@ def test_a_served_stream_8x_the_context_keeps_its_ring_and_equals_the_reference(
   plain = Request("p", prompt, stop=StopCriteria(12, ignore_eos=True))
   got, final, peak = _run(loop, [stream, plain])
   assert final["s"].finish_reason is FinishReason.LENGTH and len(got["s"]) == 256
-  assert peak["s"] == PK.ring_entries(12, Z) == 5 and loop.scheduler.pool.pages_used == 0
+  assert peak["s"] == PK.ring_entries(12, Z) == 5 and loop.scheduler.kv.pool.pages_used == 0
   vocab = ByteTokenizer.VOCAB_SIZE
   assert got["s"] == reference_greedy(params, CFG, prompt, 256, 4, 12, vocab)
   other = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(

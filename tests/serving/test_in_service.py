@@ -134,7 +134,7 @@ def test_observer_faults_cost_at_most_their_own_request():
     assert ids == reference([1 + seed, 2, 3], seed, 12, VOCAB), rid
     assert outs[rid][-1].finish_reason is FinishReason.LENGTH
   assert seen[-1].finish_reason is FinishReason.CANCELLED  # only the broken consumer's request
-  assert loop.failed is None and loop.scheduler.pool.pages_used == 0
+  assert loop.failed is None and loop.scheduler.kv.pool.pages_used == 0
   for part, n in (("cost_model", 2), ("metrics", 1), ("lifecycle", 1), ("stream_callback", 1)):
     assert loop.guard.counts[part] == n and _errors(reg, part) == n, part
 
@@ -201,7 +201,7 @@ def test_an_internal_error_ends_every_request_then_the_loop_restarts_or_stays_de
     return cb
   for i in range(6):  # 4 run (slots), 2 wait: all end with an error status
     loop.submit(_request(f"a{i}", i, n=30), on(f"a{i}"))
-  old_pool = loop.scheduler.pool
+  old_pool = loop.scheduler.kv.pool
   loop.start()
   try:
     assert done.wait(10)
@@ -213,8 +213,8 @@ def test_an_internal_error_ends_every_request_then_the_loop_restarts_or_stays_de
     _wait(lambda: after and after[-1].finished)
     if rebuild:  # a fresh scheduler on the same engine serves the next request correctly
       assert [t for o in after for t in o.token_ids] == reference([12, 2, 3], 11, 12, VOCAB)
-      assert loop.restarts == 1 and loop.dead is None and loop.scheduler.pool is not old_pool
-      assert loop.scheduler.pool.pages_used == 0
+      assert loop.restarts == 1 and loop.dead is None and loop.scheduler.kv.pool is not old_pool
+      assert loop.scheduler.kv.pool.pages_used == 0
       assert reg.get_sample_value("phaseserve_loop_restarts_total") == 1
     else:
       assert after[-1].finish_reason is FinishReason.ERROR and loop.dead

@@ -48,7 +48,7 @@ def test_simulated_p50_ttft_and_tpot_match_the_live_engine():
   reqs = _trace(64, rate=80.0, seed=0)
   live = run_live(loop, reqs, vocab=ByteTokenizer.VOCAB_SIZE)
   assert loop.engine.programs == programs  # nothing compiled while measured
-  assert len(live.ttft_s) == len(reqs) and loop.scheduler.pool.pages_used == 0
+  assert len(live.ttft_s) == len(reqs) and loop.scheduler.kv.pool.pages_used == 0
   step_time = fit_step_time(live.steps)
   assert step_time.b > 0  # prefill tokens cost time: the fit found the engine's shape
   spec = EngineSpec(max_slots=SLOTS, max_step_tokens=STEP_TOKENS, max_chunk=CHUNK,

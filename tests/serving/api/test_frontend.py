@@ -146,7 +146,7 @@ def test_generate_matches_reference_and_writes_usage(fe, tmp_path):
   assert recs[0]["client_request_id"] == "client-1" and recs[0]["finish_reason"] == [
       "length", "length"]
   assert recs[0]["ttft_s"] > 0 and recs[0]["e2e_s"] >= recs[0]["ttft_s"]
-  assert fe.live == 0 and fe.loop.scheduler.pool.pages_used == 0
+  assert fe.live == 0 and fe.loop.scheduler.kv.pool.pages_used == 0
 
 
 def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
@@ -170,7 +170,7 @@ def test_n_samples_share_the_prompt_pages_through_the_cache(tmp_path):
       time.sleep(0.01)
     assert s2.ended and s2.status is Status.CANCELLED
     time.sleep(0.1)
-    assert fe.loop.scheduler.pool.pages_used == 0 and fe.live == 0
+    assert fe.loop.scheduler.kv.pool.pages_used == 0 and fe.live == 0
   finally:
     fe.loop.stop(timeout=5)
 
@@ -340,7 +340,7 @@ def test_slow_consumer_is_cancelled_and_its_pages_freed(tmp_path):
     assert stream.finals[0].finish_reason is FinishReason.CANCELLED
     assert sum(stream.completion) < 60
     time.sleep(0.05)
-    assert fe.loop.scheduler.pool.pages_used == 0 and fe.loop.scheduler.num_running == 0
+    assert fe.loop.scheduler.kv.pool.pages_used == 0 and fe.loop.scheduler.num_running == 0
   finally:
     fe.loop.stop(timeout=5)
 
@@ -381,7 +381,7 @@ def test_recoverable_fault_fails_the_step_and_serving_goes_on(tmp_path):
     ok = fe.generate(GenerateArgs(token_ids=[3, 4], max_tokens=5, ignore_eos=True, seed=1), ANON)
     assert _collect(ok)[0][0] == reference([3, 4], 1, 5, VOCAB)
     assert fe.loop.failed is None and fe.loop.faults == 1
-    assert fe.loop.scheduler.pool.pages_used == 0
+    assert fe.loop.scheduler.kv.pool.pages_used == 0
   finally:
     fe.loop.stop(timeout=5)
 

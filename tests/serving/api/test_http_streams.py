@@ -56,7 +56,7 @@ def test_more_live_streams_than_bridge_threads_all_finish():
     deadline = time.monotonic() + 5
     while fe.live and time.monotonic() < deadline:
       time.sleep(0.02)
-    assert fe.live == 0 and fe.loop.scheduler.pool.pages_used == 0
+    assert fe.live == 0 and fe.loop.scheduler.kv.pool.pages_used == 0
   finally:
     server.stop(2)
     fe.loop.stop(timeout=5)
