@@ -1,37 +1,16 @@
 """A calibration of the analytic cost model: achieved fractions of peak, fitted to measured runs.
 
-The cost model (``partitioning.cost_model``) is an optimistic bound: peak FLOP/s, peak HBM and
-link bandwidth, no fixed costs. A ``Calibration`` rescales its terms:
-
   roofline = max(compute_s / flops_fraction, (weight_mem_s + kv_mem_s) / hbm_fraction)
   comm     = (comm_s - collective_floor_s) / link_fraction + collective_floor_s * hop_scale
   latency  = roofline + comm - overlap * min(roofline, comm) + num_layers * layer_overhead_s
 
-(``hop_scale``: the per-collective hop latency relative to the hardware preset's; ``overlap``:
-the fraction of the communication hidden behind compute and HBM traffic, as the paper's Looped
-CollectiveEinsum does (Sec. 3.5): 0 adds them (the uncalibrated model's assumption), 1 gives
-max(roofline, comm)). MFU and cost per token follow from the calibrated latency; the other fields
-are the uncalibrated ones.
-
-Contract:
-  * ``Calibration(...).apply(cost, num_layers) -> StepCost``; ``IDENTITY`` changes nothing.
-  * ``Sample(cost, num_layers, measured_s, label)``: one measured step with its uncalibrated cost.
-  * ``fit(samples, hardware, free=FREE, source=, fixed=) -> Calibration``: least squares on
-    log(calibrated / measured) over the ``free`` parameters (the others stay at identity, or at
-    the values ``fixed`` gives), each within ``BOUNDS``; raises ``ValueError`` with fewer samples
-    than free parameters. ``FREE`` leaves ``overlap`` out (opt in by naming it).
-  * ``errors(calibration, samples) -> list[float]``: calibrated / measured per sample.
-  * ``save(calibration, path)`` / ``load(path)``: JSON. The planner (``planner.plan(...,
-    calibration=)``), ``launch.lab.sweep_frontier --calibration`` and ``launch.lab.plan --calibration``
-    use a loaded calibration when one is given.
-  * Installed calibrations: ``default_path(hardware)`` is where ``launch.lab.calibrate --install``
-    saves a hardware's calibration (``<models.cpu.env.calibration_dir()>/<hardware>.json``);
-    ``resolve(spec, hardware)`` turns a ``--calibration``
-    flag into ``(calibration or None, where)``: ``"auto"`` the installed one if it exists,
-    ``"none"`` (or empty) none, anything else a path. The planner's users (``launch.lab.plan``,
-    ``sweep_frontier``, ``simulate``, the server's layout choice) default to ``"auto"``, so a
-    calibration is used whenever one exists. A calibration fitted for other hardware is refused
-    (``ValueError``).
+Contract: ``Calibration(...).apply(cost, num_layers) -> StepCost`` (``IDENTITY`` changes
+nothing); ``fit(samples, hardware, free=FREE, source=, fixed=)`` fits the ``free`` parameters by
+least squares on log(calibrated / measured) within ``BOUNDS`` (``ValueError`` with fewer samples
+than free parameters); ``errors`` gives calibrated / measured per ``Sample``; ``save`` / ``load``
+are JSON. ``default_path(hardware)`` is where ``launch.lab.calibrate --install`` puts one;
+``resolve(spec, hardware)`` turns ``--calibration`` (``auto``: the installed one if any; ``none``;
+a path) into ``(calibration or None, where)``; a calibration for other hardware is refused.
 """
 
 from __future__ import annotations

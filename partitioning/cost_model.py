@@ -3,82 +3,14 @@
 Contract: ``step_cost(model, hw, layout, attention, mesh, phase, batch, context, weights)``
 returns a frozen ``StepCost`` (seconds, bytes, MFU) for one forward pass of the whole model, or
 raises ``ValueError`` for an invalid combination; ``check_layout`` (and its structural part
-``structural_reason``) returns the reason a combination is invalid (``None`` when valid).
-Pure arithmetic, no JAX.
-
-Layout names are a contract shared with the sharding code (use these exact strings):
-  feed-forward ``FFN_LAYOUT_NAMES``:  ws_1d, ws_2d, wg_x, wg_xy, wg_xyz
-  attention ``ATTN_LAYOUT_NAMES``: heads, batch_z, batch_yz, batch_xyz
-The mesh is ``(x, y, z)``, n = x*y*z chips. ``ws_1d`` runs on any mesh (its collectives span all
-n chips, as in ``partitioning/layouts.py``), so its FFN cost depends only on n.
-
-Phases. ``prefill``: ``batch`` sequences of ``context`` prompt tokens in one pass; tokens
-T = batch*context; latency is the whole prompt pass. ``decode``: ``batch`` sequences, one new
-token each, attending to ``context`` cached tokens; T = batch; latency is one step.
-
-Notation: E = embed_dim, F = mlp_dim, L = num_layers, N/K/H = query heads / kv heads / head dim,
-a = 2 bytes per activation (bf16), w = 2 (bf16) or 1 (int8) bytes per weight, W = the
-interconnect bandwidth ``hw.network_bandwidth`` (paper App. A.1: an all-gather or reduce-scatter
-whose result / input is D bytes takes D/W, here D*(g-1)/g / W over g chips, see below; an
-all-to-all of D bytes takes D/(4W) on a torus).
-
-Per-layer communication (bytes moved / W), paper Sec. 3.2 and App. A.2, with each collective's
-exact ring volume: an all-gather whose result is D bytes, or a reduce-scatter whose input is D
-bytes, over g chips moves D*(g-1)/g per chip (``Hardware.ring_fraction``; the paper's formulas
-drop the factor: 1/2 on a 2-chip axis, 3/4 on a 4-chip one, 63/64 over 64 chips). Every
-collective runs at W (``Hardware.collective_bandwidth``; ``axis_links`` would give a torus
-collective only the links of its mesh axes, taken as physical axes, a variant the TPU v4 fit set
-rejects; with it ws_1d's cost also depends on the mesh shape, not only on n):
-  ws_1d   weights sharded on F over all n chips; per layer one all-gather + one reduce-scatter of
-          the activations: 2*T*E*a*(n-1)/n / W (does not shrink with n).
-  ws_2d   weights E_x F_yz; all-gather(yz) + reduce-scatter(x) on the way in, all-gather(x) +
-          reduce-scatter(yz) on the way out: 2*T*a*(E/X*(YZ-1)/YZ + F/YZ*(X-1)/X) / W. Without
-          the ring factors and with X*YZ = n the minimum is at X = sqrt(n*E/F) (d/dX [E/X +
-          F*X/n] = 0), giving 4*T*a*sqrt(E*F/n)/W, i.e. 8*T*E*a/(sqrt(n)*W) for F = 4E: it
-          shrinks as 1/sqrt(n) (``optimal_2d_x``). With them, ws_1d and ws_2d move the same
-          bytes on 8 chips (X = 2, YZ = 4, F = 4E: 1.75*T*E*a each), where the factor-free
-          formulas charge ws_2d 1.5x more.
-  wg_*    weights stored E_x F_yz as in ws_2d but all-gathered over the N chips of the named axes
-          (wg_x: N = X, wg_xy: N = XY, wg_xyz: N = n) before use, with the batch sharded N ways:
-          gathering a layer's weights costs W_layer*N/n*(N-1)/N / W (int8 halves it); the
-          remaining n/N chips run ws_1d on T/N tokens: 2*(T/N)*E*a*(r-1)/r / W with r = n/N
-          (zero when N = n). Without the ring factors this is the paper's 2EFwN/(nW) + 2TEa/(NW),
-          minimal at N = sqrt(T*n*a/(F*w)) (``optimal_wg_chips``): ~sqrt(T) instead of ~T, so it
-          wins at large T (prefill).
-  attention all-to-all: the attention batch axes are the FFN's batch axes (ws_*: none; wg_*:
-          their gathered axes; never moved back to heads) plus the attention layout's named axes
-          (``attention_batch_axes``, = ``LayoutPlan.ab = rb + move`` of ``layouts.make_plan``).
-          Q (N*H) is moved heads -> batch over the named axes that are not already batch axes
-          (``all_to_all_axes`` = ``LayoutPlan.move``) and the output (N*H) back; the new K/V are
-          computed whole on every head shard and only sliced (no communication). A group of g
-          chips moves T*2NH*a*g/n bytes (``Hardware.all_to_all_time``). So wg_xyz + any attention
-          layout has no all-to-all, and wg_xy + batch_z/yz/xyz are one program.
-  PaLM-style parallel blocks fuse attention's projections into the FFN collectives (Sec. 3.4);
-  for serial blocks the activation collectives are doubled.
-  Latency floor: every collective also pays ``hw.collective_step_latency_s`` per ring hop
-  (``Hardware.collective_steps(group)``); collectives per layer: ws_1d 2, ws_2d 4, wg 2 gathers
-  (+2 activation collectives if n/N > 1), attention all-to-all 2.
-
-Memory per chip and step: weight_mem_s = weight bytes read / HBM bandwidth (ws: the resident
-1/n shard; wg: the gathered W*N/n); kv_mem_s = KV-cache bytes read (decode) or written (prefill)
-per chip / HBM bandwidth. KV per chip: total KV = L*B*context*2*K*H*2 bytes (bf16 cache), split
-over the b chips of the attention batch axes; kv heads are never sharded (the code's cache is
-``[L, B.ab, K, S, H]``), so it is replicated over the other n/b chips -- with ``ws_*`` + ``heads``
-every chip holds the whole cache, which is why decode wants batch-sharded attention (Sec. 3.3).
-
-Overlap model: like the paper's analysis, collectives are NOT overlapped with compute or memory
-(the paper's implementation does overlap them, Sec. 3.5 Looped CollectiveEinsum); compute and
-HBM traffic overlap perfectly (roofline):
-  latency = max(compute_s, weight_mem_s + kv_mem_s) + comm_s, comm_s including the floors.
-compute_s = model FLOPs / (n * bf16 peak) -- int8 here is weight-only (as in the paper, Sec. 3.6),
-so matmuls still run at the bf16 peak. Model FLOPs = T * (``flops_per_token(0)`` + attention
-4*L*N*H*c), c = context for decode and (context+1)/2 (causal mean) for prefill.
-mfu = FLOPs / (latency * n * bf16 peak); cost_chip_s_per_token = latency * n / T.
-HBM fit: resident weights (1/n) + KV per chip + one gathered layer (wg) + the residual stream in
-and out, 2*T*E*a/n, must fit in ``hw.hbm_bytes`` (no reserve is kept; FFN hidden activations and
-attention scores are assumed processed in token chunks, so they are not counted).
-Not modelled: embedding/unembedding collectives, head padding (PaLM 540B pads 48 -> 64 heads),
-kernel efficiency below peak; the model is therefore an optimistic lower bound on latency.
+``structural_reason``) returns the reason a combination is invalid (``None`` when valid). Pure
+arithmetic, no JAX. Layout names are shared with ``partitioning.layouts``: FFN
+``ws_1d ws_2d wg_x wg_xy wg_xyz``, attention ``heads batch_z batch_yz batch_xyz``; the mesh is
+``MeshShape (x, y, z)``. ``prefill``: ``batch`` sequences of ``context`` tokens in one pass;
+``decode``: one token per sequence attending to ``context`` cached ones.
+latency = max(compute_s, weight_mem_s + kv_mem_s) + comm_s (collectives not overlapped, as the
+paper's analysis; per-layer collective volumes with exact ring fractions and a per-hop floor).
+The formulas, assumptions and what is not modelled: BUILD_NOTES.md, "Analytic cost model".
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """JAX's multi-controller runtime for phaseserve: one model, one global mesh, many processes.
 
-Contract:
-  * ``Cluster(coordinator_address, num_processes, process_id, ...)``: a frozen description of
-    this process's place in a multi-process run (``coordinator_address="auto"``: JAX's cluster
-    detection fills in all three, e.g. on a TPU pod slice); ``Cluster.single()`` is the
-    one-process default (``initialize`` is then a no-op). ``Cluster.validate()`` raises ``ValueError`` naming the bad
-    field.
-  * ``initialize(cluster)`` calls ``jax.distributed.initialize`` once, before any JAX computation,
-    with the heartbeat and initialisation timeouts of ``cluster`` (a process whose peer died
-    stops with an error after about ``heartbeat_timeout_s`` instead of hanging in a collective).
-    It selects gloo for CPU collectives (``jax_cpu_collectives_implementation``), so cross-process
-    CPU meshes work (the tests' 2 processes x 4 fake devices).
-  * After ``initialize`` ``jax.devices()`` is the global device list (every process's devices)
-    and ``partitioning.mesh.make_mesh()`` spans them; ``jax.local_devices()`` are this process's.
-  * ``is_leader()``: true on process 0 (the one that serves gRPC / HTTP).
-  * ``Broadcast(name)``: an ordered stream of byte messages from process 0 to every other process
-    over the runtime's key-value store (the coordinator's, not a collective on the devices):
-    ``publish(data)`` on process 0, ``receive(timeout_s) -> bytes | None`` elsewhere (None: none
-    arrived in time; call again). Message ``i`` is key ``phaseserve/<name>/<i>``; process 0
-    deletes message ``i - KEEP`` when it publishes ``i`` (the device steps keep the processes
-    within a few messages of each other: process 0 waits for step n-1's results, which need
-    every process's part of it).
-  * ``agree(name, compute)``: every process gets process 0's value of ``compute()`` (a JSON
-    value), computed there only: measured choices (the CPU lowering autotune, the ``local``
-    hardware measurement behind the planner) must be equal on every process, or they would
-    trace different programs and the collectives would never meet. One process: ``compute()``.
-    Every process must make the same ``agree`` calls in the same order (the n-th call on a
-    name is matched with process 0's n-th).
-
-The runtime is JAX's own (a coordinator service in process 0, heartbeats, a key-value store):
-phaseserve adds nothing to it but the step-plan broadcast in ``serving.multihost``.
+Contract: ``Cluster(coordinator_address, num_processes, process_id, ...)`` describes this
+process's place (``"auto"``: JAX detects the cluster; ``Cluster.single()`` the default;
+``validate()`` raises ``ValueError``). ``initialize(cluster)`` calls ``jax.distributed.initialize``
+once, before any computation, with heartbeat timeouts and gloo CPU collectives; afterwards
+``jax.devices()`` is global. ``is_leader()``: process 0 (the one that serves). ``Broadcast(name)``:
+an ordered stream of byte messages from process 0 to the others over the runtime's key-value
+store (``publish`` / ``receive(timeout_s)``). ``agree(name, compute)``: every process gets
+process 0's JSON value of ``compute()`` (measured choices must be equal everywhere, or processes
+would trace different programs); every process makes the same calls in the same order.
 """
 
 from __future__ import annotations
