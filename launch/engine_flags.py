@@ -161,19 +161,23 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
         attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
         min_prefill_tokens=MIN_PREFILL.value)
-    deployment = Deployment(mode, PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
+    deployment = Deployment(mode,  # type: ignore[arg-type]  # an enum flag: one of the modes
+                            PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,
                             CALIBRATION.value)
     check_multiprocess(deployment, HOST_TIER.value)
     steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,
-                       max_context=config.max_context, quantized=QUANTIZE.value == "int8",
+                       max_context=config.max_context or cfg.max_seq_len,
+                       quantized=QUANTIZE.value == "int8",
                        backend=backend)
   except (ValueError, OSError) as e:  # OSError: an unreadable --calibration file
     raise CliError(str(e))
   try:
     cfg, params, tok = load_model(MODEL.value, dtype, PARAM_SEED.value,
-                                  quantize=QUANTIZE.value, int8_mode=INT8_MODE.value,
+                                  # enum flags: their values are the Literals' own
+                                  quantize=QUANTIZE.value,  # type: ignore[arg-type]
+                                  int8_mode=INT8_MODE.value,  # type: ignore[arg-type]  # an enum flag
                                   shardings=steps.step.param_sharding,
                                   stack_layers=steps.step.stacked_params)
   except (ValueError, FileNotFoundError) as e:

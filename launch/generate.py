@@ -104,7 +104,9 @@ def run() -> dict:
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   try:
     cfg, params, tokenizer = load_model(_MODEL.value, dtype, _PARAM_SEED.value,
-                                        quantize=_QUANTIZE.value, int8_mode=_INT8_MODE.value)
+                                        # enum flags: their values are the Literals' own
+                                        quantize=_QUANTIZE.value,  # type: ignore[arg-type]
+                                        int8_mode=_INT8_MODE.value)  # type: ignore[arg-type]  # an enum flag
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
   prompt = _prompt_ids(tokenizer)

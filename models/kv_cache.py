@@ -19,7 +19,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Self
 
 import flax.struct
 import jax
@@ -65,6 +65,9 @@ class KVCache:
   # The backend this cache was made for (static: part of every jit key).
   backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
 
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for the type checker
+    def replace(self, **fields: Any) -> KVCache: ...
+
   @property
   def batch(self) -> int:
     return self.k.shape[1]
@@ -82,7 +85,7 @@ class KVCache:
 
   @staticmethod
   def logical_axes() -> "KVCache":
-    return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("batch",))  # type: ignore[arg-type]
+    return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("batch",))  # type: ignore[arg-type]  # axis names in the arrays' places
 
   def write(self, layer: int, wpos_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array
             ) -> "KVCache":

@@ -21,6 +21,8 @@ Contract:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,9 @@ class PagedKV:
   # The backend this pool was made for (static: part of every jit key; says whether ``attend``
   # may run the native paged attention).
   backend: CpuBackend = flax.struct.field(pytree_node=False, default=CpuBackend())
+
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for the type checker
+    def replace(self, **fields: Any) -> PagedKV: ...
 
   @property
   def sink_pool(self) -> bool:
@@ -227,6 +232,7 @@ class PagedKV:
                                                                             attend_len))
       shift_B = jnp.zeros((self.batch, 1), jnp.int32)
     turn_BS = jnp.where(kpos_BS < sinks_B[:, None], 0, -shift_B)  # in-cache less absolute
+    assert self.rope_theta is not None  # a sink pool
     rot = rotation(turn_BS, k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
     k_BKSH = jnp.swapaxes(rotate(jnp.swapaxes(k_BKSH, 1, 2), rot), 1, 2)
     keys = attention.KeyPositions(kpos_BS, sinks_B, window_B)

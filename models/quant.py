@@ -16,7 +16,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import flax.struct
 import jax
@@ -32,6 +32,9 @@ class QuantArray:
   quant: jax.Array  # int8, the weight's shape
   scale: jax.Array  # float32, the weight's shape with contracted axes = 1
   act_quant: bool = flax.struct.field(pytree_node=False, default=False)
+
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it at run time; declared for the type checker
+    def replace(self, **fields: Any) -> QuantArray: ...
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -92,7 +95,7 @@ def einsums(specs: Sequence[str], x: jax.Array, ws: Sequence[Weight],
     raise ValueError(f"einsums: {len(specs)} specs for {len(ws)} weights")
   mms = [router.as_matmul(*_parse(spec), x, w) for spec, w in zip(specs, ws)]
   if all(mm is not None for mm in mms):
-    ys = router.matmul_group(mms, x.dtype, ws, backend)  # type: ignore[arg-type]
+    ys = router.matmul_group(mms, x.dtype, ws, backend)  # type: ignore[arg-type]  # the weights matched Weight above
     if ys is not None:
       return ys
   return [einsum(spec, x, w, backend) for spec, w in zip(specs, ws)]

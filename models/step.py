@@ -1,7 +1,7 @@
 """The step protocol: what a serving engine needs of a model, whoever partitions it.
 
-Contract: a ``Step`` runs one phase of the model over a ``models.kv_cache.KVStore`` (the engine
-uses ``models.paged_kv.PagedKV``). Its functions are traceable: the engine calls them inside its
+Contract: a ``Step`` runs one phase of the model over a paged pool (``models.paged_kv.PagedKV``).
+Its functions are traceable: the engine calls them inside its
 own jitted programs, with ``attend_len`` static.
   * ``prefill(params, tokens_BT, kv, start_B, lens_B, attend_len=) -> (logits_BV, kv)``: row b's
     ``lens_B[b]`` tokens at positions ``start_B[b] + t``; logits of each row's last valid token.
@@ -35,23 +35,25 @@ import numpy as np
 from models import transformer
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
-from models.kv_cache import KVStore
 from models.paged_kv import PagedKV, init_paged
 from models.weights import Params, is_stacked, stack_layers
 
 
 class Step(Protocol):
-  cfg: ModelConfig
-  stacked_params: bool
+  @property
+  def cfg(self) -> ModelConfig: ...
+
+  @property
+  def stacked_params(self) -> bool: ...
 
   @property
   def kv_shards(self) -> int: ...
 
-  def prefill(self, params: Params, tokens_BT: jax.Array, kv: KVStore, start_B: jax.Array,
-              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, KVStore]: ...
+  def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
+              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, PagedKV]: ...
 
-  def decode(self, params: Params, tokens_B: jax.Array, kv: KVStore, active_B: jax.Array, *,
-             attend_len: int) -> tuple[jax.Array, KVStore]: ...
+  def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
+             attend_len: int) -> tuple[jax.Array, PagedKV]: ...
 
   def place_params(self, params: Params) -> Params: ...
 

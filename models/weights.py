@@ -141,7 +141,7 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
   """
   def one(info: ArrayInfo):
     if quantized and info.quantizable:
-      return QuantArray(quant=info.logical_axes, scale=info.logical_axes)  # type: ignore[arg-type]
+      return QuantArray(quant=info.logical_axes, scale=info.logical_axes)  # type: ignore[arg-type]  # axis names in the arrays' places
     return info.logical_axes
 
   return jax.tree.map(one, param_infos(cfg), is_leaf=_is_info)

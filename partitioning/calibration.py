@@ -100,6 +100,7 @@ def fit(samples: Sequence[Sample], hardware: str, free: Sequence[str] = FREE,
     r = least_squares(residuals, np.clip(start, lo, hi), bounds=(lo, hi), x_scale="jac")
     if best is None or r.cost < best.cost:
       best = r
+  assert best is not None  # at least one start ran
   return _with(best.x.tolist(), free, hardware, source, fixed)
 
 

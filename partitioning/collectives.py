@@ -19,7 +19,7 @@ Contract:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -245,7 +245,7 @@ def _prefill(params: Params, tokens_BT: jax.Array, cache: KVCache, start_B, lens
   c = kv_cache.chunk_positions(cache.lengths, start_B, lens_B, t, cache.max_len)
   plan = make_plan(cfg, mesh, ffn, attn, b)
   kv = cache_spec(plan)  # [L, B.ab, K, S, H]; lengths are not read inside (positions are)
-  spec = KVCache(k=kv, v=kv, lengths=P())  # type: ignore[arg-type]
+  spec = KVCache(k=kv, v=kv, lengths=P())  # type: ignore[arg-type]  # specs in the arrays' places
   logits, out = sharded_forward(params, tokens_BT, cache, c, cfg=cfg, mesh=mesh, ffn=ffn,
                                 plan=plan, attend_len=attend_len, all_logits=all_logits,
                                 store_spec=spec)
@@ -262,8 +262,8 @@ def _decode(params: Params, tokens_B: jax.Array, cache: KVCache, active_B, *, at
 def make_sharded_step(cfg: ModelConfig, mesh: Mesh, ffn_layout: str | FfnLayout,
                       attn_layout: str | AttnLayout, phase: Phase) -> Callable:
   """A jitted prefill or decode step under (ffn_layout, attn_layout) on ``mesh``."""
-  bound = dict(cfg=cfg, mesh=mesh, ffn=get_ffn_layout(ffn_layout),
-               attn=get_attn_layout(attn_layout))
+  ffn, attn = get_ffn_layout(ffn_layout), get_attn_layout(attn_layout)
+  bound: dict[str, Any] = dict(cfg=cfg, mesh=mesh, ffn=ffn, attn=attn)
 
   def check(c):
     if c is not None and c != cfg:
@@ -273,21 +273,23 @@ def make_sharded_step(cfg: ModelConfig, mesh: Mesh, ffn_layout: str | FfnLayout,
     jitted = jax.jit(functools.partial(_prefill, **bound),
                      static_argnames=("attend_len", "all_logits"), donate_argnames=("cache",))
 
-    def step(params, tokens_BT, cache, start_B, lens_B, *, cfg=None, attend_len=None,
-             all_logits=False):
+    def prefill_step(params, tokens_BT, cache, start_B, lens_B, *, cfg=None, attend_len=None,
+                     all_logits=False):
       check(cfg)
       return jitted(params, tokens_BT, cache, start_B, lens_B, attend_len=attend_len,
                     all_logits=all_logits)
+    step: Any = prefill_step
   elif phase == "decode":
     jitted = jax.jit(functools.partial(_decode, **bound), static_argnames=("attend_len",),
                      donate_argnames=("cache",))
 
-    def step(params, tokens_B, cache, *, cfg=None, attend_len=None, active_B=None):
+    def decode_step(params, tokens_B, cache, *, cfg=None, attend_len=None, active_B=None):
       check(cfg)
       return jitted(params, tokens_B, cache, active_B, attend_len=attend_len)
+    step = decode_step
   else:
     raise ValueError(f"phase must be 'prefill' or 'decode', got {phase!r}")
-  step.plan = lambda batch: make_plan(cfg, mesh, bound["ffn"], bound["attn"], batch)
+  step.plan = lambda batch: make_plan(cfg, mesh, ffn, attn, batch)
   step.jitted = jitted
   return step
 

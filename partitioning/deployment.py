@@ -90,8 +90,9 @@ def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, in
     from partitioning.layouts import FFN_LAYOUTS, get_ffn_layout
     stored = get_ffn_layout(family).stored
     ffns = [name for name, lay in FFN_LAYOUTS.items() if lay.stored == stored]
-  best = plan(cfg, hw, chips, phase, batch, context,  # type: ignore[arg-type]
-              weights="int8" if quantized else "bf16", meshes=[mesh], layouts=ffns,
+  best = plan(cfg, hw, chips, phase, batch, context,  # type: ignore[arg-type]  # phase: a str
+              weights="int8" if quantized else "bf16", meshes=[mesh],
+              layouts=ffns,  # type: ignore[arg-type]  # layout names from FFN_LAYOUTS' keys
               calibration=cal).best
   how = "" if cal is None else f", calibrated by {calibrated_by}"
   return (best.layout, best.attention), (

@@ -206,7 +206,7 @@ def resolve(logical: Sequence[str | None], shape: Sequence[int], rules: Rules, m
   """Logical axes + shape -> ``Resolved`` under ``rules`` (falls back, never raises)."""
   if len(logical) != len(shape):
     raise ValueError(f"{what}: {len(logical)} logical axes for shape {tuple(shape)}")
-  axes, reasons, used = [], [], set()
+  axes, reasons, used = [], [], set[str]()
   for d, (name, size) in enumerate(zip(logical, shape)):
     wanted = tuple(a for a in rules.get(name) if a not in used)  # a mesh axis shards one dim
     ax, reason = resolve_dim(size, wanted, mesh, f"{what} dim {d} ({name})")
@@ -419,7 +419,7 @@ def cache_sharding(cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout, attn: str
   lengths replicated."""
   spec = cache_spec(make_plan(cfg, mesh, ffn, attn, batch))
   kv = NamedSharding(mesh, spec)
-  return KVCache(k=kv, v=kv, lengths=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]
+  return KVCache(k=kv, v=kv, lengths=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]  # shardings in the arrays' places
 
 
 __all__ = [

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models import kv_cache
+from models.kv_cache import KVStore
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
 from models.paged_kv import PagedKV, Pages, init_paged, is_int8, pages_dtype
@@ -76,7 +77,7 @@ class PagedShardedStep:
     """``PagedKV`` of ``PartitionSpec`` (``dtype`` int8: the pages are ``QuantArray`` specs,
     values and scales sharded alike)."""
     pages = _pages_spec(P(None, spec_entry(self.kv_axes)), dtype)  # [L, P.ab, K, Z, H]
-    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P(),  # type: ignore[arg-type]
+    return PagedKV(k_pages=pages, v_pages=pages, page_table=P(), lengths=P(),  # type: ignore[arg-type]  # specs
                    backend=self.backend)
 
   def kv_sharding(self, dtype=None) -> PagedKV:
@@ -154,8 +155,10 @@ class PagedShardedStep:
     c = kv_cache.chunk_positions(kv.lengths, start_B, lens_B, t, kv.max_len)
     ab = spec_entry(self.kv_axes)
     pages = _pages_spec(P(None, ab), pages_dtype(kv.k_pages))  # [L, P.ab, K, Z, H]
-    spec = PagedKV(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
-                   lengths=P(), backend=kv.backend)  # type: ignore[arg-type]  # lengths unread inside
+    # A tree of PartitionSpecs in the arrays' places (lengths unread inside: positions are).
+    specs: dict[str, Any] = dict(k_pages=pages, v_pages=pages, page_table=P(ab),  # [B.ab, M]
+                                 lengths=P())
+    spec = PagedKV(**specs, backend=kv.backend)
     axes = self.kv_axes
 
     def localize(block: PagedKV) -> PagedKV:
@@ -164,7 +167,8 @@ class PagedShardedStep:
       ok_BM = (local_BM >= 0) & (local_BM < p_s)
       return block.replace(page_table=jnp.where(ok_BM, local_BM, p_s))
 
-    def merge(block: PagedKV, local: PagedKV) -> PagedKV:
+    def merge(block: PagedKV, local: KVStore) -> PagedKV:
+      assert isinstance(local, PagedKV)
       return block.replace(k_pages=local.k_pages, v_pages=local.v_pages)
 
     logits, out = sharded_forward(params, tokens_BT, kv, c, cfg=self.cfg, mesh=self.mesh,
@@ -189,7 +193,7 @@ def _param_sharding_table(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout
 def _pages_spec(spec: P, dtype) -> P | QuantArray:
   """The spec tree of a pool's pages: ``spec`` itself, or for int8 ``QuantArray(spec, spec)``."""
   if dtype is not None and is_int8(dtype):
-    return QuantArray(quant=spec, scale=spec)  # type: ignore[arg-type]
+    return QuantArray(quant=spec, scale=spec)  # type: ignore[arg-type]  # specs in the arrays' places
   return spec
 
 
@@ -315,8 +319,8 @@ def _gather_pages(pages: Pages, ids_C: jax.Array) -> Pages:
   return jax.tree.map(lambda a: a.at[:, ids_C].get(mode="fill", fill_value=0), pages)
 
 
-def transfer_pages(src: PagedKV, dst: PagedKV, src_ids: Sequence[int] | jax.Array,
-                   dst_ids: Sequence[int] | jax.Array) -> PagedKV:
+def transfer_pages(src: PagedKV, dst: PagedKV, src_ids: Sequence[int] | np.ndarray | jax.Array,
+                   dst_ids: Sequence[int] | np.ndarray | jax.Array) -> PagedKV:
   """Copies pages ``src_ids[c]`` of ``src`` into ``dst_ids[c]`` of ``dst`` (any two meshes);
   returns the new ``dst`` (its pages donated) in ``dst``'s sharding. Tables and lengths are
   the caller's (the destination's host allocator)."""

@@ -38,7 +38,7 @@ def _sampling_rows(s: SamplingArrays, idx: jax.Array) -> SamplingArrays:
 
 def _policy_rows(kv: PagedKV, idx: jax.Array) -> dict[str, jax.Array]:
   """A sink pool's per-slot sinks / window for the rows of a call (nothing otherwise)."""
-  if kv.sinks is None:
+  if kv.sinks is None or kv.window is None:
     return {}
   return {"sinks": rows(kv.sinks, idx, 0), "window": rows(kv.window, idx, 0)}
 
@@ -72,9 +72,9 @@ def prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax
                  start_R: jax.Array, lens_R: jax.Array, *, step: Step, attend_len: int):
   sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages),
                    lengths=rows(kv.lengths, slots_R, 0), **_policy_rows(kv, slots_R))
-  logits_RV, sub = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
-  kv = kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
-                  lengths=kv.lengths.at[slots_R].set(sub.lengths, mode="drop"))
+  logits_RV, out = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
+  kv = kv.replace(k_pages=out.k_pages, v_pages=out.v_pages,
+                  lengths=kv.lengths.at[slots_R].set(out.lengths, mode="drop"))
   return kv, logits_RV
 
 
@@ -84,11 +84,11 @@ def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Arr
   # Row r runs slot slots_R[r] (padding rows: slot X, the null page, inactive).
   sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages), lengths=pos_R,
                    **_policy_rows(kv, slots_R))
-  logits_RV, sub = step.decode(params, rows(last_X, slots_R, 0), sub, active_R,
+  logits_RV, out = step.decode(params, rows(last_X, slots_R, 0), sub, active_R,
                                attend_len=attend_len)
   keep_R = rows(kv.lengths, slots_R, 0)
-  lengths = kv.lengths.at[slots_R].set(jnp.where(active_R, sub.lengths, keep_R), mode="drop")
-  return kv.replace(k_pages=sub.k_pages, v_pages=sub.v_pages, lengths=lengths), logits_RV
+  lengths = kv.lengths.at[slots_R].set(jnp.where(active_R, out.lengths, keep_R), mode="drop")
+  return kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=lengths), logits_RV
 
 
 @functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_X",))
@@ -115,7 +115,7 @@ def to_host(a: jax.Array) -> np.ndarray:
   if a.is_fully_addressable:
     return np.asarray(a)
   if not a.sharding.is_fully_replicated:
-    a = jax.device_put(a, jax.sharding.NamedSharding(a.sharding.mesh,
+    a = jax.device_put(a, jax.sharding.NamedSharding(a.sharding.mesh,  # type: ignore[attr-defined]  # a mesh's output
                                                      jax.sharding.PartitionSpec()))
   return np.asarray(a.addressable_shards[0].data)
 

@@ -67,7 +67,7 @@ class FakeEngine(EngineApi):
   def execute(self, plan: StepPlan) -> StepResult | None:
     self.steps += 1
     for s in plan.setups:
-      self.seed[s.slot] = s.sampling.seed
+      self.seed[s.slot] = s.sampling.seed or 0
       self.last[s.slot] = -1
     if plan.spills or plan.forget or plan.loads:
       self._host_tier(plan)

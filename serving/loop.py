@@ -274,6 +274,7 @@ class ServingLoop:
 
   def _step_metrics(self, dt: float, composition: tuple[int, int]) -> None:
     m, limit = self.metrics, self.scheduler.last_prefill_limit
+    assert m is not None  # called only with metrics
     m.step_seconds.observe(dt)
     m.step_prefill_tokens.set(composition[0])
     m.step_decode_rows.set(composition[1])
@@ -281,8 +282,9 @@ class ServingLoop:
 
   def _count_failure(self, kind: str) -> None:
     self.failures += 1
-    if self.metrics is not None:
-      self.guard.call("metrics", lambda: self.metrics.loop_failures.labels(kind=kind).inc())
+    m = self.metrics
+    if m is not None:
+      self.guard.call("metrics", lambda: m.loop_failures.labels(kind=kind).inc())
 
   def _fault(self, exc: Exception) -> None:
     self.faults += 1
@@ -320,6 +322,7 @@ class ServingLoop:
 
   def _set_gauges(self) -> None:
     m, o = self.metrics, self.occupancy()
+    assert m is not None  # called only with metrics
     m.queue_length.set(o.waiting)
     m.running.set(o.running)
     m.kv_pages_used.set(o.pages_used)
@@ -428,6 +431,7 @@ class ServingLoop:
     engine; the engine drops its results in flight (its device pages are addressed only through
     the new pool's tables, so stale contents are never read)."""
     try:
+      assert self.rebuild is not None  # _restarting says so
       scheduler = self.rebuild()
       self.engine.reset()
     except Exception:

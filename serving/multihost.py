@@ -91,11 +91,15 @@ def follow(engine: EngineApi, broadcast: Broadcast,
         _log.warning("follower stopping on request before process 0 said stop")
         return calls
       continue
-    call, args = plan_codec.decode(data)
+    message = plan_codec.decode(data)
+    assert isinstance(message, (list, tuple)) and len(message) == 2, message
+    call, args = message
     if call == "stop":
       return calls
-    run = {"execute": engine.execute, "flush": engine.flush, "reset": engine.reset,
-           "warmup": engine.warmup, "seal": engine.seal}.get(call)
+    calls_by_name: dict[str, Callable[..., object]] = {
+        "execute": engine.execute, "flush": engine.flush, "reset": engine.reset,
+        "warmup": engine.warmup, "seal": engine.seal}
+    run = calls_by_name.get(call)
     if run is None:
       raise ValueError(f"unknown engine call {call!r} from process 0")
     try:

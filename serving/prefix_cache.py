@@ -313,12 +313,12 @@ class PrefixCache(BasePrefixCache):
       self.evicted += 1
       if self.host_capacity and self._host_room(root):
         x.host_key, x.page = next(self._keys), None  # to the host tier, in place
-        self._spills.append(PageSpill(page, x.host_key))  # type: ignore[arg-type]  # just set
+        self._spills.append(PageSpill(page, x.host_key))
         self.host_pages_used += 1
         self.spilled += 1
       else:
         self._forget(x)
-      freed += len(self.pool.drop([page]))  # type: ignore[list-item]  # a device leaf's page
+      freed += len(self.pool.drop([page]))
       if parent is not None and parent is not root and device_leaf(parent):
         heapq.heappush(leaves, (parent.used, id(parent), parent))
     return freed

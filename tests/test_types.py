@@ -9,19 +9,12 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from tests.paths import REPO
 
 PACKAGES = ("models", "partitioning", "serving", "launch")
 IGNORE = re.compile(r"#\s*type:\s*ignore(\[[\w, -]+\])?(.*)$")
 
 
-OTHERS_FILES = ("wt-tooling branch only: files owned by the other re-fold branches (engine "
-                "protocol, KV manager, backend) are fixed after the merge; then remove this marker")
-
-
-@pytest.mark.xfail(strict=False, reason=f"~140 mypy errors remain; {OTHERS_FILES}")
 def test_product_packages_type_check():
   run = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(REPO / ".cache" / "mypy")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -37,7 +30,6 @@ def _product_files():
         yield rel, path.read_text().splitlines()
 
 
-@pytest.mark.xfail(strict=False, reason=f"ignores without a reason remain; {OTHERS_FILES}")
 def test_every_type_ignore_has_a_code_and_a_reason():
   bare = []
   for rel, lines in _product_files():

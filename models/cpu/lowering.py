@@ -21,6 +21,7 @@ No measuring or compiling happens at import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -182,7 +183,7 @@ def _race(cands: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
 
 def _pick(res: dict[str, float], default: str, margin: float = MARGIN) -> str:
   """The fastest candidate, unless ``default`` is within ``margin`` of it."""
-  best = min(res, key=res.get)
+  best = min(res, key=res.__getitem__)
   return default if default in res and res[default] <= res[best] * (1 + margin) else best
 
 
@@ -250,7 +251,7 @@ def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 204
     x = jax.random.normal(key, (prefill_rows, k), dt)
     w = jax.random.normal(key, (k, n), dt)
     fns = {m: jax.jit(lambda x, w, m=m: float_dot(x, w, True, m)) for m in methods}
-    res = _race({m: (lambda f=f: f(x, w)) for m, f in fns.items()}, rounds)
+    res = _race({m: functools.partial(f, x, w) for m, f in fns.items()}, rounds)
     meas[f"float_prefill_{jnp.dtype(dt).name}"] = res
     chosen[jnp.dtype(dt).name] = _pick(res, default)
   float_prefill, f32_prefill = chosen["bfloat16"], chosen["float32"]
@@ -329,7 +330,7 @@ def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 204
               lambda y, w: cpu_kernels.matmul_w8a8(y, w, sc, prefetch_l1=l1), x, ws))
                 for l1 in (False, True)}
           # A ~10% effect: twice the rounds of the other classes.
-          pf[m] = _race({key_: (lambda f=f: f(xm, wq)) for key_, f in fl.items()}, 2 * rounds)
+          pf[m] = _race({key_: functools.partial(f, xm, wq) for key_, f in fl.items()}, 2 * rounds)
           meas[f"int8_kn_prefetch_l1_{m}rows"] = pf[m]
         one, two = pf[rows[0]], pf[rows[1]]
         prefetch_l1 = (one["True"] * (1 + MARGIN) < one["False"]
@@ -350,22 +351,23 @@ def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 204
   score: dict[str, float] = {}
   for m in ((prefill_rows - 3,) if native else (1, prefill_rows - 3)):
     xm = jax.random.normal(key, (m, k), jnp.float32)
-    fns = {p: jax.jit(lambda x, w, p=p: w8a8_xla(x, w, sc[None], True, p)) for p in (1, 8, 32)}
-    r = _race({str(p): (lambda f=f: f(xm, wq1)) for p, f in fns.items()}, rounds)
+    by_multiple = {p: jax.jit(lambda x, w, p=p: w8a8_xla(x, w, sc[None], True, p))
+                   for p in (1, 8, 32)}
+    r = _race({str(p): functools.partial(f, xm, wq1) for p, f in by_multiple.items()}, rounds)
     meas[f"int8_xla_row_multiple_{m}rows"] = r
     best = min(r.values())
-    for p, v in r.items():
-      score[p] = score.get(p, 0.0) + v / best
+    for name, v in r.items():
+      score[name] = score.get(name, 0.0) + v / best
   int8_row_multiple = int(_pick(score, str(DEFAULT.int8_row_multiple)))
 
-  p = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
-                float_native_max_rows=float_max,
-                f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
-                bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
-                int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
-                int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
-                amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1])
-  return p, meas, time.perf_counter() - t0
+  policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
+                     float_native_max_rows=float_max,
+                     f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
+                     bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
+                     int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
+                     int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
+                     amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1])
+  return policy, meas, time.perf_counter() - t0
 
 
 def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,

@@ -58,22 +58,23 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
   """See the module contract (call only when ``available()`` and ``supported(...)``)."""
   b, n, h = q_BNH.shape
   if isinstance(k_pages, QuantArray) and isinstance(v_pages, QuantArray):
-    (k_pages, k_scale), (v_pages, v_scale) = ((k_pages.quant, k_pages.scale),
-                                              (v_pages.quant, v_pages.scale))
+    k_arr, k_scale, v_arr, v_scale = k_pages.quant, k_pages.scale, v_pages.quant, v_pages.scale
   else:
+    assert not isinstance(k_pages, QuantArray) and not isinstance(v_pages, QuantArray)
+    k_arr, v_arr = k_pages, v_pages
     k_scale = v_scale = jnp.zeros((1,), jnp.float32)
-  if (k_pages.ndim != 5 or k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype
-      or not supported(n, k_pages.shape[2], h, k_pages.dtype) or k_pages.shape[4] != h
+  if (k_arr.ndim != 5 or k_arr.shape != v_arr.shape or k_arr.dtype != v_arr.dtype
+      or not supported(n, k_arr.shape[2], h, k_arr.dtype) or k_arr.shape[4] != h
       or table_BM.shape[0] != b or pos_B.shape != (b,)):
     raise ValueError(f"decode_attention: unsupported shapes q {q_BNH.shape}, pages "
-                     f"{k_pages.shape} {k_pages.dtype}, table {table_BM.shape}, pos {pos_B.shape}")
+                     f"{k_arr.shape} {k_arr.dtype}, table {table_BM.shape}, pos {pos_B.shape}")
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((b, n, h), jnp.float32),
                           vmap_method="sequential")
-  return call(q_BNH.astype(jnp.float32), k_pages, v_pages, k_scale.astype(jnp.float32),
+  return call(q_BNH.astype(jnp.float32), k_arr, v_arr, k_scale.astype(jnp.float32),
               v_scale.astype(jnp.float32), table_BM.astype(jnp.int32),
               pos_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
               max_keys=np.int64(max_keys),
-              bf16_dot=np.int32(1 if _dot_path(bf16_dot, q_BNH.dtype, k_pages.dtype) else 0))
+              bf16_dot=np.int32(1 if _dot_path(bf16_dot, q_BNH.dtype, k_arr.dtype) else 0))
 
 
 def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,

@@ -157,6 +157,7 @@ def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) ->
   if kernel == "amx":
     return _amx_products([mm], [w])[0]
   if kernel == "amx_nk":  # weight-only int8 [N, K]
+    assert isinstance(w, quant.QuantArray)
     return cpu_kernels.matmul_amx_nk(mm.x2, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
   x32 = mm.x2.astype(jnp.float32)
   if kernel in ("float", "float_nk"):
@@ -167,6 +168,7 @@ def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) ->
     # and sums (exact products for f32 and bf16 activations), then the scales.
     return fn(x32, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
   # W8A8: the same quantization, int32 dot and scaling, in one native call.
+  assert isinstance(w, quant.QuantArray)
   if mm.w_kn:
     return cpu_kernels.matmul_w8a8(x32, _weight_2d(mm, w.quant), w.scale.reshape(mm.n),
                                    prefetch_l1=be.policy.int8_prefetch_l1)
@@ -227,12 +229,14 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
         x32, [_weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
               for mm, w in zip(mms, ws)])
     if quantized.pop():
-      y2s = [y2 * w.scale.reshape(1, mm.n) for y2, mm, w in zip(y2s, mms, ws)]
+      y2s = [y2 * w.scale.reshape(1, mm.n) for y2, mm, w in zip(y2s, mms, ws)
+             if isinstance(w, quant.QuantArray)]
     return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
   if kernel == "w8a8":
+    qs = [w for w in ws if isinstance(w, quant.QuantArray)]  # all of them: W8A8 weights
     y2s = cpu_kernels.matmul_w8a8_group(
-        x32, [_weight_2d(mm, w.quant) for mm, w in zip(mms, ws)],
-        [w.scale.reshape(mm.n) for mm, w in zip(mms, ws)],
+        x32, [_weight_2d(mm, q.quant) for mm, q in zip(mms, qs)],
+        [q.scale.reshape(mm.n) for mm, q in zip(mms, qs)],
         prefetch_l1=backend.policy.int8_prefetch_l1)
     return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
   return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 import secrets
@@ -315,7 +316,7 @@ class Frontend:
                api: str = "phaseserve", field_names: dict[str, str] | None = None,
                user: str = "") -> Stream:
     """``user``: the caller's end-user id (OpenAI's ``user``), kept in the usage record."""
-    refuse = lambda *a, **k: self._refuse(*a, user=user, **k)
+    refuse = functools.partial(self._refuse, user=user)
     if self.state != "serving":
       why = {"loading": "the server is loading and warming up",
              "draining": "the server is shutting down"}.get(self.state, "the engine is down")
@@ -382,6 +383,7 @@ class Frontend:
       with self._lock:
         self._held += v.n - 1
     for i, sid in enumerate(stream.ids):
+      assert v.sampling.seed is not None  # validation gives every request a seed
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       # Only sample 0 of a session continues it (one conversation, one pinned path).
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
@@ -460,12 +462,14 @@ class Frontend:
         sum(f.usage.cached_tokens for f in stream.finals if f is not None and f.usage))
     self.quotas.settle(stream.quota, use.prompt_tokens + use.completion_tokens)
     t = stream.timings()
-    if t.get("prefill_s") is not None:
-      self.metrics.prefill.observe(t["prefill_s"])
-    if t.get("ttft_s") is not None and stream.predicted_ttft:
-      self.predictions.append((stream.predicted_ttft, t["ttft_s"]))
-      self.metrics.ttft_prediction.observe(t["ttft_s"] / stream.predicted_ttft)
-    finish = [f.finish_reason.value if f is not None else "" for f in stream.finals]
+    prefill_s, ttft_s = t.get("prefill_s"), t.get("ttft_s")
+    if prefill_s is not None:
+      self.metrics.prefill.observe(prefill_s)
+    if ttft_s is not None and stream.predicted_ttft:
+      self.predictions.append((stream.predicted_ttft, ttft_s))
+      self.metrics.ttft_prediction.observe(ttft_s / stream.predicted_ttft)
+    finish = [f.finish_reason.value if f is not None and f.finish_reason is not None else ""
+              for f in stream.finals]
     for reason in finish:
       self.metrics.requests.labels(status=stream.status.value, finish_reason=reason,
                                    slo_class=v.slo_class).inc()

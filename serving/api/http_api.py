@@ -429,7 +429,8 @@ class Response:
 
   def chunk(self, choice: int, out: RequestOutput) -> dict[str, Any] | None:
     """One streamed output as an event object (None: nothing to send)."""
-    finish = FINISH.get(out.finish_reason) if out.finished else None
+    finish = (FINISH.get(out.finish_reason)
+              if out.finished and out.finish_reason is not None else None)
     if not (out.text or finish or (out.logprobs and self.parsed.top_logprobs is not None)):
       return None
     lp = self._logprobs(choice, out)
@@ -457,7 +458,8 @@ class Response:
   def add(self, choice: int, out: RequestOutput) -> None:
     self.text[choice] += out.text
     if out.finished:
-      self.finish[choice] = FINISH.get(out.finish_reason)
+      self.finish[choice] = (FINISH.get(out.finish_reason)
+                             if out.finish_reason is not None else None)
     if self.parsed.top_logprobs is not None and out.logprobs:
       self.logprobs[choice].append(self._logprobs(choice, out))
 
