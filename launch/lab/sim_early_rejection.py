@@ -70,7 +70,8 @@ def simulate(early_reject: bool, rate: float, n: int, costs=(0.004, 0.0002, 0.00
   from models.text.tokenizer import ByteTokenizer
   from serving.api.admission import SloClass
   from serving.api.auth import KeyInfo
-  from serving.api.frontend import Frontend, FrontendConfig, ServiceError, Status
+  from serving.api.frontend import Frontend, FrontendConfig
+  from serving.api.stream import ServiceError, Status
   from serving.kv_pages import PageBudget, PagePool
   from serving.lifecycle import Metrics
   from serving.loop import ServingLoop

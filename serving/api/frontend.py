@@ -10,7 +10,7 @@ its read-only face (``capacity``, ``occupancy``, ``cached_prefix_tokens``, ...).
     cache samples 1..n-1 wait for sample 0's prefill). A refused request gets its usage record.
   * ``Stream.events()`` / ``poll()`` / ``on_ready(fn)`` read a bounded buffer (past
     ``stream_buffer_bytes`` or ``stream_stall_s`` the request is cancelled); every request ends
-    once on one path (``_end``): usage record, metrics, quota, by one usage rule.
+    once on one path (``end``): usage record, metrics, quota, by one usage rule.
   * ``state``: ``loading`` -> ``serving`` -> ``draining`` | ``failed`` (``on_state`` listeners);
     ``drain(grace_s)``; a watchdog fails every live stream when the loop stops going round for
     ``watchdog_s`` or is dead. ``prediction_error()``: predicted vs actual TTFT.
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 import itertools
 import logging
 import secrets
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import prometheus_client as prom
 
@@ -39,35 +38,13 @@ from serving.api.faults import FaultInjector
 from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
-from serving.request import Request, RequestOutput, Usage
+from serving.request import Request, RequestOutput
 from serving.api.service_metrics import LiveGauges, ServiceMetrics
-from serving.stop import FinishReason
+from serving.api.stream import ServiceError, Status, Stream, StreamOwner
 from serving.api.usage import UsageLog
-from serving.api.validation import GenerateArgs, InvalidArgument, Limits, Validated, validate
+from serving.api.validation import GenerateArgs, InvalidArgument, Limits, validate
 
 _log = logging.getLogger(__name__)
-
-
-class Status(str, enum.Enum):
-  OK = "ok"
-  INVALID_ARGUMENT = "invalid_argument"
-  REJECTED = "rejected"  # queue full, quota, predicted SLO miss: RESOURCE_EXHAUSTED
-  CANCELLED = "cancelled"
-  DEADLINE_EXCEEDED = "deadline_exceeded"
-  SLOW_CONSUMER = "slow_consumer"
-  ERROR = "error"  # an engine fault: INTERNAL
-  UNAVAILABLE = "unavailable"  # loading, draining, engine down
-
-
-class ServiceError(Exception):
-  """``reason`` is the refusal's ``phaseserve_rejections_total`` label (``queue_full``,
-  ``quota``, ``slo``, ...) when the request was refused at arrival, else ``""``."""
-
-  def __init__(self, status: Status, message: str, reason: str = ""):
-    super().__init__(message)
-    self.status = status
-    self.message = message
-    self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,169 +59,7 @@ class FrontendConfig:
   watchdog_s: float = 60.0
 
 
-def _size(out: RequestOutput) -> int:
-  """About what an output costs in the buffer and on the wire."""
-  return 64 + len(out.text) + 4 * len(out.token_ids) + sum(16 + 8 * len(lp.top)
-                                                           for lp in out.logprobs)
-
-
-class Stream:
-  """One client call: ``n`` samples' outputs through one bounded buffer."""
-
-  END = object()  # poll(): every output has been read and the stream ended OK
-
-  def __init__(self, frontend: "Frontend", request_id: str, v: Validated, key: KeyInfo,
-               client_request_id: str, api: str, quota: list[float] | None, user: str = ""):
-    self.frontend = frontend
-    self.request_id = request_id
-    self.validated = v
-    self.key = key
-    self.client_request_id = client_request_id
-    self.api = api
-    self.quota = quota
-    self.user = user
-    self.ids = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
-    self.traces: list[RequestTrace] = []
-    self.finals: list[RequestOutput | None] = [None] * v.n
-    self.completion = [0] * v.n
-    self.backlog = 0  # prefill tokens it adds to the backlog until its first output
-    self.predicted_ttft: float | None = None
-    self._cond = threading.Condition()
-    self._items: collections.deque[tuple[int, RequestOutput, float]] = collections.deque()
-    self._bytes = 0
-    self._stop: tuple[Status, str] | None = None  # why the stream was stopped early
-    self._deferred: list[tuple[int, Request]] = []  # samples waiting for sample 0's prefill
-    self._wakers: list[Callable[[], None]] = []  # on_ready callbacks
-    self.ended = False
-    self.status = Status.OK
-    self.message = ""
-
-  # -- the loop thread's side -----------------------------------------------------------------
-
-  def _callback(self, index: int) -> Callable[[RequestOutput], None]:
-    return lambda out: self._push(index, out)
-
-  def _release_deferred(self) -> None:
-    with self._cond:
-      deferred, self._deferred = self._deferred, []
-      stopped = self._stop is not None
-    self.frontend._unhold(len(deferred))
-    for i, req in deferred:
-      if stopped:  # cancelled before it was submitted: it ends here
-        self._push(i, RequestOutput(req.request_id, finish_reason=FinishReason.CANCELLED,
-                                    message=self._stop[1] if self._stop else ""))
-      else:
-        self.frontend.loop.submit(req, self._callback(i), self.traces[i])
-
-  def _push(self, index: int, out: RequestOutput) -> None:
-    now = time.monotonic()
-    if index == 0 and self._deferred:
-      self._release_deferred()  # sample 0's prompt is prefilled (or it ended)
-    with self._cond:
-      if self.ended:
-        return
-      self._items.append((index, out, now))
-      self._bytes += _size(out)
-      self.completion[index] += len(out.token_ids)
-      if out.finished:
-        self.finals[index] = out
-      done = all(f is not None for f in self.finals)
-      # A finished request holds no engine resources: its last outputs wait for the reader
-      # however slow it is (only a stream still generating is cut off as a slow consumer).
-      slow = not done and self._stop is None and (
-          self._bytes > self.frontend.config.stream_buffer_bytes or
-          now - self._items[0][2] > self.frontend.config.stream_stall_s)
-      self._cond.notify_all()
-    self._wake()
-    if self.backlog and (out.token_ids or out.finished):
-      self.frontend._prefilled(self)
-    if slow:
-      self.cancel(Status.SLOW_CONSUMER, "the client is not reading its stream")
-    if done:
-      self.frontend._end(self)
-
-  # -- the consumer's side --------------------------------------------------------------------
-
-  def cancel(self, status: Status, message: str) -> None:
-    with self._cond:
-      if self.ended or self._stop is not None:
-        return
-      self._stop = (status, message)
-      deferred = {i for i, _ in self._deferred}
-      pending = [rid for i, (rid, f) in enumerate(zip(self.ids, self.finals))
-                 if f is None and i not in deferred]
-    for rid in pending:
-      self.frontend.loop.cancel(rid)
-    if deferred:
-      self._release_deferred()
-
-  def abort(self, status: Status, message: str) -> None:
-    """Ends the stream now, without waiting for the loop (watchdog, drain's last resort)."""
-    with self._cond:
-      if self._stop is None:
-        self._stop = (status, message)
-    self.frontend._end(self)
-
-  def on_ready(self, fn: Callable[[], None]) -> None:
-    with self._cond:
-      self._wakers.append(fn)
-    fn()  # whatever is already buffered (or the end) is there to poll now
-
-  def off_ready(self, fn: Callable[[], None]) -> None:
-    with self._cond:
-      if fn in self._wakers:
-        self._wakers.remove(fn)
-
-  def _wake(self) -> None:
-    with self._cond:
-      wakers = list(self._wakers)
-    for fn in wakers:
-      try:
-        fn()
-      except Exception:  # e.g. the consumer's event loop has closed: the stream goes on
-        _log.debug("stream waker failed", exc_info=True)
-
-  def poll(self) -> "tuple[int, RequestOutput] | None | object":
-    with self._cond:
-      if self._items:
-        index, out, _ = self._items.popleft()
-        self._bytes -= _size(out)
-        return index, out
-      if not self.ended:
-        return None
-      if self.status is not Status.OK:
-        raise ServiceError(self.status, self.message)
-      return Stream.END
-
-  def events(self, poll_s: float = 0.1) -> Iterator[tuple[int, RequestOutput]]:
-    while True:
-      with self._cond:
-        while not self._items and not self.ended:
-          self._cond.wait(poll_s)
-        if self._items:
-          index, out, _ = self._items.popleft()
-          self._bytes -= _size(out)
-        elif self.ended:
-          if self.status is not Status.OK:
-            raise ServiceError(self.status, self.message)
-          return
-        else:
-          continue
-      yield index, out
-
-  def timings(self) -> dict[str, float | None]:
-    """Sample 0's timings (every sample shares the prompt's queue and prefill)."""
-    return self.traces[0].timings() if self.traces else {}
-
-  def usage(self) -> Usage:
-    """The request's usage (the module's one rule): the prompt once, the completion summed
-    over the samples, ``cached_tokens`` sample 0's."""
-    first = self.finals[0]
-    cached = first.usage.cached_tokens if first is not None and first.usage is not None else 0
-    return Usage(len(self.validated.prompt_ids), sum(self.completion), cached)
-
-
-class Frontend:
+class Frontend(StreamOwner):
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
                registry: prom.CollectorRegistry, usage: UsageLog | None = None, *,
                faults: FaultInjector | None = None):
@@ -362,7 +177,9 @@ class Frontend:
     except OverQuota as e:
       refuse(Status.REJECTED, "quota", str(e), key, client_request_id, api, v.slo_class, prompt)
     rid = f"req-{self._prefix}-{next(self._ids)}"
-    stream = Stream(self, rid, v, key, client_request_id, api, quota, user)
+    stream = Stream(self, rid, v, key, client_request_id, api, quota, user,
+                    buffer_bytes=self.config.stream_buffer_bytes,
+                    stall_s=self.config.stream_stall_s)
     stream.backlog, stream.predicted_ttft = new_tokens, pred.ttft_s if pred else None
     with self._lock:  # set_state takes the lock: drain sees this stream, or it is refused here
       serving = self.state == "serving"
@@ -390,11 +207,7 @@ class Frontend:
                     v.session_id if i == 0 else "", v.sinks)
       trace = RequestTrace(sid, self.loop.clock, self.loop.guard.report)
       trace.record("arrival")
-      stream.traces.append(trace)
-      if share and i > 0:
-        stream._deferred.append((i, req))
-      else:
-        self.loop.submit(req, stream._callback(i), trace)
+      stream.add_sample(i, req, trace, defer=share and i > 0)
     return stream
 
   def _idle(self) -> bool:
@@ -404,15 +217,22 @@ class Frontend:
     o = self.loop.occupancy()
     return not (o.waiting or o.running or o.arriving or self._held)
 
-  def _unhold(self, samples: int) -> None:
+  def release_held(self, samples: int) -> None:
     if samples:
       with self._lock:
         self._held = max(0, self._held - samples)
 
-  def _prefilled(self, stream: Stream) -> None:
+  def prefilled(self, stream: Stream) -> None:
     with self._lock:
       self._backlog = max(0, self._backlog - stream.backlog)
       stream.backlog = 0
+
+  def submit_sample(self, req: Request, callback: Callable[[RequestOutput], None],
+                    trace: RequestTrace) -> None:
+    self.loop.submit(req, callback, trace)
+
+  def cancel_sample(self, request_id: str) -> None:
+    self.loop.cancel(request_id)
 
   def prediction_error(self) -> dict[str, float | int | None]:
     """The TTFT predictor against what admitted requests got: actual / predicted ratios."""
@@ -428,27 +248,11 @@ class Frontend:
 
   # -- the one end path -----------------------------------------------------------------------
 
-  def _end(self, stream: Stream) -> None:
-    with stream._cond:
-      if stream.ended:
-        return
-      stream.ended = True
-      never_submitted, stream._deferred = len(stream._deferred), []  # aborted while held back
-      reasons = [f.finish_reason for f in stream.finals if f is not None]
-      if stream._stop is not None:
-        stream.status, stream.message = stream._stop
-      elif FinishReason.ERROR in reasons or len(reasons) < len(stream.finals):
-        stream.status = Status.ERROR
-        stream.message = next((f.message for f in stream.finals
-                               if f is not None and f.finish_reason is FinishReason.ERROR),
-                              "the engine failed")
-      elif FinishReason.REJECTED in reasons:
-        stream.status = Status.REJECTED
-        stream.message = next(f.message for f in stream.finals if f is not None and
-                              f.finish_reason is FinishReason.REJECTED)
-      stream._cond.notify_all()
-    stream._wake()
-    self._unhold(never_submitted)
+  def end(self, stream: Stream) -> None:
+    never_submitted = stream.finish()
+    if never_submitted is None:
+      return
+    self.release_held(never_submitted)
     with self._lock:
       self._live.pop(stream.request_id, None)
       self._backlog = max(0, self._backlog - stream.backlog)

@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Mapping
 import grpc
 
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
-from serving.api.frontend import Frontend, ServiceError, Status, Stream
+from serving.api.frontend import Frontend
+from serving.api.stream import ServiceError, Status, Stream
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.request import RequestOutput
 from serving.stop import FinishReason

@@ -24,7 +24,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from models.text.tokenizer import Tokenizer
-from serving.api.frontend import ServiceError, Status, Stream
+from serving.api.stream import ServiceError, Status, Stream
 from serving.request import RequestOutput
 from serving.stop import FinishReason
 from serving.api.validation import GenerateArgs

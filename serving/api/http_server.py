@@ -31,7 +31,8 @@ from aiohttp import web
 
 from serving.api import http_api
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
-from serving.api.frontend import Frontend, ServiceError, Status, Stream
+from serving.api.frontend import Frontend
+from serving.api.stream import ServiceError, Status, Stream
 from serving.api.http_api import ApiError
 from serving.request import RequestOutput
 from serving.stop import FinishReason

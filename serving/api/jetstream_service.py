@@ -21,7 +21,8 @@ from typing import Iterator
 import grpc
 
 from serving.api.auth import ApiKeys
-from serving.api.frontend import Frontend, ServiceError
+from serving.api.frontend import Frontend
+from serving.api.stream import ServiceError
 from serving.api.grpc_service import STATUS_CODES, authenticate, generic_handler, parsed, watch
 from serving.api.proto.jetstream import jetstream_pb2 as js
 from serving.api.validation import GenerateArgs

@@ -18,7 +18,8 @@ from serving.api import admission
 from serving.step_cost import StepCostModel
 from serving.api.auth import KeyInfo
 from serving.fake_engine import FakeEngine, reference
-from serving.api.frontend import Frontend, FrontendConfig, ServiceError, Status
+from serving.api.frontend import Frontend, FrontendConfig
+from serving.api.stream import ServiceError, Status
 from serving.kv_pages import PageBudget, PagePool
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop

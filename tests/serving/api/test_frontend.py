@@ -17,7 +17,8 @@ from serving.api import admission
 from serving.api.auth import ApiKeys, KeyInfo, OverQuota, Quotas, Unauthenticated
 from serving.api.faults import FaultInjector
 from serving.fake_engine import FakeEngine, reference
-from serving.api.frontend import Frontend, FrontendConfig, ServiceError, Status
+from serving.api.frontend import Frontend, FrontendConfig
+from serving.api.stream import ServiceError, Status
 from serving.kv_pages import PageBudget, PagePool
 from serving.lifecycle import Metrics
 from serving.loop import ServingLoop

@@ -7,7 +7,7 @@ import pytest
 
 from models.text.tokenizer import ByteTokenizer
 from serving.api import http_api
-from serving.api.frontend import ServiceError, Status, Stream
+from serving.api.stream import ServiceError, Status, Stream
 from serving.api.http_api import ApiError, parse_chat, parse_completion
 from serving.request import RequestOutput, TokenLogprobs, Usage
 from serving.stop import FinishReason
