@@ -13,8 +13,8 @@ python -c "import jax, sys; print('jax', jax.__version__, jax.devices(), file=sy
 assert jax.default_backend() != 'cpu', 'no accelerator visible'"
 # Numerics first (f32 tolerances assume full-precision matmuls), then the engine on the device.
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python -m pytest -q -x -p no:cacheprovider \
-  tests/test_transformer.py tests/test_attention.py tests/test_paged_kv.py tests/test_engine.py \
-  tests/test_precision.py 2>&1 | tail -3
+  tests/models/test_transformer.py tests/models/test_attention.py tests/models/test_paged_kv.py tests/serving/test_engine.py \
+  tests/models/test_precision.py 2>&1 | tail -3
 timeout 240 python -m launch.lab.bench_model --model small --json --dtype bfloat16 --quantize both \
   --prefill_tokens 128,512,2048 --prefill_batches 1,8 --decode_batches 1,8,64 \
   > "$OUT/bench_model.json" && tail -c 2000 "$OUT/bench_model.json"

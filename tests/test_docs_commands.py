@@ -1,5 +1,5 @@
 """The commands the docs give still name real things: every ``python -m <module>`` in README.md,
-BUILD_NOTES.md, docs/*.md (not the archive) and the Makefile can be found (``find_spec``, never
+BUILD_NOTES.md, docs/*.md (not the archive), the Makefile and launch/**/*.sh can be found (``find_spec``, never
 run), and every ``launch/...`` / ``tests/...`` script they name exists. Commands run by another
 interpreter (the reference, JetStream or vLLM venvs, Python 3.11) are not this venv's to check."""
 
@@ -20,6 +20,7 @@ PATH = re.compile(r"(?<![\w/.-])((?:launch|tests)/[\w/.-]*\.(?:py|sh))\b")
 def _docs() -> list[str]:
   names = ["README.md", "BUILD_NOTES.md", "Makefile"]
   names += sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))
+  names += sorted(p.relative_to(REPO).as_posix() for p in (REPO / "launch").rglob("*.sh"))
   return [n for n in names if n != ARCHIVE and (REPO / n).is_file()]
 
 
