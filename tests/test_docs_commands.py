@@ -1,7 +1,8 @@
 """The commands the docs give still name real things: every ``python -m <module>`` in README.md,
-BUILD_NOTES.md, docs/*.md (not the archive), the Makefile and launch/**/*.sh can be found (``find_spec``, never
-run), and every ``launch/...`` / ``tests/...`` script they name exists. Commands run by another
-interpreter (the reference, JetStream or vLLM venvs, Python 3.11) are not this venv's to check."""
+BUILD_NOTES.md, docs/*.md (not the archive), the Makefile and launch's shell scripts can be found
+(``find_spec``, never run), and every ``launch/...`` / ``tests/...`` script they name exists.
+Commands run by another interpreter (the reference, JetStream or vLLM venvs, Python 3.11) are not
+this venv's to check."""
 
 from __future__ import annotations
 
