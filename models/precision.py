@@ -4,18 +4,13 @@ Contract:
   * ``Int8Mode``: ``weight_only`` (int8 weights, activations in the float dtype; the scales
     applied to the f32 sums) or ``w8a8`` (activations quantized per token to int8 too: an int8 x
     int8 -> int32 dot, the fastest CPU kernel, at a real quality cost on trained models).
-  * ``default_int8_mode(backend)``: ``weight_only`` on every backend. Measured on
-    SmolLM2-135M (BUILD_NOTES.md, quality table): W8A8 raises perplexity 2.7% and its KL from
-    f32 is 8x weight-only's, enough to change a chat answer's first token; weight-only costs
-    0.45%. On CPU the native weight-only kernel reads int8 at memory bandwidth (decode), so the
-    speed given up is the difference between its and the W8A8 kernel's instruction counts.
+  * ``default_int8_mode(backend)``: ``weight_only`` on every backend (why: BUILD_NOTES.md, the
+    int8 quality table).
   * ``apply(params, cfg, quantize, int8_mode=None, backend=None)``: float params -> the params
-    to serve: unchanged (``quantize="none"``) or int8 with the mode's ``act_quant`` on every
-    ``QuantArray``. Params that are already int8 (an int8 checkpoint) are re-flagged to the mode
-    chosen here, never run in the mode they were saved under.
+    to serve, unchanged or int8 with the mode's ``act_quant`` on every ``QuantArray`` (int8
+    checkpoints are re-flagged to the mode chosen here).
   * ``int8_mode_of(params)``: the mode int8 params carry (None for float params).
-This is the only place that decides ``act_quant``; callers (CLIs, the loader) pass the user's
-choice through.
+This is the only place that decides ``act_quant``; callers pass the user's choice through.
 """
 
 from __future__ import annotations

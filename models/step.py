@@ -1,26 +1,18 @@
 """The step protocol: what a serving engine needs of a model, whoever partitions it.
 
-Contract: a ``Step`` runs one phase of the model over a paged pool (``models.paged_kv.PagedKV``).
-Its functions are traceable: the engine calls them inside its
-own jitted programs, with ``attend_len`` static.
+Contract: a ``Step`` runs one phase of the model over a paged pool (``models.paged_kv.PagedKV``);
+its functions are traceable (the engine calls them inside its own jitted programs, ``attend_len``
+static).
   * ``prefill(params, tokens_BT, kv, start_B, lens_B, attend_len=) -> (logits_BV, kv)``: row b's
     ``lens_B[b]`` tokens at positions ``start_B[b] + t``; logits of each row's last valid token.
   * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
     active row at position ``kv.lengths[b]``.
-  * ``place_params(params)`` puts params where the step expects them (its resident layout).
-  * ``param_sharding(path, sds) -> Sharding``: that layout per param (``keystr`` path in the
-    float or int8 tree), the ``models.io.placement.Target`` loaders make params straight into, so
-    ``place_params`` of what they return moves nothing. ``stacked_params``: the step wants
-    ``models.weights.stack_layers``' form (then ``path`` is the stacked tree's).
-  * ``init_kv(batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False)``: an empty
-    paged pool, placed (``sink_pool``: a sink pool for attention sinks, ``models.paged_kv``;
-    a step that cannot run one raises ``ValueError``).
-  * ``describe()``: a JSON-able description of the plan (layouts, mesh, reasons).
-  * ``kv_shards``: sub-pools the pool's page axis is sharded into (1: unsharded); a call's row
-    ``r`` then runs on shard ``r // (R / kv_shards)`` and holds pages of that shard only.
-``UnshardedStep`` is the single-device model (``models.transformer``); the partitioned
-implementation lives in ``partitioning/`` (imports flow launch -> serving -> partitioning ->
-models, so serving receives a step and never imports one).
+  * ``place_params`` / ``param_sharding(path, sds)``: the step's resident layout, per param (what
+    ``models.io.placement`` loaders make params straight into); ``stacked_params``: it wants
+    ``models.weights.stack_layers``' form. ``init_kv(...)``: an empty placed pool (``sink_pool``
+    for attention sinks, or ``ValueError``). ``describe()``: JSON-able. ``kv_shards``: sub-pools
+    of the page axis; row ``r`` of a call runs on shard ``r // (R / kv_shards)``.
+``UnshardedStep`` is the single-device model; the partitioned one is in ``partitioning/``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """Named partitioning layouts: logical axes -> mesh axes, per the paper's Sections 3.2-3.3.
 
 Contract:
-  * ``FFN_LAYOUTS`` / ``ATTN_LAYOUTS`` map the layout names shared with ``partitioning.cost_model``
+  * ``FFN_LAYOUTS`` / ``ATTN_LAYOUTS`` map the names shared with ``partitioning.cost_model``
     (``ws_1d ws_2d wg_x wg_xy wg_xyz`` / ``heads batch_z batch_yz batch_xyz``) to frozen rule
-    sets. An ``FfnLayout`` has three ``Rules`` (logical axis -> mesh axes, major to minor):
-      ``stored``    where each weight lives between steps (the resident copy);
-      ``gathered``  what a chip holds after the per-layer weight all-gather (= ``stored`` for the
-                    weight-stationary layouts);
-      ``residual``  the residual stream ``[batch, time, embed]`` between blocks.
-    The 2D weight-stationary and all weight-gathered layouts share one stored copy (E_x F_yz), so
-    prefill and decode can run different layouts over the same resident params.
-    An ``AttnLayout`` names the mesh axes the attention core (and the KV cache) shards the batch
-    over on top of the FFN's batch axes; the remaining chips shard query heads.
-  * ``resolve(logical_axes, shape, rules, mesh) -> Resolved`` never fails: a dimension not
-    divisible by its mesh axes keeps the longest prefix of them that divides it (possibly none:
-    replicated) and records a human-readable reason. Size-1 dimensions (the contracted axes of an
-    int8 ``scale``) and size-1 mesh axes are silently unsharded.
-  * ``param_specs`` / ``param_shardings`` give the params pytree's specs / ``NamedSharding``s
-    (``QuantArray(quant=..., scale=...)`` for int8 leaves), e.g. for
-    ``models.io.checkpoint.restore_params(path, shardings=param_shardings(cfg, mesh, "ws_2d"))``.
-  * ``make_plan(cfg, mesh, ffn, attn, batch) -> LayoutPlan``: the effective mesh axes of every
-    sharded dimension of one step (after fallbacks), which ``partitioning.collectives`` follows;
-    ``cache_sharding`` places the KV cache ``[L, B, K, S, H]`` as ``[L, B.ab, K, S, H]``: batch-
-    sharded over the attention batch axes, kv heads never sharded (multiquery: K = 1).
-
-Paper notation: ``E_x F_yz`` = embed sharded over x, mlp over (y, z); letters B T S E F N K H V L
-(batch, time, cache position, embed, mlp, heads, kv heads, head dim, vocab, layers).
+    sets. An ``FfnLayout`` has three ``Rules`` (logical axis -> mesh axes): ``stored`` (the
+    resident copy), ``gathered`` (after the per-layer weight all-gather) and ``residual`` (the
+    stream between blocks); an ``AttnLayout`` names the mesh axes attention shards the batch over.
+  * ``resolve(logical_axes, shape, rules, mesh) -> Resolved`` never fails: a dimension keeps the
+    longest prefix of its mesh axes that divides it and records why.
+  * ``param_specs`` / ``param_shardings``: the params' specs / ``NamedSharding``s (int8 leaves as
+    ``QuantArray`` of specs); ``make_plan(cfg, mesh, ffn, attn, batch) -> LayoutPlan``: the
+    effective axes of one step, which ``partitioning.collectives`` follows; ``cache_sharding``:
+    the KV cache as ``[L, B.ab, K, S, H]``.
+Paper notation: ``E_x F_yz`` = embed sharded over x, mlp over (y, z); letters in
+``models/config.py``.
 """
 
 from __future__ import annotations
