@@ -226,7 +226,7 @@ def test_explicit_key_positions_equal_a_dense_masked_softmax():
 
 @pytest.fixture(scope="module")
 def loop(params):
-  return stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+  return stack.build(UnshardedStep(CFG, backend=NATIVE), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=4, page_size=Z, kv_pages=64, max_chunk=16, max_prefill_chunks=2, max_context=32,
       attention_sinks=True))
 
@@ -260,7 +260,7 @@ def test_a_served_stream_8x_the_context_keeps_its_ring_and_equals_the_reference(
   assert peak["s"] == PK.ring_entries(12, Z) == 5 and loop.scheduler.kv.pool.pages_used == 0
   vocab = ByteTokenizer.VOCAB_SIZE
   assert got["s"] == reference_greedy(params, CFG, prompt, 256, 4, 12, vocab)
-  other = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+  other = stack.build(UnshardedStep(CFG, backend=NATIVE), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=4, page_size=Z, kv_pages=64, max_chunk=16, max_prefill_chunks=2,
       max_context=32))
   again, _, _ = _run(other, [Request("p", prompt, stop=StopCriteria(12, ignore_eos=True))])
@@ -279,7 +279,7 @@ def test_bad_sink_requests_are_rejected_with_the_reason(loop, sinks, window, pro
 
 
 def test_sinks_need_a_sink_pool(params):
-  plain = stack.build(UnshardedStep(CFG), params, ByteTokenizer(), stack.ServingConfig(
+  plain = stack.build(UnshardedStep(CFG, backend=NATIVE), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=2, page_size=Z, kv_pages=16, max_chunk=16, max_context=32))
   req = Request("x", (1, 2, 3), stop=StopCriteria(4), sinks=Sinks(8))
   _, final, _ = _run(plain, [req])

@@ -18,6 +18,7 @@ import pytest
 
 from models.config import get_preset
 from models.step import UnshardedStep
+from tests.cpu_policies import NATIVE
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params, quantize
 from serving.engine import Engine, EngineConfig
@@ -55,7 +56,7 @@ def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8):
   pool = PagePool(PageBudget(page_size, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=slots, max_step_tokens=max(chunk, slots) + 8,
                     max_chunk=chunk)
-  engine = Engine(UnshardedStep(CFG), params,
+  engine = Engine(UnshardedStep(CFG, backend=NATIVE), params,
                   EngineConfig(max_slots=slots, num_pages=pages, page_size=page_size,
                                max_seq_tokens=CFG.max_seq_len, lag=lag))
   traces = {r.request_id: RequestTrace(r.request_id) for r in reqs}
@@ -152,7 +153,7 @@ def test_logprobs_of_chosen_and_best_tokens(params):
                   StopCriteria(max_tokens=5, ignore_eos=True))
   pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=32, max_chunk=16)
-  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+  engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
       max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
   for r in (target, other):
     sched.add(r, RequestTrace(r.request_id))
@@ -183,7 +184,7 @@ def test_warmup_compiles_every_bucket_then_serving_adds_none(params):
   pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=24, max_chunk=16,
                     max_prefill_chunks=2)
-  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+  engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
       max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
   compiles = []
 
@@ -211,7 +212,6 @@ def test_native_attention_makes_one_program_per_rows_and_chunk(params):
   """With the native paged attention (work follows each query's position) every model program
   attends the cap: one program per (phase, rows, chunk), not one per attended power of two; a
   sink pool's decode (the gather path: ring and shift) keeps the attended-length buckets."""
-  from tests.cpu_policies import NATIVE
   kw = dict(max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len)
   engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(**kw))
   sinks = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(**kw, sinks=True))
@@ -236,7 +236,7 @@ def test_a_program_outside_the_sealed_set_runs_as_a_larger_warmed_one(params):
   pool = PagePool(PageBudget(8, 64), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=40, max_chunk=32,
                     max_prefill_chunks=1)
-  engine = Engine(UnshardedStep(CFG), params, EngineConfig(
+  engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
       max_slots=4, num_pages=64, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
   engine.warmup(max_prefill_rows=1, max_chunk=32, threads=1)
   holes = {k for k in engine.program_set.shapes if (k[0] == "decode" and k[1] < 4)

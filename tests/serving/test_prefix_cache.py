@@ -14,6 +14,7 @@ import pytest
 
 from models.config import get_preset
 from models.step import UnshardedStep
+from tests.cpu_policies import NATIVE
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params
 from serving import stack
@@ -202,7 +203,7 @@ def test_the_real_engine_gives_the_same_ids_with_the_cache_on_and_off():
   prompts = [base + [i, i + 3] for i in range(4)] + [base + [0, 3]]
   runs = {}
   for on in (False, True):
-    loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+    loop = stack.build(UnshardedStep(cfg, backend=NATIVE), params, tok, stack.ServingConfig(
         max_slots=4, page_size=16, kv_pages=32, max_chunk=32, max_prefill_chunks=2,
         max_context=128, prefix_cache=on))
     got: dict[str, list[int]] = {}
@@ -376,7 +377,7 @@ def test_the_real_engine_with_host_tier_round_trips(kv_dtype):
            [base + [i, i + 3] for i in range(2, 5)]]
   runs = {}
   for name, pages, host in (("plain", 64, 0), ("tiered", 10, 1 << 20)):
-    loop = stack.build(UnshardedStep(cfg), params, tok, stack.ServingConfig(
+    loop = stack.build(UnshardedStep(cfg, backend=NATIVE), params, tok, stack.ServingConfig(
         max_slots=2, page_size=16, kv_pages=pages, max_chunk=32, max_prefill_chunks=1,
         max_context=64, prefix_cache=host > 0, host_tier_bytes=host, kv_dtype=kv_dtype))
     got: dict[str, list[int]] = {}
@@ -411,7 +412,7 @@ def test_spilled_pages_leave_the_device_at_the_next_step_whatever_it_plans():
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)
   store = HostStore()
-  eng = Engine(UnshardedStep(cfg), params, EngineConfig(
+  eng = Engine(UnshardedStep(cfg, backend=NATIVE), params, EngineConfig(
       max_slots=2, num_pages=8, page_size=16, max_seq_tokens=64), host_store=store)
   table = np.full((2, eng.config.pages_per_seq), 8, np.int32)
   eng.execute(StepPlan(0, (), (), (), table, spills=(PageSpill(1, 7), PageSpill(2, 8))))

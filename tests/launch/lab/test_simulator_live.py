@@ -19,6 +19,7 @@ from launch.lab.simulator.instance import EngineSpec
 from launch.lab.simulator.live import fit_step_time, run_live
 from models.config import get_preset
 from models.step import UnshardedStep
+from tests.cpu_policies import NATIVE
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params
 from serving import stack
@@ -37,7 +38,7 @@ def _trace(n: int, rate: float, seed: int) -> list[SimRequest]:
 def test_simulated_p50_ttft_and_tpot_match_the_live_engine():
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)
-  loop = stack.build(UnshardedStep(cfg), params, ByteTokenizer(), stack.ServingConfig(
+  loop = stack.build(UnshardedStep(cfg, backend=NATIVE), params, ByteTokenizer(), stack.ServingConfig(
       max_slots=SLOTS, page_size=PAGE, kv_pages=PAGES, max_step_tokens=STEP_TOKENS,
       max_chunk=CHUNK, max_prefill_chunks=CHUNKS, max_context=128, lag=0, prefix_cache=False))
   stack.warmup(loop)  # every bucket compiled before the clock starts
