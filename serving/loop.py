@@ -365,6 +365,12 @@ class ServingLoop:
     """Steps until a slot frees for a request with ``ahead`` requests before it."""
     return self.scheduler.slot_wait_steps(ahead)
 
+  def prefill_limit(self, decoding: int) -> int | None:
+    """The prefill tokens a step with ``decoding`` rows may carry by the TPOT budget (None: no
+    budget, or none while nothing decodes)."""
+    limit = self.scheduler.prefill_limit
+    return None if limit is None or decoding == 0 else limit(decoding)
+
   def cached_prefix_tokens(self, ids: Sequence[int], timeout: float = 0.1) -> int:
     """Thread-safe: the leading tokens of ``ids`` the prefix cache holds now (0 without a
     cache, or when the loop keeps the scheduler longer than ``timeout`` seconds)."""

@@ -5,19 +5,20 @@ LLM server-scenario targets (``interactive`` 450 ms / 40 ms as Llama-2-70B inter
 ``server`` 2 s / 200 ms as Llama-2-70B server, ``long`` 6 s / 175 ms as Llama-3.1-405B
 server). ``parse_classes("name:ttft_s:tpot_s,...")`` reads a flag. ``predict(load) ->
 Prediction`` estimates a new request's TTFT and TPOT from the measured step time and the
-prefill backlog: the backlog (prompt tokens admitted but not yet prefilled) plus this
-request's prompts drain at ``max_step_tokens - decoding rows`` tokens per step, plus one step for
-the sampled id's copy, after the steps it waits for a decode slot (decode-only steps of the
-running rows); TPOT is the current step time. ``Prediction.miss(slo, scale)`` names the
-target it would miss (targets multiplied by ``scale``, for slower machines), or None. Before any
+prefill backlog, as the scheduler plans steps: after the steps it waits for a decode slot
+(decode-only steps of the running rows), the backlog (prompt tokens admitted but not yet
+prefilled) drains first, at the prefill tokens a step carries (``max_step_tokens - decoding
+rows``, at most ``max_prefill_chunks`` chunks of ``max_chunk``, at most the TPOT budget's
+``prefill_limit`` while rows decode), and this request's prompt takes at most one ``max_chunk``
+chunk a step beside it; then one step for the sampled id's copy. TPOT is the current step time. ``Prediction.miss(slo, scale)`` names the
+target it would miss (targets multiplied by ``scale``, for slower machines), or None;
+``judge(load, slo, scale)`` applies it, except to a request that misses even alone (see there). Before any
 step has been measured the step time is taken as ``fallback_step_s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-
 from serving.step_cost import StepCostModel
 
 
@@ -61,6 +62,17 @@ class Load:
   fallback_step_s: float = 0.01
   model: StepCostModel | None = None
   slot_wait_steps: int = 0  # steps until a decode slot frees for it (Scheduler.slot_wait_steps)
+  max_chunk: int = 1 << 30  # the longest chunk of one prompt in a step
+  max_prefill_chunks: int = 1 << 30  # prompt chunks per step
+  prefill_limit: int | None = None  # prefill tokens a decoding step may carry (the TPOT budget)
+
+  def prefill_per_step(self) -> tuple[int, int]:
+    """(prefill tokens a step carries, of which one prompt's at most)."""
+    total = min(max(1, self.max_step_tokens - self.decoding),
+                self.max_chunk * self.max_prefill_chunks)
+    if self.decoding and self.prefill_limit is not None:
+      total = min(total, max(1, self.prefill_limit))
+    return total, min(total, self.max_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +90,60 @@ class Prediction:
     return None
 
 
+def _prefill_steps(load: Load) -> list[tuple[int, int]]:
+  """(prefill tokens of a step, how many such steps) until this request's prompt is in: the
+  backlog first (FCFS), this prompt's chunks beside it where a step has room and chunks left."""
+  total, own = load.prefill_per_step()
+  backlog, new = load.backlog_tokens, load.new_tokens
+  out = [(total, backlog // total)] if backlog >= total else []  # the backlog's full steps
+  backlog -= total * (backlog // total)
+  while backlog > 0 or new > 0:
+    take_b = min(total, backlog)
+    # A step's chunks: the backlog's (at least one per max_chunk), then one of this prompt.
+    chunks_left = load.max_prefill_chunks - -(-take_b // load.max_chunk)
+    take_n = min(total - take_b, own, new) if chunks_left > 0 else 0
+    backlog, new = backlog - take_b, new - take_n
+    if take_b == 0 and new >= own:  # the rest of this prompt: whole chunks, then the tail
+      out.append((take_n, 1 + new // own))
+      new -= own * (new // own)
+      if new:
+        out.append((new, 1))
+      break
+    out.append((take_b + take_n, 1))
+  return out
+
+
 def predict(load: Load) -> Prediction:
-  per_step = max(1, load.max_step_tokens - load.decoding)
+  steps = _prefill_steps(load)
   if load.model is not None and load.model.ready:
-    left = load.backlog_tokens + load.new_tokens
     # Waiting for a slot: the running rows' decode steps (a step of the backlog's prefill is
     # counted below, not here: costing every wait step as a full prefill chunk over-predicted
     # long prompts' TTFT 4-10x at low load, BUILD_NOTES "Load generator").
     t = load.slot_wait_steps * load.model.cost(0, load.decoding)
-    while left > 0:
-      chunk = min(per_step, left)
-      t += load.model.cost(chunk, load.decoding)
-      left -= chunk
+    t += sum(n * load.model.cost(tokens, load.decoding) for tokens, n in steps)
     t += load.model.cost(0, load.decoding + 1)  # the step that copies the first id back
     return Prediction(ttft_s=t, tpot_s=load.model.cost(0, load.decoding + 1))
   step = load.step_s or load.fallback_step_s
-  steps = math.ceil((load.backlog_tokens + load.new_tokens) / per_step) + 1 + load.slot_wait_steps
-  return Prediction(ttft_s=steps * step, tpot_s=load.step_s)
+  return Prediction(ttft_s=(sum(n for _, n in steps) + 1 + load.slot_wait_steps) * step, tpot_s=load.step_s)
+
+
+def judge(load: Load, slo: SloClass, scale: float = 1.0) -> tuple[Prediction, str | None]:
+  """(the prediction, why to refuse or None). A prompt too long for its TTFT target (it would
+  miss even with nothing ahead of it, where a one-token prompt would not) cannot be protected by
+  refusing it: it is refused only when what is ahead of it would more than double its own time,
+  so it is served whenever the server is not busy, instead of never. On a machine too slow for
+  the target whatever the prompt, a miss is refused as any other."""
+  pred = predict(load)
+  miss = pred.miss(slo, scale)
+  if miss is None or not miss.startswith("predicted TTFT"):
+    return pred, miss
+  target = slo.ttft_s * scale
+  clear = dataclasses.replace(load, backlog_tokens=0, slot_wait_steps=0)
+  alone = predict(clear)
+  if alone.ttft_s <= target or predict(dataclasses.replace(clear, new_tokens=1)).ttft_s > target:
+    return pred, miss
+  if pred.ttft_s <= 2 * alone.ttft_s:
+    return pred, None
+  return pred, (f"predicted TTFT {pred.ttft_s * 1e3:.1f} ms is over twice the "
+                f"{alone.ttft_s * 1e3:.1f} ms its prompt takes with nothing ahead of it (that "
+                f"alone over the {slo.name!r} target of {target * 1e3:.1f} ms)")

@@ -164,11 +164,13 @@ class Frontend(StreamOwner):
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
     # reuse (the loop's thread-safe answer), and about one token per further sample.
     new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids) + (v.n - 1)
-    pred = loop.guard.call("cost_model", admission.predict, admission.Load(
+    judged = loop.guard.call("cost_model", admission.judge, admission.Load(
         loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
-        model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting)))
-    if self.config.early_reject and pred is not None and not self._idle():
-      miss = pred.miss(slo, self.config.slo_scale)
+        model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting),
+        max_chunk=cap.max_chunk, max_prefill_chunks=cap.max_prefill_chunks,
+        prefill_limit=loop.prefill_limit(occ.decoding)), slo, self.config.slo_scale)
+    pred, miss = judged if judged is not None else (None, None)
+    if self.config.early_reject and not self._idle():
       if miss is not None:
         refuse(Status.REJECTED, "slo", f"rejected early: {miss}", key, client_request_id,
                api, v.slo_class, prompt)
@@ -239,12 +241,13 @@ class Frontend(StreamOwner):
     ratios = sorted(a / p for p, a in self.predictions if p > 0)
     if not ratios:
       return {"requests": 0, "median_ratio": None, "p10_ratio": None, "p90_ratio": None,
-              "median_abs_rel_error": None}
+              "median_abs_rel_error": None, "p90_abs_rel_error": None}
     q = lambda x: ratios[min(len(ratios) - 1, int(x * (len(ratios) - 1)))]
     errs = sorted(abs(r - 1) for r in ratios)
+    e = lambda x: errs[min(len(errs) - 1, int(x * (len(errs) - 1)))]
     return {"requests": len(ratios), "median_ratio": round(q(0.5), 3),
             "p10_ratio": round(q(0.1), 3), "p90_ratio": round(q(0.9), 3),
-            "median_abs_rel_error": round(errs[len(errs) // 2], 3)}
+            "median_abs_rel_error": round(e(0.5), 3), "p90_abs_rel_error": round(e(0.9), 3)}
 
   # -- the one end path -----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ error is measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -79,3 +80,55 @@ def test_waiting_for_a_slot_costs_decode_steps_not_prefill_chunks():
               model=model, slot_wait_steps=40)
   want = 40 * 0.010 + 2 * (0.004 + 0.256 + 0.006) + (0.004 + 0.0075)
   assert predict(load).ttft_s == pytest.approx(want, rel=1e-3)
+
+
+def test_long_prompts_drain_in_chunks_and_under_the_tpot_budget():
+  """The prediction plans steps as the scheduler does: a prompt advances one ``max_chunk``
+  chunk a step (not ``max_step_tokens``), the backlog drains first in at most
+  ``max_prefill_chunks`` chunks a step, and while rows decode the TPOT budget caps the step's
+  prefill tokens."""
+  from serving.api.admission import Load, predict
+  model = StepCostModel(forget=1.0)
+  for tokens, rows in ((0, 4), (256, 4), (512, 4), (0, 1), (128, 2), (0, 3), (384, 1), (64, 4)):
+    model.observe(tokens, rows, 0.004 + 0.001 * tokens + 0.0015 * rows)
+  cost = lambda tokens, rows: 0.004 + 0.001 * tokens + 0.0015 * rows
+  # 1,000 prompt tokens, chunks of 256, nothing decoding: four steps (256, 256, 256, 232).
+  alone = Load(0.01, 0, 0, 512, 1000, model=model, max_chunk=256, max_prefill_chunks=4)
+  want = 3 * cost(256, 0) + cost(232, 0) + cost(0, 1)
+  assert predict(alone).ttft_s == pytest.approx(want, rel=1e-3)
+  # Counted in steps (no fit yet): 4 chunks + the copy step, where 512 tokens a step gave 2 + 1.
+  assert predict(dataclasses.replace(alone, model=None)).ttft_s == pytest.approx(5 * 0.01)
+  assert predict(dataclasses.replace(alone, model=None, max_chunk=1 << 30)).ttft_s == \
+      pytest.approx(3 * 0.01)
+  # Behind a 600-token backlog, 2 chunks a step of at most 256: backlog 512, then 88 + 256 of
+  # this prompt (its own chunk beside the backlog's last), then 256, 256, 232.
+  behind = Load(0.01, 600, 0, 512, 1000, model=model, max_chunk=256, max_prefill_chunks=2)
+  want = cost(512, 0) + cost(88 + 256, 0) + 2 * cost(256, 0) + cost(232, 0) + cost(0, 1)
+  assert predict(behind).ttft_s == pytest.approx(want, rel=1e-3)
+  # Four rows decoding under a TPOT budget of 64 prefill tokens a step: 1000 / 64 -> 16 steps.
+  budget = Load(0.01, 0, 4, 512, 1000, model=model, max_chunk=256, max_prefill_chunks=4,
+                prefill_limit=64)
+  want = 15 * cost(64, 4) + cost(1000 - 15 * 64, 4) + cost(0, 5)
+  assert predict(budget).ttft_s == pytest.approx(want, rel=1e-3)
+  # Without a fitted model: steps x the measured step time (16 prefill steps + the copy).
+  bare = dataclasses.replace(budget, model=None)
+  assert predict(bare).ttft_s == pytest.approx(17 * 0.01)
+
+
+def test_a_prompt_too_long_for_its_target_is_served_unless_the_wait_doubles_it():
+  """``judge``: an ordinary request that would miss is refused; one that misses even alone (its
+  prompt alone takes longer than the target) is not refused forever: it is admitted while what
+  is ahead of it adds less than its own time, refused beyond."""
+  from serving.api.admission import Load, SloClass, judge
+  slo = SloClass("chat", 0.5, 1.0)
+  short = Load(0.01, 3000, 2, 512, 100, max_chunk=256, max_prefill_chunks=2)  # 6 + 1 + 1 steps
+  pred, miss = judge(short, slo)
+  assert pred.ttft_s == pytest.approx(0.08) and miss is None
+  pred, miss = judge(dataclasses.replace(short, backlog_tokens=60_000), slo)
+  assert miss is not None and miss.startswith("predicted TTFT")
+  long = Load(0.01, 0, 2, 512, 20_000, max_chunk=256, max_prefill_chunks=2)  # 79 steps alone
+  assert judge(long, slo) == (pytest.approx(long_pred := judge(long, slo)[0]), None)
+  assert long_pred.ttft_s == pytest.approx(0.80)
+  assert judge(dataclasses.replace(long, backlog_tokens=20_000), slo)[1] is None  # 1.6 s < 2x
+  _, miss = judge(dataclasses.replace(long, backlog_tokens=60_000), slo)  # 3.2 s > 2 x 0.8 s
+  assert miss is not None and "over twice" in miss and "nothing ahead" in miss
