@@ -3,7 +3,8 @@
 Contract: ``make_driver(cfg)`` returns a ``Driver``; ``await driver.generate(prompt_ids,
 prompt_text, max_tokens, session_id)`` streams one greedy answer and returns an ``Outcome``
 (never raises for a failed request: ``status`` is ``ok``, the gRPC status name, ``http_<code>``,
-``stream_error`` or the exception's class); ``await driver.close()``. Times are
+``stream_error`` or the exception's class; ``on_first()``, if given, is called as the first
+generated token arrives); ``await driver.close()``. Times are
 ``time.monotonic()`` seconds on this machine's clock: sent, first generated token, end.
 
 * ``phaseserve``: ``Generation.Generate`` with ``token_ids`` (``ignore_eos``, ``session_id``,
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 APIS = ("phaseserve", "jetstream", "openai")
 REJECTED = frozenset({"RESOURCE_EXHAUSTED", "http_429"})
@@ -64,7 +65,8 @@ class Outcome:
 
 class Driver(Protocol):
   async def generate(self, prompt_ids: tuple[int, ...], prompt_text: str, max_tokens: int,
-                     session_id: str) -> Outcome: ...
+                     session_id: str, on_first: Callable[[], None] | None = None
+                     ) -> Outcome: ...
 
   async def close(self) -> None: ...
 
@@ -86,7 +88,8 @@ class PhaseserveDriver:
     self.channel = grpc.aio.insecure_channel(cfg.target)
     self.stub = pb_grpc.GenerationStub(self.channel)
 
-  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id) -> Outcome:
+  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id,
+                     on_first=None) -> Outcome:
     pb = self.pb
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), max_tokens=max_tokens,
                              ignore_eos=self.cfg.ignore_eos, session_id=session_id,
@@ -99,6 +102,8 @@ class PhaseserveDriver:
                                         timeout=self.cfg.timeout_s):
         if r.token_ids and first is None:
           first = time.monotonic()
+          if on_first is not None:
+            on_first()
         ids.extend(r.token_ids)
         text.append(r.text)
         if r.HasField("final"):
@@ -129,7 +134,8 @@ class JetstreamDriver:
     self.channel = grpc.aio.insecure_channel(cfg.target)
     self.stub = js_grpc.OrchestratorStub(self.channel)
 
-  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id) -> Outcome:
+  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id,
+                     on_first=None) -> Outcome:
     js = self.js
     req = js.DecodeRequest(token_content=js.DecodeRequest.TokenContent(token_ids=prompt_ids),
                            max_tokens=max_tokens, has_bos=True)
@@ -140,6 +146,8 @@ class JetstreamDriver:
         got = r.stream_content.samples[0].token_ids if r.stream_content.samples else ()
         if got and first is None:
           first = time.monotonic()
+          if on_first is not None:
+            on_first()
         ids.extend(got)
     except self.grpc.aio.AioRpcError as e:
       return Outcome(e.code().name, e.details() or "", sent, first, time.monotonic(),
@@ -181,7 +189,8 @@ class OpenAIDriver:
         timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
         connector=aiohttp.TCPConnector(limit=0))
 
-  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id) -> Outcome:
+  async def generate(self, prompt_ids, prompt_text, max_tokens, session_id,
+                     on_first=None) -> Outcome:
     body = {"model": self.cfg.model, "prompt": prompt_text, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if self.cfg.ignore_eos:
@@ -204,6 +213,8 @@ class OpenAIDriver:
             if piece:
               if first is None:
                 first = time.monotonic()
+                if on_first is not None:
+                  on_first()
               text.append(piece)
               chunks += 1
             finish = choice.get("finish_reason") or finish

@@ -471,3 +471,49 @@ def test_find_capacity_cli_over_two_rates_then_resumed(server, tmp_path):
 def _served(server) -> float:
   return sum(v for k, v in server.metrics().items()
              if k.startswith("phaseserve_requests_total"))
+
+
+# ----- MLPerf LoadGen's Server scenario (launch.lab.mlperf_server) -----
+
+def _mlperf(*args: str, timeout: float = 180) -> dict:
+  r = subprocess.run([sys.executable, "-m", "launch.lab.mlperf_server", *args], cwd=REPO,
+                     env=ENV, capture_output=True, text=True, timeout=timeout)
+  assert r.returncode in (0, 1), r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_mlperf_server_scenario_times_what_the_server_streams(fake_openai, tmp_path):
+  """LoadGen's own TTFT and TPOT of a fake server that answers after 200 ms and then streams a
+  token every 10 ms; its every 5th request refused (429) completes its query, counted."""
+  fake_openai.reject_every = 5
+  out = tmp_path / "fake"
+  s = _mlperf("--target", f"127.0.0.1:{fake_openai.server_address[1]}", "--api", "openai",
+              "--model", "m", "--qps", "20", "--queries", "24", "--output_lo", "6",
+              "--output_hi", "10", "--out", str(out))
+  assert s["queries"] == 24 and s["failed"] == 0 and s["statuses"]["ok"] + s["refused"] == 24
+  assert 3 <= s["refused"] <= 6  # every 5th request of 25 (the readiness probe was the 1st)
+  assert s["result"] in ("VALID", "INVALID") and s["min_queries_met"] is True
+  assert 190 <= s["ttft_ms"]["50"] <= 600, s  # refused queries complete at once: p50 is served
+  assert 9 <= s["tpot_ms"]["50"] <= 40, s
+  bodies = fake_openai.bodies[1:]  # after the probe: streaming, greedy, ignore_eos, usage
+  assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0 for b in bodies)
+  assert all(6 <= b["max_tokens"] <= 10 and 56 <= len(b["prompt"].split()) <= 176 for b in bodies)
+  for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt", "summary.json"):
+    assert (out / name).is_file()
+
+
+def test_mlperf_server_scenario_on_the_tiny_server_and_the_table(server, tmp_path):
+  s = _mlperf("--target", server.target, "--api", "phaseserve", "--vocab_size", "256",
+              "--qps", "8", "--queries", "16", "--prompt_lo", "8", "--prompt_hi", "24",
+              "--output_lo", "4", "--output_hi", "8", "--out", str(tmp_path / "tiny"))
+  assert s["statuses"] == {"ok": 16} and s["failed"] == 0, s
+  assert 0 < s["ttft_ms"]["50"] <= s["ttft_ms"]["99"] and 0 < s["tpot_ms"]["50"]
+  assert s["completed_qps"] > 0
+  r = subprocess.run([sys.executable, "-m", "launch.lab.mlperf_server", "--table",
+                      f"{tmp_path / 'tiny'},{tmp_path / 'tiny'}", "--names", "phaseserve,again",
+                      "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = (tmp_path / "side_by_side.md").read_text().splitlines()
+  assert lines[0].startswith("| server | target QPS") and len(lines) == 4
+  assert lines[2].startswith("| phaseserve | 8 | ") and lines[2].endswith(f"| {s['result']} |")
