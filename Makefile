@@ -29,10 +29,11 @@ $(REF_VENV)/.stamp: tests/reference/requirements.txt
 	$(REF_PY) -m pip install -q -r tests/reference/requirements.txt
 	touch $@
 
-# The embedded default: SmolLM2-135M-Instruct (trained, from its GGUF file), int8 weights, served
-# by launch.server; launch.client streams one chat answer and the server is stopped cleanly.
+# The embedded default: SmolLM2-135M-Instruct (trained, from its GGUF file), served by
+# launch.server with its defaults (launch/defaults.py: bf16 where the CPU computes it natively);
+# launch.client streams one chat answer and the server is stopped cleanly.
 run: $(VENV)/.stamp
-	$(PY) -m launch.demo --model smollm2-135m --quantize int8 --max_tokens 128 \
+	$(PY) -m launch.demo --model smollm2-135m --max_tokens 128 \
 	  --prompt "What are the two phases of LLM inference, and why do they need different hardware layouts?"
 
 # The suite includes the checks of the house: the import contracts (tests/test_imports.py), mypy

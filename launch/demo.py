@@ -1,6 +1,6 @@
 """`make run`: start the gRPC server, wait for readiness, stream one chat answer, stop the server.
 
-  python -m launch.demo --model smollm2-135m --quantize int8 --prompt "What is prefill?"
+  python -m launch.demo --model smollm2-135m --prompt "What is prefill?"
 
 The server is a child process on 127.0.0.1 and a free port; it is always stopped (SIGTERM, then
 SIGKILL after ``--stop_timeout_s``) and reaped, also when the client fails. Exit status: the
@@ -28,7 +28,9 @@ from launch import cli
 from launch.cli import CliError
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "model for the server")
-_QUANTIZE = flags.DEFINE_enum("quantize", "int8", ["none", "int8"], "weight quantization")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"],
+                               "weight quantization (the server's default: none; the float dtype "
+                               "is the server's --dtype auto)")
 _PROMPT = flags.DEFINE_string("prompt", "What are the two phases of LLM inference?",
                               "the chat prompt")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "tokens to generate", lower_bound=1)

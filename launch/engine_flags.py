@@ -39,7 +39,9 @@ MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, preset, .
 QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
 INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
                               "int8 compute (default: models.precision's choice, weight_only)")
-DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "float param dtype")
+DTYPE = flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                          "float param and activation dtype (auto: bfloat16 where the CPU computes "
+                          "it natively or on an accelerator, else float32; launch/defaults.py)")
 PARAM_SEED = flags.DEFINE_integer("param_seed", 0, "init seed for random presets")
 MODE = flags.DEFINE_enum("mode", "interleaved", ["interleaved", "disaggregated"],
                          "prefill and decode on one mesh, or on two sub-meshes")
@@ -59,7 +61,8 @@ WARMUP_THREADS = flags.DEFINE_integer(
 CALIBRATION = flags.DEFINE_string(
     "calibration", "auto", "the planner's calibration: a launch.lab.calibrate JSON; 'auto': the one "
     "installed for --hardware (launch.lab.calibrate --install), if any; 'none': uncalibrated")
-MAX_SLOTS = flags.DEFINE_integer("max_slots", 32, "decode batch rows", lower_bound=1)
+MAX_SLOTS = flags.DEFINE_integer("max_slots", 0, "decode batch rows (0: 64, at most --kv_pages; "
+                                 "launch/defaults.py)", lower_bound=0)
 PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)
 KV_PAGES = flags.DEFINE_integer("kv_pages", 512, "KV page budget", lower_bound=1)
 STEP_TOKENS = flags.DEFINE_integer("max_step_tokens", 512, "token budget per step",
@@ -104,6 +107,33 @@ class Built:
   steps: "Steps"
   loop: "ServingLoop"
   mode: str
+  dtype: str  # the float dtype run (``--dtype``, or what ``auto`` chose)
+  defaults: str  # what the flags left at auto chose, and why ("" when none was)
+
+
+def resolve_defaults() -> tuple[str, int, str]:
+  """(dtype, max_slots, why): ``--dtype`` / ``--max_slots`` as given, or ``launch.defaults``'
+  choice for this machine, logged."""
+  import jax
+  from launch import defaults
+  from models.cpu import cpuinfo
+  why = []
+  dtype = DTYPE.value
+  if dtype == "auto":
+    choice = defaults.choose_dtype(jax.default_backend(), cpuinfo.flags())
+    dtype = str(choice.value)
+    why.append(f"dtype {dtype}: {choice.reason}")
+  slots = MAX_SLOTS.value
+  if slots == 0:
+    slots_choice = defaults.choose_slots(KV_PAGES.value)
+    slots = int(slots_choice.value)
+    why.append(f"max_slots {slots}: {slots_choice.reason}")
+  if jax.process_count() > 1:  # process 0's choice everywhere: it decides the traced programs
+    from partitioning.distributed import agree
+    dtype, slots, why = agree("defaults", lambda: [dtype, slots, why])
+  for line in why:
+    logging.info("default %s", line)
+  return dtype, slots, "; ".join(why)
 
 
 def set_fake_devices() -> None:
@@ -142,7 +172,8 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
   cache = compile_cache.configure(COMPILE_CACHE.value)
   logging.info("compilation cache: %s", cache or "off")
   backend = resolve_backend()
-  dtype = jnp.float32 if DTYPE.value == "float32" else jnp.bfloat16
+  dtype_name, max_slots, why = resolve_defaults()
+  dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
   try:
     cfg = load_config(MODEL.value)  # the steps first: the params are made in their shardings
   except (ValueError, FileNotFoundError) as e:
@@ -152,7 +183,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
     mode = "single"
   try:
     config = stack.ServingConfig(
-        max_slots=MAX_SLOTS.value, page_size=PAGE_SIZE.value, kv_pages=KV_PAGES.value,
+        max_slots=max_slots, page_size=PAGE_SIZE.value, kv_pages=KV_PAGES.value,
         max_step_tokens=STEP_TOKENS.value, max_chunk=MAX_CHUNK.value,
         max_prefill_chunks=PREFILL_CHUNKS.value, max_waiting=max_waiting,
         max_context=min(MAX_CONTEXT.value, cfg.max_seq_len), prefix_cache=PREFIX_CACHE.value,
@@ -188,4 +219,4 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
                        wrap_engine=wrap_engine, fault_hook=fault_hook, restarts=restarts)
   except ValueError as e:
     raise CliError(str(e))
-  return Built(cfg, tok, steps, loop, mode)
+  return Built(cfg, tok, steps, loop, mode, dtype_name, why)

@@ -175,7 +175,7 @@ def run() -> list[dict]:
              "kv_pages_in_use": loop.occupancy().pages_used,
              "programs": loop.engine.programs, "programs_warmed": warmed,
              "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": ef.QUANTIZE.value,
-             "dtype": ef.DTYPE.value, "mode": mode, "deployment": steps.description,
+             "dtype": built.dtype, "defaults": built.defaults, "mode": mode, "deployment": steps.description,
              "stack": stack.describe(loop),
              "machine": machine.describe()}
   return [r for r in results if r is not None] + [{"summary": summary}]

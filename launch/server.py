@@ -78,16 +78,17 @@ _FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request
                             "'fault:raise|fatal|hang:S' injects an engine-step fault")
 
 
-def _info(cfg, steps, loop, limits, classes, version):
+def _info(built, limits, classes, version):
   from serving import stack
   from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
   import jax
+  cfg, steps, loop = built.cfg, built.steps, built.loop
   d = steps.description
   layout = lambda p: (f"{d[p]['ffn']}:{d[p]['attn']}" if isinstance(d.get(p), dict)
                       and "ffn" in d[p] else "unsharded")
   s = stack.describe(loop)
   return pb.ServerInfoResponse(
-      model=cfg.name, dtype=ef.DTYPE.value, quantize=ef.QUANTIZE.value,
+      model=cfg.name, dtype=built.dtype, quantize=ef.QUANTIZE.value, defaults=built.defaults,
       mesh=f"{jax.device_count()} x {jax.devices()[0].platform}", mode=d["mode"],
       prefill=pb.PhaseLayout(layout=layout("prefill"), reason=str(d.get("prefill_choice", ""))),
       decode=pb.PhaseLayout(layout=layout("decode"), reason=str(d.get("decode_choice", ""))),
@@ -201,7 +202,7 @@ def main(argv: list[str]) -> None:
     version = importlib.metadata.version("phaseserve")
   except importlib.metadata.PackageNotFoundError:
     version = "dev"
-  info = _info(cfg, steps, loop, limits, classes, version)
+  info = _info(built, limits, classes, version)
   try:
     running = grpc_server.serve(frontend, keys, info, grpc_server.ServerOptions(
         _HOST.value, _PORT.value, _MAX_MESSAGE.value, tls_cert=_TLS_CERT.value,

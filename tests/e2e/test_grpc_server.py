@@ -21,7 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from launch import defaults
 from models.config import get_preset
+from models.cpu import cpuinfo
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params
 from serving.generator import Generator
@@ -193,6 +195,10 @@ def test_tokenize_detokenize_server_info(stub):
   assert info.model == "tiny" and info.max_context == 128 and info.vocab_size == VOCAB
   assert info.mode == "single" and info.kv_pages == 64 and info.max_queue == 256
   assert {c.name for c in info.slo_classes} >= {"interactive", "server", "long"}
+  # --dtype left at auto: this machine's choice, and why (launch.defaults)
+  want = defaults.choose_dtype(jax.default_backend(), cpuinfo.flags())
+  assert info.dtype == want.value and info.defaults.startswith(f"dtype {want.value}: ")
+  assert "max_slots" not in info.defaults and info.max_slots == 8  # given: not a default
 
 
 def _bad_requests():

@@ -215,7 +215,7 @@ class PhaseLayout(_message.Message):
     def __init__(self, layout: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model", "dtype", "quantize", "mesh", "mode", "prefill", "decode", "kv_pages", "page_size", "max_slots", "max_context", "max_queue", "max_n", "max_stop_strings", "vocab_size", "slo_classes", "default_slo_class", "default_max_tokens", "version")
+    __slots__ = ("model", "dtype", "quantize", "mesh", "mode", "prefill", "decode", "kv_pages", "page_size", "max_slots", "max_context", "max_queue", "max_n", "max_stop_strings", "vocab_size", "slo_classes", "default_slo_class", "default_max_tokens", "version", "defaults")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class ServerInfoResponse(_message.Message):
     DEFAULT_SLO_CLASS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     quantize: str
@@ -254,4 +255,5 @@ class ServerInfoResponse(_message.Message):
     default_slo_class: str
     default_max_tokens: int
     version: str
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., quantize: _Optional[str] = ..., mesh: _Optional[str] = ..., mode: _Optional[str] = ..., prefill: _Optional[_Union[PhaseLayout, _Mapping]] = ..., decode: _Optional[_Union[PhaseLayout, _Mapping]] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_context: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_n: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., slo_classes: _Optional[_Iterable[_Union[SloClass, _Mapping]]] = ..., default_slo_class: _Optional[str] = ..., default_max_tokens: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    defaults: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., quantize: _Optional[str] = ..., mesh: _Optional[str] = ..., mode: _Optional[str] = ..., prefill: _Optional[_Union[PhaseLayout, _Mapping]] = ..., decode: _Optional[_Union[PhaseLayout, _Mapping]] = ..., kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_context: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_n: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., slo_classes: _Optional[_Iterable[_Union[SloClass, _Mapping]]] = ..., default_slo_class: _Optional[str] = ..., default_max_tokens: _Optional[int] = ..., version: _Optional[str] = ..., defaults: _Optional[str] = ...) -> None: ...
