@@ -100,6 +100,21 @@ def _info(built, limits, classes, version):
       version=version)
 
 
+def _log_startup(frontend, load_s: float, warm_s: float, b: dict) -> None:
+  """Where start-up went: the log line and ``phaseserve_startup_stage_seconds``."""
+  logging.info(
+      "start-up: load %.1f s, warm-up %.1f s; the programs' time summed over threads: trace "
+      "%.1f s, lower %.1f s, compile or cache load %.1f s (cache reads %.1f s; %d hits, %d "
+      "misses); the rest of the warm-up runs each program once", load_s, warm_s, b["trace_s"],
+      b["lower_s"], b["compile_or_load_s"], b["cache_read_s"], b["cache_hits"],
+      b["cache_misses"])
+  gauge = frontend.metrics.startup_stage
+  for stage, seconds in (("load", load_s), ("warmup", warm_s), ("trace", b["trace_s"]),
+                         ("lower", b["lower_s"]), ("compile_or_load", b["compile_or_load_s"]),
+                         ("cache_read", b["cache_read_s"])):
+    gauge.labels(stage).set(seconds)
+
+
 def _follow(built: "ef.Built", broadcast) -> None:
   """A process other than 0: no ports; runs process 0's engine calls until it says stop."""
   import jax
@@ -251,9 +266,11 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGINT, on_signal)
   t0, maps = time.monotonic(), map_count()
   warmed = stack.warmup(loop, ef.WARMUP_THREADS.value or None) if _WARMUP.value else 0
+  warm_s = time.monotonic() - t0
   logging.info("warm-up: %d programs in %.1f s (%d XLA programs loaded by the process, %s "
-               "memory mappings, RSS %.2f GB)", warmed, time.monotonic() - t0, programs.count,
+               "memory mappings, RSS %.2f GB)", warmed, warm_s, programs.count,
                map_count(), (rss_bytes() or 0) / 1e9)
+  _log_startup(frontend, t0 - t_start, warm_s, programs.breakdown())
   warning = stack.ready(loop, programs, maps, warmed)
   logging.info("ready: RSS %.2f GB after trimming the heap", (rss_bytes() or 0) / 1e9)
   if warning:

@@ -7,7 +7,10 @@ and its code mapped into memory) from construction until ``close()``. ``count`` 
 ``since_mark`` is how many came after it (each logged as a warning with its name): a serving
 process with a closed program set keeps it at 0. ``map_count()`` is the process's memory mappings (lines of ``/proc/self/maps``; None where
 there is none) and ``max_map_count()`` the kernel's limit (``vm.max_map_count``; None where
-unknown): an XLA:CPU program costs mappings, and past the limit a compile aborts the process.
+unknown). ``breakdown()`` is where the programs' time went since construction, from JAX's
+events (seconds summed over threads: the warm-up compiles side by side): ``trace_s`` (Python to
+jaxpr), ``lower_s`` (jaxpr to StableHLO), ``compile_or_load_s`` (XLA compiles, or reads from the
+persistent cache), of it ``cache_read_s``, and ``cache_hits`` / ``cache_misses``: an XLA:CPU program costs mappings, and past the limit a compile aborts the process.
 ``trim_heap()`` hands the C heap's free memory back to the kernel (glibc ``malloc_trim``; False
 where there is none): the warm-up runs every program once and their temporaries stay in the
 process's RSS otherwise. ``mapping_warning(before, after, programs, limit)`` is the start-up check: a message when the
@@ -24,6 +27,12 @@ import threading
 import jax
 
 EVENT = "/jax/core/compile/backend_compile_duration"
+_STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+           EVENT: "compile_or_load_s",
+           "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read_s"}
+_COUNTS = {"/jax/compilation_cache/cache_hits": "cache_hits",
+           "/jax/compilation_cache/cache_misses": "cache_misses"}
 _log = logging.getLogger(__name__)
 
 
@@ -34,9 +43,25 @@ class ProgramCounter:
     self._mark = 0
     self._marked = False
     self._lock = threading.Lock()
+    self._seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+    self._counts: collections.Counter[str] = collections.Counter()
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    jax.monitoring.register_event_listener(self._on_count)
+
+  def _on_count(self, event: str, **kw: str | int) -> None:
+    if event in _COUNTS:
+      with self._lock:
+        self._counts[_COUNTS[event]] += 1
+
+  def breakdown(self) -> dict[str, float | int]:
+    with self._lock:
+      out: dict[str, float | int] = {k: round(self._seconds[k], 4) for k in _STAGES.values()}
+      return out | {k: self._counts[k] for k in _COUNTS.values()}
 
   def _on_event(self, event: str, duration_secs: float, **kw: str | int) -> None:
+    if event in _STAGES:
+      with self._lock:
+        self._seconds[_STAGES[event]] += duration_secs
     if event == EVENT:
       fun_name = str(kw.get("fun_name", ""))
       with self._lock:
@@ -55,6 +80,7 @@ class ProgramCounter:
 
   def close(self) -> None:
     jax.monitoring.unregister_event_duration_listener(self._on_event)
+    jax.monitoring.unregister_event_listener(self._on_count)
 
 
 def map_count() -> int | None:

@@ -3,7 +3,7 @@
 Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
   * ``phaseserve_requests_total{status, finish_reason, slo_class}``,
     ``phaseserve_rejections_total{reason}``, ``phaseserve_prefill_seconds``,
-    ``phaseserve_ttft_prediction_ratio`` (actual / predicted TTFT), ``phaseserve_startup_seconds``,
+    ``phaseserve_ttft_prediction_ratio`` (actual / predicted TTFT), ``phaseserve_startup_seconds`` (and ``phaseserve_startup_stage_seconds{stage}``),
     ``phaseserve_live_streams``, ``phaseserve_prefix_cache_hit_tokens_total``,
     ``phaseserve_host_tier_bytes``, ``phaseserve_engine_faults_total``;
   * with ``watch_programs(serving.compiles.ProgramCounter)``: ``phaseserve_programs_loaded``,
@@ -48,6 +48,10 @@ class ServiceMetrics:
         buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=registry)
     self.startup = prom.Gauge("phaseserve_startup_seconds", "model load + warm-up time",
                               registry=registry)
+    self.startup_stage = prom.Gauge(
+        "phaseserve_startup_stage_seconds", "start-up by stage: load, warmup; and the programs' "
+        "trace, lower, compile_or_load, cache_read (summed over the warm-up's threads)",
+        ["stage"], registry=registry)
     self.prefix_hit_tokens = prom.Counter("phaseserve_prefix_cache_hit_tokens",
                                           "prompt tokens served from the prefix cache",
                                           registry=registry)
