@@ -125,6 +125,7 @@ def run_server_scenario(*, api: str, target: str, model: str, out_dir: str, qps:
   log_out.copy_summary_to_stdout = False
   log_settings = lg.LogSettings()
   log_settings.log_output = log_out
+  log_settings.enable_trace = False  # a ~25 MB trace per run; the summary and detail suffice
   sut = lg.ConstructSUT(issue, lambda: None)
   qsl = lg.ConstructQSL(len(data), len(data), lambda s: None, lambda s: None)
   try:
