@@ -28,6 +28,7 @@ from absl import flags, logging
 from launch import cli, engine_flags as ef
 from launch import machine
 from launch.cli import CliError
+from serving.step_timeline import summarize
 
 if TYPE_CHECKING:
   from models.text.tokenizer import Tokenizer
@@ -176,7 +177,7 @@ def run() -> list[dict]:
              "programs": loop.engine.programs, "programs_warmed": warmed,
              "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": ef.QUANTIZE.value,
              "dtype": built.dtype, "defaults": built.defaults, "mode": mode, "deployment": steps.description,
-             "stack": stack.describe(loop),
+             "stack": stack.describe(loop), "step_breakdown": summarize(loop.timeline.records),
              "machine": machine.describe()}
   return [r for r in results if r is not None] + [{"summary": summary}]
 

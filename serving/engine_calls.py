@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -143,15 +144,19 @@ class Pending:
   parts: list[Part]
 
   def result(self) -> StepResult:
+    """Blocks on each part's copy to the host (timed: ``StepResult.wait_s``)."""
     tokens: dict[str, int] = {}
     lps: dict[str, TokenLogprobs] = {}
+    wait = 0.0
     for part in self.parts:
+      t0 = time.perf_counter()
       host = to_host(part.ids)
       lp = None if part.lp is None or not any(k for _, _, k in part.rows) else \
           [to_host(a) for a in part.lp]
+      wait += time.perf_counter() - t0
       for rid, i, k in part.rows:
         tokens[rid] = int(host[i])
         if lp is not None and k:
           lps[rid] = TokenLogprobs(int(host[i]), float(lp[0][i]),
                                    tuple(zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist())))
-    return StepResult(self.step, tokens, lps)
+    return StepResult(self.step, tokens, lps, wait_s=wait)

@@ -23,6 +23,9 @@ import time
 from typing import Callable, Iterable
 
 import prometheus_client as prom
+import prometheus_client.core as prom_core
+
+from serving.step_timeline import PHASES, StepTimeline
 
 EVENT_KINDS = ("arrival", "queued", "prefill_start", "prefill_end", "kv_transfer_start",
                "kv_transfer_end", "first_token", "token", "preempted", "resumed", "paused",
@@ -144,6 +147,38 @@ _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2
                     30.0, 60.0)
 
 
+class _TimelineCollector(prom.registry.Collector):
+  def __init__(self, timeline: StepTimeline):
+    self._tl = timeline
+
+  def collect(self) -> Iterable[prom_core.Metric]:
+    tl = self._tl
+    wall = prom_core.CounterMetricFamily("phaseserve_step_phase_seconds",
+                                         "busy serving steps' wall time by phase "
+                                         "(serving.step_timeline)", labels=["phase"])
+    cpu = prom_core.CounterMetricFamily("phaseserve_step_phase_cpu_seconds",
+                                        "the loop thread's CPU time in busy steps by phase",
+                                        labels=["phase"])
+    for phase in PHASES:
+      wall.add_metric([phase], tl.totals_wall[phase])
+      cpu.add_metric([phase], tl.totals_cpu[phase])
+    yield wall
+    yield cpu
+    yield prom_core.CounterMetricFamily("phaseserve_steps", "busy serving steps",
+                                        value=tl.steps)
+    yield prom_core.CounterMetricFamily("phaseserve_decode_only_steps",
+                                        "busy steps with decode rows and no prefill",
+                                        value=tl.decode_only_steps)
+    yield prom_core.CounterMetricFamily("phaseserve_decode_only_step_seconds",
+                                        "wall time of the decode-only steps",
+                                        value=tl.decode_only_s)
+    yield prom_core.CounterMetricFamily("phaseserve_step_rows_decoded",
+                                        "decode rows summed over busy steps", value=tl.decode_rows)
+    yield prom_core.CounterMetricFamily("phaseserve_step_tokens_prefilled",
+                                        "prefill tokens summed over busy steps",
+                                        value=tl.prefill_tokens)
+
+
 class Metrics:
   """The serving metrics, registered in ``registry`` (one per engine or server)."""
 
@@ -190,6 +225,13 @@ class Metrics:
     self.loop_restarts = prom.Counter("phaseserve_loop_restarts",
                                       "serving loop rebuilt on the same engine after a failure",
                                       registry=registry)
+
+  def watch_timeline(self, timeline: StepTimeline) -> None:
+    """Exports ``timeline``'s totals at scrape time: ``phaseserve_step_phase_seconds_total`` and
+    ``phaseserve_step_phase_cpu_seconds_total`` by phase, ``phaseserve_steps_total``, and the
+    decode-only steps' count and seconds (``phaseserve_decode_only_step*``), and the decode rows
+    and prefill tokens summed over steps (``phaseserve_step_{rows_decoded,tokens_prefilled}_total``)."""
+    self.registry.register(_TimelineCollector(timeline))
 
   def observe(self, trace: RequestTrace) -> None:
     t = trace.timings()

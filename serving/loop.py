@@ -11,7 +11,8 @@ Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.m
     and the loop goes on; a ``FatalEngineError`` or ``max_faults`` in a row sets ``failed``. An
     exception in the loop itself fails it too, then ``rebuild`` (a fresh scheduler) restarts it
     up to ``max_restarts`` times. ``dead``, ``beat``, ``step_started``, ``fail(message)``: for a
-    watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``.
+    watchdog. Observers (metrics, traces, cost model, callbacks) run inside ``guard``;
+    ``timeline`` (``serving.step_timeline``) times the phases of every busy step.
   * The read-only face, the one place that reads the scheduler's memory: ``capacity()`` (fixed),
     ``occupancy()`` (queues now, KV pages as of the last step), ``can_ever_fit``,
     ``slot_wait_steps`` and the thread-safe ``cached_prefix_tokens(ids)`` (under the lock the
@@ -35,6 +36,7 @@ from serving.lifecycle import Metrics, RequestTrace
 from serving.request import Request, RequestOutput, Usage
 from serving.scheduler import Scheduler, StepPlan, StepResult
 from serving.step_cost import StepCostModel
+from serving.step_timeline import StepTimeline
 from serving.stop import FinishReason
 
 OutputFn = Callable[[RequestOutput], None]
@@ -106,6 +108,9 @@ class ServingLoop:
     self.step_s = 0.0  # moving average of a busy step's wall time (admission predictions)
     # Step seconds vs its composition, fitted as it runs.
     self.cost_model = cost_model or StepCostModel()
+    self.timeline = StepTimeline()  # where each busy step's time goes (serving.step_timeline)
+    if metrics is not None:
+      metrics.watch_timeline(self.timeline)
     self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()
@@ -205,9 +210,12 @@ class ServingLoop:
 
   def step(self) -> bool:
     """One iteration; returns False when there was nothing to do."""
+    tl = self.timeline
+    tl.begin()
     self._admit()
     self._deliver(self._drain())
     if self.failed is not None:
+      tl.idle()
       return False
     if self.scheduler.idle:
       try:
@@ -216,7 +224,9 @@ class ServingLoop:
       except Exception as e:
         self._fault(e)
       self._update_gauges()
+      tl.idle()
       return False
+    tl.mark("admit")
     with self._sched_lock:
       plan = self.scheduler.schedule()
     self._deliver(self._drain())
@@ -224,6 +234,7 @@ class ServingLoop:
     for c in plan.prefill:  # detail: the positions this chunk computes
       self.traces[c.request_id].record("prefill_start",
                                        f"{c.start}-{c.start + len(c.token_ids)}")
+    tl.mark("plan")
     t0 = self.step_started = self.clock()
     programs = self.engine.programs
     try:
@@ -235,13 +246,16 @@ class ServingLoop:
         results += self.engine.flush()
     except Exception as e:
       self.step_started = None
+      tl.idle()
       self._fault(e)
       return True
+    tl.mark("execute")
     self.step_started = None
+    compiled = self.engine.programs != programs
+    composition = (sum(len(c.token_ids) for c in plan.prefill), len(plan.decode))
     if not plan.empty:
       dt = self.clock() - t0
       self.step_s = 0.9 * self.step_s + 0.1 * dt if self.step_s else dt
-      composition = (sum(len(c.token_ids) for c in plan.prefill), len(plan.decode))
       if self.metrics is not None:
         self.guard.call("metrics", self._step_metrics, dt, composition)
       # With lagged results, a call waits for the previous step's ids: its wall time is that
@@ -250,14 +264,19 @@ class ServingLoop:
       if len(self._timed) > self.engine.lag:
         timed = self._timed.popleft()
         # A call that compiled a program timed the compiler, not a step: not a sample.
-        if self.engine.programs == programs:
+        if not compiled:
           self.guard.call("cost_model", self.cost_model.observe, *timed, dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")
     for res in results:
-      self._deliver(self._update(res))
+      outs = self._update(res)
+      tl.mark("update")
+      self._deliver(outs)
+      tl.mark("deliver")
     self._update_gauges()
+    tl.mark("deliver")
+    self.guard.call("timeline", tl.end, *composition, sum(r.wait_s for r in results), compiled)
     return True
 
   def _drain(self) -> list[RequestOutput]:

@@ -73,6 +73,7 @@ class StepResult:
   step: int
   tokens: dict[str, int]  # request id -> id sampled by this step
   logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+  wait_s: float = 0.0  # host time spent waiting for these ids (device time not hidden)
 
 
 __all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult"]

@@ -3,10 +3,11 @@
 Contract: ``run_server_scenario(...) -> dict`` runs one LoadGen test (Server, PerformanceOnly,
 token latencies) whose SUT sends each query through a ``launch.lab.loadgen_lib.drivers`` driver on
 an asyncio loop in a background thread, writes LoadGen's logs and ``summary.json`` under
-``out_dir`` and returns the summary; it first waits up to ``ready_timeout_s`` for a one-token
+``out_dir`` and returns the summary (with ``metrics_url``, the server's step breakdown over the
+run: ``launch.lab.server_steps``, and p50 TPOT over its decode-only step); it first waits up to ``ready_timeout_s`` for a one-token
 request to succeed (a server warming up refuses; ``TimeoutError`` if it never does). ``read_detail(path)`` reads the ``:::MLLOG`` records of
 ``mlperf_log_detail.txt`` as {key: value}; ``side_by_side(dirs, names)`` is a markdown table of
-their summaries.
+their summaries (and of their server step breakdowns, where they have one).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import collections
 import json
 import os
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
 
+from launch.lab import server_steps
 from launch.lab.loadgen_lib.drivers import REJECTED, DriverConfig, Outcome, make_driver
 from launch.lab.loadgen_lib.workload import ids_to_text
+from serving.step_timeline import PHASES
 
 _PCTS = ("50.00", "90.00", "99.00")
 
@@ -58,7 +62,7 @@ def run_server_scenario(*, api: str, target: str, model: str, out_dir: str, qps:
                         queries: int, min_duration_s: float, ttft_s: float, tpot_s: float,
                         samples: int, prompt: tuple[int, int], output: tuple[int, int],
                         vocab_size: int, seed: int, timeout_s: float,
-                        ready_timeout_s: float = 600.0) -> dict:
+                        ready_timeout_s: float = 600.0, metrics_url: str = "") -> dict:
   import mlperf_loadgen as lg
   os.makedirs(out_dir, exist_ok=True)
   data = _samples(samples, prompt, output, vocab_size, seed)
@@ -128,8 +132,12 @@ def run_server_scenario(*, api: str, target: str, model: str, out_dir: str, qps:
   log_settings.enable_trace = False  # a ~25 MB trace per run; the summary and detail suffice
   sut = lg.ConstructSUT(issue, lambda: None)
   qsl = lg.ConstructQSL(len(data), len(data), lambda s: None, lambda s: None)
+  before = server_steps.scrape(metrics_url) if metrics_url else {}
+  t0 = time.monotonic()
   try:
     lg.StartTestWithLogSettings(sut, qsl, settings, log_settings)
+    steps = (server_steps.breakdown(before, server_steps.scrape(metrics_url),
+                                    time.monotonic() - t0) if metrics_url else None)
   finally:
     lg.DestroyQSL(qsl)
     lg.DestroySUT(sut)
@@ -154,7 +162,10 @@ def run_server_scenario(*, api: str, target: str, model: str, out_dir: str, qps:
                   for p in _PCTS},
       "tpot_ms": {p.split(".")[0]: _ms(detail, f"result_time_per_output_token_{p}_percentile_ns")
                   for p in _PCTS},
-      "refused": refused, "failed": failed, "statuses": dict(statuses), "errors": errors}
+      "refused": refused, "failed": failed, "statuses": dict(statuses), "errors": errors,
+      "server_steps": steps}
+  tpot50, decode = summary["tpot_ms"]["50"], steps and steps.get("decode_only_step_ms")
+  summary["tpot_p50_over_decode_step"] = tpot50 / decode if tpot50 and decode else None
   with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=1)
   return summary
@@ -179,13 +190,30 @@ async def _make(cfg: DriverConfig):
 def side_by_side(dirs: Sequence[str], names: Sequence[str]) -> str:
   rows = ["| server | target QPS | completed QPS | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 "
           "ms | refused | failed | LoadGen |", "|---|---:|---:|---|---|---:|---:|---|"]
+  summaries = []
   for d, name in zip(dirs, names):
     with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
       s = json.load(f)
+    summaries.append(s)
     trio = lambda m: " / ".join("-" if m.get(p) is None else f"{m[p]:,.1f}" for p in ("50", "90",
                                                                                       "99"))
     qps = s["completed_qps"]
     rows.append(f"| {name} | {s['target_qps']:g} | {'-' if qps is None else f'{qps:.2f}'} | "
                 f"{trio(s['ttft_ms'])} | {trio(s['tpot_ms'])} | {s['refused']} | {s['failed']} | "
                 f"{s['result']} |")
+  steps = [(name, s) for name, s in zip(names, summaries) if s.get("server_steps")]
+  if steps:
+    rows += ["", "| server | steps/s | decode rows | prefill tok/step | " + " | ".join(
+        f"{p} ms" for p in PHASES) + " | host off-CPU ms | decode-only step ms | TPOT p50 / "
+        "decode step | compiled |", "|---|" + "---:|" * (len(PHASES) + 7)]
+    for name, s in steps:
+      st, f = s["server_steps"], lambda v, fmt: "-" if v is None else format(v, fmt)
+      rows.append(f"| {name} | {f(st.get('steps_per_s'), '.1f')} | "
+                  f"{f(st.get('mean_decode_rows'), '.1f')} | "
+                  f"{f(st.get('prefill_tokens_per_step'), '.1f')} | " +
+                  " | ".join(f(st['phases_ms'][p]['wall'], '.2f') for p in PHASES) +
+                  f" | {f(st.get('host_off_cpu_ms'), '.2f')} | "
+                  f"{f(st.get('decode_only_step_ms'), '.1f')} | "
+                  f"{f(s.get('tpot_p50_over_decode_step'), '.2f')} | "
+                  f"{f(st.get('programs_after_ready'), '.0f')} |")
   return "\n".join(rows) + "\n"

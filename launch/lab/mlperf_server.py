@@ -20,7 +20,9 @@ failed one completes its query with no tokens and is counted.
 
 ``--out/summary.json`` (also printed as one line): LoadGen's result (``VALID`` / ``INVALID``) and
 why, completed QPS, TTFT and TPOT p50 / p90 / p99 in ms (LoadGen's own figures), refused and
-failed requests by status. ``--table DIR,DIR,...`` writes (and prints) ``side_by_side.md`` from
+failed requests by status, and from a phaseserve server's ``--metrics_url`` its step breakdown
+over the run (``launch.lab.server_steps``: where each busy step's time went, the mean decode-only
+step, p50 TPOT over it, programs compiled). ``--table DIR,DIR,...`` writes (and prints) ``side_by_side.md`` from
 their ``summary.json`` files (``--names`` labels them). Exit 2 on bad flags, 1 on a run with
 failed requests.
 """
@@ -58,8 +60,20 @@ _SEED = flags.DEFINE_integer("seed", 0, "samples and LoadGen's schedule")
 _TIMEOUT = flags.DEFINE_float("request_timeout_s", 600.0, "per request", lower_bound=1.0)
 _READY = flags.DEFINE_float("ready_timeout_s", 600.0, "wait this long for the target to answer",
                             lower_bound=0.0)
+_METRICS = flags.DEFINE_string(
+    "metrics_url", None, "the server's Prometheus endpoint, scraped before and after the run for "
+    "its step breakdown (default: openai: TARGET/metrics; gRPC APIs: none; '' for none)")
 _TABLE = flags.DEFINE_list("table", None, "summary directories to put side by side (no run)")
 _NAMES = flags.DEFINE_list("names", None, "--table: a label per directory (default its name)")
+
+
+def _metrics_url() -> str:
+  if _METRICS.value is not None:
+    return _METRICS.value
+  if _API.value != "openai":
+    return ""
+  base = _TARGET.value if "://" in _TARGET.value else f"http://{_TARGET.value}"
+  return base.rstrip("/") + "/metrics"
 
 
 def main(argv: list[str]) -> None:
@@ -86,7 +100,7 @@ def main(argv: list[str]) -> None:
         ttft_s=_TTFT.value / 1e3, tpot_s=_TPOT.value / 1e3, samples=_SAMPLES.value,
         prompt=(_PROMPT_LO.value, _PROMPT_HI.value), output=(_OUTPUT_LO.value, _OUTPUT_HI.value),
         vocab_size=_VOCAB.value, seed=_SEED.value, timeout_s=_TIMEOUT.value,
-        ready_timeout_s=_READY.value)
+        ready_timeout_s=_READY.value, metrics_url=_metrics_url())
   except TimeoutError as e:
     raise CliError(str(e))
   print(json.dumps(summary))

@@ -52,6 +52,9 @@ def test_serve_offline_tiny(tmp_path):
   assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
   assert summary["stack"]["max_prefill_chunks"] == 2
   assert summary["programs_warmed"] > 0 and summary["mode"] == "single"
+  steps = summary["step_breakdown"]  # serving.step_timeline over the run, warmed: no compile
+  assert steps["steps"] > 0 and steps["phases_ms"]["dispatch"]["wall"] > 0
+  assert sum(v["steps"] for v in steps["decode_only_ms"].values()) > 0
   cfg = get_preset("tiny")
   params = init_params(cfg, jax.random.key(0), jnp.float32)  # --param_seed 0
   gen = Generator(cfg, params, steps_per_call=4)

@@ -52,7 +52,7 @@ def _requests(rng, n=16, target=None):
   return reqs
 
 
-def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8):
+def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8, waits=None):
   pool = PagePool(PageBudget(page_size, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=slots, max_step_tokens=max(chunk, slots) + 8,
                     max_chunk=chunk)
@@ -62,7 +62,13 @@ def _serve(params, reqs, *, pages, chunk, lag, page_size=8, slots=8):
   traces = {r.request_id: RequestTrace(r.request_id) for r in reqs}
   for r in reqs:
     assert sched.add(r, traces[r.request_id]) is None
-  outs = run_to_completion(sched, engine.execute)
+  def execute(plan):
+    res = engine.execute(plan)
+    if res is not None and waits is not None:
+      waits.append(res.wait_s)
+    return res
+
+  outs = run_to_completion(sched, execute)
   for res in engine.flush():
     outs += sched.update(res)
   got = {}
@@ -106,7 +112,10 @@ def test_greedy_tokens_equal_generate(params, chunk, pages, lag):
   target = Request("target", tuple(range(40, 77)), SamplingParams(),
                    StopCriteria(max_tokens=20, ignore_eos=True))
   reqs = _requests(rng, target=target)
-  got, traces, engine = _serve(params, reqs, pages=pages, chunk=chunk, lag=lag)
+  waits: list[float] = []
+  got, traces, engine = _serve(params, reqs, pages=pages, chunk=chunk, lag=lag, waits=waits)
+  # Each result timed the host's wait for its ids (serving.step_timeline's "wait" phase).
+  assert waits and min(waits) >= 0 and sum(waits) > 0
   near = 0
   for r in reqs:
     want = _reference(params, r)

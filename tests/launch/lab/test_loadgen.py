@@ -500,20 +500,33 @@ def test_mlperf_server_scenario_times_what_the_server_streams(fake_openai, tmp_p
   assert all(6 <= b["max_tokens"] <= 10 and 56 <= len(b["prompt"].split()) <= 176 for b in bodies)
   for name in ("mlperf_log_summary.txt", "mlperf_log_detail.txt", "summary.json"):
     assert (out / name).is_file()
+  assert s["server_steps"] is None  # its /metrics (the default for openai) has no step counters
 
 
 def test_mlperf_server_scenario_on_the_tiny_server_and_the_table(server, tmp_path):
   s = _mlperf("--target", server.target, "--api", "phaseserve", "--vocab_size", "256",
               "--qps", "8", "--queries", "16", "--prompt_lo", "8", "--prompt_hi", "24",
-              "--output_lo", "4", "--output_hi", "8", "--out", str(tmp_path / "tiny"))
+              "--output_lo", "4", "--output_hi", "8", "--out", str(tmp_path / "tiny"),
+              "--metrics_url", f"http://127.0.0.1:{server.metrics_port}/metrics")
   assert s["statuses"] == {"ok": 16} and s["failed"] == 0, s
   assert 0 < s["ttft_ms"]["50"] <= s["ttft_ms"]["99"] and 0 < s["tpot_ms"]["50"]
   assert s["completed_qps"] > 0
+  # The server's own timeline over the run: 16 requests of 4-8 tokens, no program compiled.
+  st = s["server_steps"]
+  assert st["steps"] >= 8 and st["programs_after_ready"] == 0
+  assert 0 < st["mean_decode_rows"] and st["prefill_tokens_per_step"] > 0
+  assert all(v["wall"] >= 0 and v["cpu"] >= 0 for v in st["phases_ms"].values())
+  assert st["phases_ms"]["dispatch"]["wall"] > 0
+  assert sum(v["share"] for v in st["phases_ms"].values()) == pytest.approx(1.0)
+  assert st["decode_only_steps"] == 0 or st["decode_only_step_ms"] > 0
+  assert s["tpot_p50_over_decode_step"] is None or s["tpot_p50_over_decode_step"] > 0
   r = subprocess.run([sys.executable, "-m", "launch.lab.mlperf_server", "--table",
                       f"{tmp_path / 'tiny'},{tmp_path / 'tiny'}", "--names", "phaseserve,again",
                       "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True,
                      text=True, timeout=60)
   assert r.returncode == 0, r.stderr[-2000:]
   lines = (tmp_path / "side_by_side.md").read_text().splitlines()
-  assert lines[0].startswith("| server | target QPS") and len(lines) == 4
+  assert lines[0].startswith("| server | target QPS") and len(lines) == 9
   assert lines[2].startswith("| phaseserve | 8 | ") and lines[2].endswith(f"| {s['result']} |")
+  assert lines[5].startswith("| server | steps/s |") and lines[7].startswith("| phaseserve | ")
+  assert lines[7].endswith("| 0 |")  # no program compiled while serving
