@@ -24,11 +24,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 from jax.typing import DTypeLike
 
 from models.config import ModelConfig
+from models.io.gguf_file import GGUFFile, Tensor
 from models.weights import Params, abstract_params
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -46,27 +47,27 @@ _INT_TYPES = (GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGU
 _FLOAT_TYPES = (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64)
 
 
-def _source(reader: GGUFReader) -> str:
-  return str(getattr(reader.data, "filename", None) or "<gguf>")
+def _source(reader: GGUFFile) -> str:
+  return reader.path
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-  """Opens ``path`` as a ``gguf.GGUFReader`` (memory-mapped: metadata is parsed, tensor data is
-  read on demand)."""
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+  """Opens ``path`` as a ``models.io.gguf_file.GGUFFile`` (metadata parsed, tensor data
+  memory-mapped and read on demand)."""
   p = Path(path)
   if not p.exists():
     raise FileNotFoundError(f"GGUF file {str(p)!r} does not exist")
   if not p.is_file():
     raise ValueError(f"{p}: not a file (expected a .gguf file)")
   try:
-    return GGUFReader(p)
+    return GGUFFile(p)
   except (ValueError, IndexError, KeyError, OverflowError, OSError) as e:
-    # GGUFReader: "GGUF magic invalid", unsupported version, truncated header, empty file, ...
+    # "GGUF magic invalid", unsupported version, truncated header, empty file, ...
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     raise ValueError(f"{p}: not a readable GGUF file ({msg})") from None
 
 
-def _field_value(reader: GGUFReader, key: str, kinds: tuple[GGUFValueType, ...], what: str
+def _field_value(reader: GGUFFile, key: str, kinds: tuple[GGUFValueType, ...], what: str
                  ) -> int | float | str | bool | None:
   field = reader.get_field(key)
   if field is None:
@@ -82,7 +83,7 @@ def _field_value(reader: GGUFReader, key: str, kinds: tuple[GGUFValueType, ...],
   return value
 
 
-def _int(reader: GGUFReader, key: str, default: int | None = None) -> int:
+def _int(reader: GGUFFile, key: str, default: int | None = None) -> int:
   value = _field_value(reader, key, _INT_TYPES, "an integer")
   if value is None:
     if default is None:
@@ -91,7 +92,7 @@ def _int(reader: GGUFReader, key: str, default: int | None = None) -> int:
   return int(value)
 
 
-def _float(reader: GGUFReader, key: str, default: float | None = None) -> float:
+def _float(reader: GGUFFile, key: str, default: float | None = None) -> float:
   value = _field_value(reader, key, _FLOAT_TYPES + _INT_TYPES, "a number")
   if value is None:
     if default is None:
@@ -100,7 +101,7 @@ def _float(reader: GGUFReader, key: str, default: float | None = None) -> float:
   return float(value)
 
 
-def _str(reader: GGUFReader, key: str, default: str | None = None) -> str:
+def _str(reader: GGUFFile, key: str, default: str | None = None) -> str:
   value = _field_value(reader, key, (GGUFValueType.STRING,), "a string")
   if value is None:
     if default is None:
@@ -109,16 +110,16 @@ def _str(reader: GGUFReader, key: str, default: str | None = None) -> str:
   return str(value)
 
 
-def _tensors(reader: GGUFReader) -> dict[str, ReaderTensor]:
+def _tensors(reader: GGUFFile) -> dict[str, Tensor]:
   return {t.name: t for t in reader.tensors}
 
 
-def _shape_OI(t: ReaderTensor) -> tuple[int, ...]:
+def _shape_OI(t: Tensor) -> tuple[int, ...]:
   """Numpy shape of the dequantized tensor: ggml's ``ne`` reversed (``[out, in]`` for 2D)."""
   return tuple(int(s) for s in reversed(t.shape.tolist()))
 
 
-def _check_rope(reader: GGUFReader, arch: str, head_dim: int) -> None:
+def _check_rope(reader: GGUFFile, arch: str, head_dim: int) -> None:
   src = _source(reader)
   rope_dim = _int(reader, f"{arch}.rope.dimension_count", head_dim)
   if rope_dim != head_dim:
@@ -134,10 +135,10 @@ def _check_rope(reader: GGUFReader, arch: str, head_dim: int) -> None:
       raise ValueError(f"{src}: {key}={factor} is not supported (only unscaled RoPE)")
 
 
-def gguf_config(path_or_reader: str | os.PathLike[str] | GGUFReader, name: str | None = None
+def gguf_config(path_or_reader: str | os.PathLike[str] | GGUFFile, name: str | None = None
                 ) -> ModelConfig:
   """The ModelConfig of a Llama GGUF file, from its metadata (and which tensors it holds)."""
-  reader = (path_or_reader if isinstance(path_or_reader, GGUFReader)
+  reader = (path_or_reader if isinstance(path_or_reader, GGUFFile)
             else open_gguf(path_or_reader))
   src = _source(reader)
   arch = _str(reader, "general.architecture")
@@ -224,7 +225,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def _check_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, ReaderTensor]:
+def _check_tensors(reader: GGUFFile, cfg: ModelConfig) -> dict[str, Tensor]:
   """Every check that needs no tensor data: names, types and shapes, before anything is read."""
   src = _source(reader)
   tensors = _tensors(reader)
@@ -255,7 +256,7 @@ def _check_tensors(reader: GGUFReader, cfg: ModelConfig) -> dict[str, ReaderTens
   return {t: tensors[t] for t in want}
 
 
-def _dequantized(src: str, t: ReaderTensor) -> np.ndarray:
+def _dequantized(src: str, t: Tensor) -> np.ndarray:
   """float32 numpy array of shape ``_shape_OI(t)``; may be a view of the file for F32."""
   try:
     a = dequantize(t.data, t.tensor_type)
@@ -265,14 +266,14 @@ def _dequantized(src: str, t: ReaderTensor) -> np.ndarray:
   return np.asarray(a, dtype=np.float32).reshape(_shape_OI(t))
 
 
-def load_gguf(path: str | os.PathLike[str] | GGUFReader, dtype: DTypeLike = jnp.float32, *,
+def load_gguf(path: str | os.PathLike[str] | GGUFFile, dtype: DTypeLike = jnp.float32, *,
               name: str | None = None) -> tuple[ModelConfig, Params]:
   """Loads a Llama GGUF file (a path, or a reader already open on it) as ``(ModelConfig,
   params)`` with float ``dtype`` leaves."""
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype {jnp.dtype(dtype).name} is not a float dtype (int8 weights come from "
                      "models.weights.quantize after loading)")
-  reader = path if isinstance(path, GGUFReader) else open_gguf(path)
+  reader = path if isinstance(path, GGUFFile) else open_gguf(path)
   src = _source(reader)
   cfg = gguf_config(reader, name=name)
   tensors = _check_tensors(reader, cfg)

@@ -2,7 +2,7 @@
 
 Contract:
   * ``load_gguf_tokenizer(path) -> GGUFTokenizer``; ``gguf_tokenizer_from_reader(reader, name)``
-    reuses an open ``gguf.GGUFReader`` (the header is parsed once); the two steps are
+    reuses an open ``GGUFFile`` (the header is parsed once); the two steps are
     ``read_gguf_vocab(reader) -> GGUFVocab`` and ``build_tokenizer(vocab) -> tokenizers.Tokenizer``.
   * Only ``tokenizer.ggml.model = gpt2`` (byte-level BPE) is supported, with the pre-tokenizers
     named by ``tokenizer.ggml.pre`` that llama.cpp knows (``default``, ``gpt2``, and the
@@ -25,6 +25,7 @@ import gguf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from models.io.gguf_file import GGUFFile
 from models.text.tokenizer import TokenizersTokenizer, bytes_to_unicode
 
 TOKEN_NORMAL = 1
@@ -91,18 +92,18 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
   if not os.path.isfile(name):
     raise FileNotFoundError(f"GGUF file {name!r} not found")
   try:
-    reader = gguf.GGUFReader(name)
+    reader = GGUFFile(name)
   except Exception as e:  # the reader raises ValueError / IndexError / OSError on bad files
     raise ValueError(f"{name}: not a readable GGUF file ({type(e).__name__}: {e})") from None
   return gguf_tokenizer_from_reader(reader, name)
 
 
-def gguf_tokenizer_from_reader(reader: gguf.GGUFReader, name: str = "gguf") -> GGUFTokenizer:
+def gguf_tokenizer_from_reader(reader: GGUFFile, name: str = "gguf") -> GGUFTokenizer:
   """The tokenizer described by an open reader's metadata; ``name`` labels errors."""
   return GGUFTokenizer(read_gguf_vocab(reader, name))
 
 
-def _value(reader: gguf.GGUFReader, key: str) -> object:
+def _value(reader: GGUFFile, key: str) -> object:
   field = reader.fields.get(key)
   if field is None:
     return None
@@ -111,7 +112,7 @@ def _value(reader: gguf.GGUFReader, key: str) -> object:
   return field.contents()
 
 
-def _int_or_none(reader: gguf.GGUFReader, key: str, name: str) -> int | None:
+def _int_or_none(reader: GGUFFile, key: str, name: str) -> int | None:
   value = _value(reader, key)
   if value is None:
     return None
@@ -120,14 +121,14 @@ def _int_or_none(reader: gguf.GGUFReader, key: str, name: str) -> int | None:
   return int(value)
 
 
-def _str_or_none(reader: gguf.GGUFReader, key: str, name: str) -> str | None:
+def _str_or_none(reader: GGUFFile, key: str, name: str) -> str | None:
   value = _value(reader, key)
   if value is not None and not isinstance(value, str):
     raise ValueError(f"{name}: {key} must be a string, got {type(value).__name__}")
   return value
 
 
-def _bool(reader: gguf.GGUFReader, key: str, name: str, default: bool) -> bool:
+def _bool(reader: GGUFFile, key: str, name: str, default: bool) -> bool:
   value = _value(reader, key)
   if value is None:
     return default
@@ -136,7 +137,7 @@ def _bool(reader: gguf.GGUFReader, key: str, name: str, default: bool) -> bool:
   return value
 
 
-def _array(reader: gguf.GGUFReader, key: str, name: str, kind: type[str] | type[int]
+def _array(reader: GGUFFile, key: str, name: str, kind: type[str] | type[int]
            ) -> list[str] | list[int] | None:
   value = _value(reader, key)
   if value is None:
@@ -147,17 +148,17 @@ def _array(reader: gguf.GGUFReader, key: str, name: str, kind: type[str] | type[
   return value
 
 
-def _strings(reader: gguf.GGUFReader, key: str, name: str) -> tuple[str, ...] | None:
+def _strings(reader: GGUFFile, key: str, name: str) -> tuple[str, ...] | None:
   value = _array(reader, key, name, str)
   return None if value is None else tuple(str(v) for v in value)
 
 
-def _ints(reader: gguf.GGUFReader, key: str, name: str) -> tuple[int, ...] | None:
+def _ints(reader: GGUFFile, key: str, name: str) -> tuple[int, ...] | None:
   value = _array(reader, key, name, int)
   return None if value is None else tuple(int(v) for v in value)
 
 
-def read_gguf_vocab(reader: gguf.GGUFReader, name: str = "gguf") -> GGUFVocab:
+def read_gguf_vocab(reader: GGUFFile, name: str = "gguf") -> GGUFVocab:
   """The tokenizer metadata of an open GGUF file; ValueError when a key is missing or bad."""
   model = _str_or_none(reader, _K + "model", name)
   if model is None:
