@@ -7,7 +7,8 @@ Contract:
     (``all_logits``: every position). Rows with ``lens_B[b] == 0`` and padding write nothing.
   * ``decode_step(params, tokens_B, cache, cfg=, attend_len=, active_B=, backend=)``: one token
     per active row at ``cache.lengths[b]`` (ragged batch).
-  * ``params``: a list of layers (a Python loop) or stacked (``models.weights.stack_layers``: one
+  * ``params``: a list of layers (a Python loop calling one jitted block with the layer index
+    traced: traced and lowered once, inlined by XLA) or stacked (``models.weights.stack_layers``: one
     ``lax.scan``, the layer index traced). ``cache``: any ``models.kv_cache.KVStore``; the same
     type comes back. Queries are rotated by ``cache.rope_positions``, keys by absolute position.
   * Static: ``cfg``, ``attend_len`` (the attended positions: a bucket covering every row),
@@ -69,6 +70,9 @@ def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q:
   return x_BTD, cache
 
 
+_jit_block = jax.jit(_block, static_argnames=("cfg", "attend_len", "backend"))
+
+
 def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Array | None,
             lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
             all_logits: bool = False, backend: CpuBackend = CpuBackend()
@@ -93,9 +97,11 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
     (x_BTD, cache), _ = jax.lax.scan(
         body, (x_BTD, cache), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
   else:
+    # One traced block called per layer (layer index traced): traced and lowered once, not
+    # once per layer; XLA inlines the calls, so the program is the unrolled loop's.
     for l, layer in enumerate(params["layers"]):
-      x_BTD, cache = _block(x_BTD, layer, l, cache, c.pos_BT, c.wpos_BT, rot, rot_q, cfg,
-                            attend_len, backend)
+      x_BTD, cache = _jit_block(x_BTD, layer, jnp.int32(l), cache, c.pos_BT, c.wpos_BT, rot,
+                                rot_q, cfg, attend_len, backend)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
   logits = _unembed(params, x_BTD, cfg, backend)

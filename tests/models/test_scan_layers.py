@@ -1,7 +1,7 @@
 """Layers in one ``lax.scan`` (``models.weights.stack_layers``, ``UnshardedStep(scan_layers=True)``,
 ``--scan_layers``): the same logits as the Python loop over layers (f32: 1e-6 relative; int8
-weights: 1e-5, the native kernels sum in another order), the program does not grow with depth
-(a control: the unrolled one does), the serving engine gives the same greedy ids, and the
+weights: 1e-5, the native kernels sum in another order), the compiled program does not grow with
+depth (a control: the unrolled one does; its lowered module does not, the block being traced once), the serving engine gives the same greedy ids, and the
 benchmark's smoke run."""
 
 from tests import paths
@@ -57,7 +57,7 @@ def test_scan_equals_the_loop(int8):
     _close(g, r, 1e-5 if int8 else 1e-6, "scan vs loop")
 
 
-def _hlo_len(layers: int, scan: bool) -> int:
+def _hlo_len(layers: int, scan: bool, compiled: bool = False) -> int:
   cfg = CFG.replace(num_layers=layers)
   params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), jnp.float32))
   if scan:
@@ -65,12 +65,20 @@ def _hlo_len(layers: int, scan: bool) -> int:
   kv = jax.eval_shape(lambda: PK.init_paged(cfg, 2, 8, 16, 4, jnp.float32))
   tok = jax.ShapeDtypeStruct((2,), jnp.int32)
   fn = jax.jit(lambda p, t, c: T.decode_step(p, t, c, cfg=cfg, attend_len=64))
-  return len(fn.lower(params, tok, kv).as_text())
+  lowered = fn.lower(params, tok, kv)
+  return len(lowered.compile().as_text() if compiled else lowered.as_text())
 
 
 def test_the_scanned_program_does_not_grow_with_depth():
-  assert _hlo_len(16, True) < 1.1 * _hlo_len(4, True)
-  assert _hlo_len(16, False) > 2.5 * _hlo_len(4, False)  # control: unrolled grows
+  assert _hlo_len(16, True, compiled=True) < 1.1 * _hlo_len(4, True, compiled=True)
+  # control: the unrolled program does (XLA inlines the per-layer calls)
+  assert _hlo_len(16, False, compiled=True) > 2.5 * _hlo_len(4, False, compiled=True)
+
+
+def test_the_unrolled_loop_traces_and_lowers_its_block_once():
+  """``models.transformer`` calls one jitted block per layer: the lowered module holds the block
+  once and a call per layer, so tracing and lowering do not grow with depth either."""
+  assert _hlo_len(16, False) < 1.3 * _hlo_len(4, False)
 
 
 def test_the_engine_gives_the_same_ids():
