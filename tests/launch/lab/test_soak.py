@@ -32,7 +32,7 @@ from tests.refenv import REPO
 # lengths, one 16-token prefill chunk x 4): context 128, 16-position pages.
 SERVER = ("--max_context", "128", "--max_slots", "8", "--kv_pages", "128", "--page_size", "16",
           "--max_chunk", "16", "--max_prefill_chunks", "1")
-KNOBS = ("--duration_s", "60", "--idle_s", "6", "--idle_every_s", "30", "--qps", "4",
+KNOBS = ("--duration_s", "40", "--idle_s", "4", "--idle_every_s", "20", "--qps", "4",
          "--long_tokens", "3000", "--steady_steps", "2000", "--steady_rows", "4",
          "--max_tokens", "24", "--burst_every_s", "16", "--burst_s", "4", "--burst_grace_s", "4",
          "--sample_s", "1", "--ready_timeout_s", "360", "--drain_timeout_s", "90",
