@@ -187,6 +187,13 @@ async def _make(cfg: DriverConfig):
   return make_driver(cfg)  # in the loop's thread: aiohttp's session belongs to its loop
 
 
+def _ratios(steps: dict) -> str:
+  pred = steps.get("ttft_prediction") or {}
+  if not pred.get("requests"):
+    return "-"
+  return " / ".join(f"{pred[k]:.2f}" for k in ("ratio_p10", "ratio_p50", "ratio_p90"))
+
+
 def side_by_side(dirs: Sequence[str], names: Sequence[str]) -> str:
   rows = ["| server | target QPS | completed QPS | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 "
           "ms | refused | failed | LoadGen |", "|---|---:|---:|---|---|---:|---:|---|"]
@@ -205,7 +212,8 @@ def side_by_side(dirs: Sequence[str], names: Sequence[str]) -> str:
   if steps:
     rows += ["", "| server | steps/s | decode rows | prefill tok/step | " + " | ".join(
         f"{p} ms" for p in PHASES) + " | host off-CPU ms | decode-only step ms | TPOT p50 / "
-        "decode step | compiled |", "|---|" + "---:|" * (len(PHASES) + 7)]
+        "decode step | compiled | TTFT actual / predicted p10 / p50 / p90 |",
+        "|---|" + "---:|" * (len(PHASES) + 8)]
     for name, s in steps:
       st, f = s["server_steps"], lambda v, fmt: "-" if v is None else format(v, fmt)
       rows.append(f"| {name} | {f(st.get('steps_per_s'), '.1f')} | "
@@ -215,5 +223,5 @@ def side_by_side(dirs: Sequence[str], names: Sequence[str]) -> str:
                   f" | {f(st.get('host_off_cpu_ms'), '.2f')} | "
                   f"{f(st.get('decode_only_step_ms'), '.1f')} | "
                   f"{f(s.get('tpot_p50_over_decode_step'), '.2f')} | "
-                  f"{f(st.get('programs_after_ready'), '.0f')} |")
+                  f"{f(st.get('programs_after_ready'), '.0f')} | {_ratios(st)} |")
   return "\n".join(rows) + "\n"

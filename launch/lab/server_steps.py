@@ -12,6 +12,10 @@ counters) into the window's figures, all per busy step unless said:
   * ``programs_after_ready``: programs compiled in the window (0 with a closed program set);
   * ``host_off_cpu_ms``: wall minus CPU over the host phases (admit, plan, update, deliver,
     between): time the loop thread waited for the GIL or was descheduled;
+  * ``ttft_prediction``: the early-rejection predictor against what the window's admitted
+    requests got, from ``phaseserve_ttft_prediction_ratio`` (actual / predicted): requests, the
+    ratio's p10 / p50 / p90 (interpolated in the histogram's buckets, as Prometheus'
+    ``histogram_quantile`` does) and the share of ratios within 0.8-1.25;
 or ``None`` if the endpoint had no step counters (a peer server).
 """
 
@@ -65,4 +69,40 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float
                               if decode_only else None),
       "decode_only_steps": int(decode_only),
       "programs_after_ready": d("phaseserve_programs_after_ready"),
+      "ttft_prediction": _prediction(before, after),
   }
+
+
+def _buckets(before: dict[str, float], after: dict[str, float], name: str
+             ) -> list[tuple[float, float]]:
+  """(upper bound, cumulative count in the window), ascending; +Inf last."""
+  head = f'{name}_bucket{{le="'
+  out = [(float(k[len(head):-2]), v - before.get(k, 0.0)) for k, v in after.items()
+         if k.startswith(head)]
+  return sorted(out)
+
+
+def hist_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+  """Prometheus' ``histogram_quantile`` over cumulative ``buckets`` (linear within a bucket; a
+  rank in the +Inf bucket gives the highest finite bound)."""
+  if not buckets or buckets[-1][1] <= 0:
+    return None
+  rank, lo, below = q * buckets[-1][1], 0.0, 0.0
+  for le, cum in buckets:
+    if cum >= rank:
+      if le == float("inf"):
+        return lo
+      return lo + (le - lo) * ((rank - below) / (cum - below) if cum > below else 1.0)
+    lo, below = le, cum
+  return lo
+
+
+def _prediction(before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
+  b = _buckets(before, after, "phaseserve_ttft_prediction_ratio")
+  n = b[-1][1] if b else 0.0
+  if n <= 0:
+    return {"requests": 0}
+  cum = dict(b)
+  q = lambda x: None if (v := hist_quantile(b, x)) is None else round(v, 3)
+  return {"requests": int(n), "ratio_p10": q(0.1), "ratio_p50": q(0.5), "ratio_p90": q(0.9),
+          "within_0.8_1.25": round((cum.get(1.25, 0.0) - cum.get(0.8, 0.0)) / n, 3)}

@@ -89,8 +89,15 @@ def test_layout_names_match_cost_model():
   assert tuple(L.ATTN_LAYOUTS) == tuple(cost_model.ATTN_LAYOUT_NAMES)
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
-@pytest.mark.parametrize("ffn", list(L.FFN_LAYOUTS))
+# int8 under every FFN layout; in `make test` only under ws_2d and wg_xyz (the two the planner
+# picks for prefill and decode), the rest in `make test-slow` (suite time).
+_INT8_FAST = ("ws_2d", "wg_xyz")
+_LAYOUT_CASES = [pytest.param(f, q, id=f"{f}-{'int8' if q else 'f32'}",
+                              marks=[pytest.mark.slow] if q and f not in _INT8_FAST else [])
+                 for f in L.FFN_LAYOUTS for q in (False, True)]
+
+
+@pytest.mark.parametrize("ffn,quantized", _LAYOUT_CASES)
 def test_every_layout_matches_unsharded(mesh8, ffn, quantized):
   """Every attention layout of ``ffn``; pairs with an identical LayoutPlan (same program: e.g.
   wg_xyz already shards the batch over every chip) are run once."""

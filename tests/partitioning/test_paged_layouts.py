@@ -119,8 +119,15 @@ CASES = [("ws_2d", a, q) for q in (False, True) for a in ATTN]
 CASES += [("wg_xyz", "batch_xyz", q) for q in (False, True)]
 
 
-@pytest.mark.parametrize("ffn,attn,quantized", CASES,
-                         ids=[f"{f}-{a}-{'int8' if q else 'f32'}" for f, a, q in CASES])
+# int8 pools under every layout in `make test-slow`; in `make test` under ws_2d+heads and
+# wg_xyz+batch_xyz (prefill's and decode's usual picks) only (suite time).
+_INT8_FAST = (("ws_2d", "heads"), ("wg_xyz", "batch_xyz"))
+
+
+@pytest.mark.parametrize("ffn,attn,quantized", [
+    pytest.param(f, a, q, id=f"{f}-{a}-{'int8' if q else 'f32'}",
+                 marks=[pytest.mark.slow] if q and (f, a) not in _INT8_FAST else [])
+    for f, a, q in CASES])
 def test_paged_sharded_matches_unsharded(mesh8, ffn, attn, quantized):
   step, got = _sharded_run(mesh8, ffn, attn, quantized)
   k = got["kv"].k_pages

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from launch.lab import server_steps
 from launch.lab.loadgen_lib import app, capacity, drivers, report, runner, workload
 from launch.lab.loadgen_lib.arrivals import Arrivals, arrival_times_s
 from launch.lab.loadgen_lib.slo import PRESETS, Slo, parse_slo
@@ -520,6 +521,9 @@ def test_mlperf_server_scenario_on_the_tiny_server_and_the_table(server, tmp_pat
   assert sum(v["share"] for v in st["phases_ms"].values()) == pytest.approx(1.0)
   assert st["decode_only_steps"] == 0 or st["decode_only_step_ms"] > 0
   assert s["tpot_p50_over_decode_step"] is None or s["tpot_p50_over_decode_step"] > 0
+  pred = st["ttft_prediction"]  # the early-rejection predictor over the run
+  assert pred["requests"] == 0 or (0 < pred["ratio_p10"] <= pred["ratio_p50"] <= pred["ratio_p90"]
+                                   and 0 <= pred["within_0.8_1.25"] <= 1)
   r = subprocess.run([sys.executable, "-m", "launch.lab.mlperf_server", "--table",
                       f"{tmp_path / 'tiny'},{tmp_path / 'tiny'}", "--names", "phaseserve,again",
                       "--out", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True,
@@ -529,4 +533,13 @@ def test_mlperf_server_scenario_on_the_tiny_server_and_the_table(server, tmp_pat
   assert lines[0].startswith("| server | target QPS") and len(lines) == 9
   assert lines[2].startswith("| phaseserve | 8 | ") and lines[2].endswith(f"| {s['result']} |")
   assert lines[5].startswith("| server | steps/s |") and lines[7].startswith("| phaseserve | ")
-  assert lines[7].endswith("| 0 |")  # no program compiled while serving
+  assert lines[7].split("|")[-3].strip() == "0"  # no program compiled while serving
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does():
+  b = [(0.5, 0.0), (1.0, 50.0), (2.0, 100.0), (float("inf"), 100.0)]
+  assert server_steps.hist_quantile(b, 0.5) == 1.0
+  assert server_steps.hist_quantile(b, 0.9) == pytest.approx(1.8)
+  assert server_steps.hist_quantile(b, 0.25) == pytest.approx(0.75)
+  assert server_steps.hist_quantile([(1.0, 0.0), (float("inf"), 10.0)], 0.5) == 1.0  # past the top
+  assert server_steps.hist_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
