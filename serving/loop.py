@@ -384,6 +384,12 @@ class ServingLoop:
     """Steps until a slot frees for a request with ``ahead`` requests before it."""
     return self.scheduler.slot_wait_steps(ahead)
 
+  def in_flight_s(self) -> float:
+    """What is left of the engine call running now, by the average busy step (0 between
+    steps)."""
+    started = self.step_started
+    return 0.0 if started is None else max(0.0, self.step_s - (self.clock() - started))
+
   def prefill_limit(self, decoding: int) -> int | None:
     """The prefill tokens a step with ``decoding`` rows may carry by the TPOT budget (None: no
     budget, or none while nothing decodes)."""

@@ -14,7 +14,8 @@ step found nothing to do. Phases (``PHASES``):
   * ``deliver``: the output callbacks (stream queues of the gRPC / HTTP front ends).
 Each phase has its wall time and the loop thread's CPU time; wall minus CPU is time the thread
 was runnable-but-not-running or blocked: on the GIL, on another thread, on the device.
-``records`` keeps the last ``keep`` busy steps (``StepRecord``); ``totals`` sums every step since
+``host_s`` is a moving average of a step's ``HOST_PHASES`` (all but dispatch and wait: what
+admission adds to the engine-call cost per step). ``records`` keeps the last ``keep`` busy steps (``StepRecord``); ``totals`` sums every step since
 start (what Prometheus exports: ``Metrics.watch_timeline``). ``summarize(records)`` is the
 breakdown as JSON: per phase the mean wall / CPU ms and share of the step, and the decode-only
 steps' wall p50 / p90 per decode batch (the engine's own decode step at the batch running).
@@ -30,6 +31,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 PHASES = ("between", "admit", "plan", "dispatch", "wait", "update", "deliver")
+HOST_PHASES = ("between", "admit", "plan", "update", "deliver")  # the loop's, not the engine's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepTimeline:
     self.decode_only_s = 0.0
     self.decode_rows = 0  # summed over steps (mean batch = decode_rows / steps)
     self.prefill_tokens = 0
+    self.host_s = 0.0  # moving average of a step's HOST_PHASES (admission adds it per step)
     self._clock, self._cpu = clock, cpu_clock
     self._last_end: tuple[float, float] | None = None  # (wall, cpu) at the last busy step's end
     self._mark: tuple[float, float] = (0.0, 0.0)
@@ -106,6 +109,8 @@ class StepTimeline:
     if prefill_tokens == 0 and decode_rows and not compiled:
       self.decode_only_steps += 1
       self.decode_only_s += rec.step_s
+    host = sum(wall[p] for p in HOST_PHASES)
+    self.host_s = 0.9 * self.host_s + 0.1 * host if self.steps > 1 else host
     self._last_end = self._mark
     return rec
 

@@ -168,7 +168,8 @@ class Frontend(StreamOwner):
         loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
         model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting),
         max_chunk=cap.max_chunk, max_prefill_chunks=cap.max_prefill_chunks,
-        prefill_limit=loop.prefill_limit(occ.decoding)), slo, self.config.slo_scale)
+        prefill_limit=loop.prefill_limit(occ.decoding), host_s=loop.timeline.host_s,
+        in_flight_s=loop.in_flight_s()), slo, self.config.slo_scale)
     pred, miss = judged if judged is not None else (None, None)
     if self.config.early_reject and not self._idle():
       if miss is not None:

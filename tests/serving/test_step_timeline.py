@@ -51,6 +51,8 @@ def test_phases_wait_and_between_on_scripted_clocks():
   assert tl.steps == 2 and tl.decode_rows == 5 and tl.prefill_tokens == 16
   assert tl.decode_only_steps == 1 and tl.decode_only_s == 6
   assert tl.totals_wall["wait"] == 11 and tl.totals_wall["between"] == 3
+  # host phases: step 1 admit 1 + plan 2 + update 1 + deliver 1 = 5; step 2: 3 + 1 = 4
+  assert tl.host_s == pytest.approx(0.9 * 5 + 0.1 * 4)
 
 
 def test_an_idle_step_breaks_the_between_chain():

@@ -115,6 +115,40 @@ def test_long_prompts_drain_in_chunks_and_under_the_tpot_budget():
   assert predict(bare).ttft_s == pytest.approx(17 * 0.01)
 
 
+def test_each_step_adds_the_loops_own_time_and_the_step_in_flight_is_waited_out():
+  """The fit times engine calls; a step also costs the loop's host phases (``host_s``, the step
+  timeline's average), and a new request first waits for the step in flight."""
+  from serving.api.admission import Load, predict
+  model = StepCostModel(forget=1.0)
+  for tokens, rows in ((0, 4), (256, 4), (512, 4), (0, 1), (128, 2), (0, 3), (384, 1), (64, 4)):
+    model.observe(tokens, rows, 0.004 + 0.001 * tokens + 0.0015 * rows)
+  base = Load(0.01, 0, 0, 512, 1000, model=model, max_chunk=256, max_prefill_chunks=4)
+  more = dataclasses.replace(base, host_s=0.003, in_flight_s=0.02)
+  # four prefill steps and the copy step, each 3 ms more, and the 20 ms left of the running one
+  assert predict(more).ttft_s - predict(base).ttft_s == pytest.approx(5 * 0.003 + 0.02)
+  assert predict(more).tpot_s - predict(base).tpot_s == pytest.approx(0.003)
+  bare = dataclasses.replace(more, model=None)  # counted in steps: the same additions
+  assert predict(bare).ttft_s == pytest.approx(5 * 0.01 + 5 * 0.003 + 0.02)
+
+
+def test_the_loop_reports_the_step_in_flight():
+  from models.text.tokenizer import ByteTokenizer
+  from serving.fake_engine import FakeEngine
+  from serving.kv_pages import PageBudget, PagePool
+  from serving.loop import ServingLoop
+  from serving.scheduler import Scheduler
+  now = [100.0]
+  sched = Scheduler(PagePool(PageBudget(4, 8), max_seq_tokens=32), ByteTokenizer(), max_slots=2,
+                    max_step_tokens=16, max_chunk=8)
+  loop = ServingLoop(sched, FakeEngine(8, 4, ByteTokenizer.VOCAB_SIZE, 2), clock=lambda: now[0])
+  assert loop.in_flight_s() == 0.0  # between steps
+  loop.step_s, loop.step_started = 0.05, 100.0
+  now[0] = 100.02
+  assert loop.in_flight_s() == pytest.approx(0.03)
+  now[0] = 100.2  # a step longer than average: nothing more is predicted
+  assert loop.in_flight_s() == 0.0
+
+
 def test_a_prompt_too_long_for_its_target_is_served_unless_the_wait_doubles_it():
   """``judge``: an ordinary request that would miss is refused; one that misses even alone (its
   prompt alone takes longer than the target) is not refused forever: it is admitted while what
