@@ -117,6 +117,7 @@ def _prefill_steps(load: Load) -> list[tuple[int, int]]:
 
 def predict(load: Load) -> Prediction:
   steps = _prefill_steps(load)
+  n_steps = sum(n for _, n in steps) + 1 + load.slot_wait_steps  # + the first id's copy step
   if load.model is not None and load.model.ready:
     # Waiting for a slot: the running rows' decode steps (a step of the backlog's prefill is
     # counted below, not here: costing every wait step as a full prefill chunk over-predicted
@@ -124,16 +125,13 @@ def predict(load: Load) -> Prediction:
     t = load.slot_wait_steps * load.model.cost(0, load.decoding)
     t += sum(n * load.model.cost(tokens, load.decoding) for tokens, n in steps)
     t += load.model.cost(0, load.decoding + 1)  # the step that copies the first id back
+    tpot = load.model.cost(0, load.decoding + 1)
   else:
-    t = (sum(n for _, n in steps) + 1 + load.slot_wait_steps) * (load.step_s or
-                                                                 load.fallback_step_s)
+    t, tpot = n_steps * (load.step_s or load.fallback_step_s), load.step_s
   # The fit times engine calls only: every step also costs the loop's own work around the call,
   # and the request first waits for the step in flight (together ~20% of TTFT at 2 QPS on a
   # 2-core CPU, measured: BUILD_NOTES "Where a step's time goes").
-  n_steps = sum(n for _, n in steps) + 1 + load.slot_wait_steps
   t += n_steps * load.host_s + load.in_flight_s
-  tpot = load.model.cost(0, load.decoding + 1) if load.model is not None and load.model.ready \
-      else load.step_s
   return Prediction(ttft_s=t, tpot_s=tpot + load.host_s if tpot else tpot)
 
 
