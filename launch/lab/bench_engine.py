@@ -74,14 +74,17 @@ _SEED = flags.DEFINE_integer("seed", 0, "trace seed")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 _AMX = flags.DEFINE_bool("amx", True, "let the resolved CPU backend use its AMX kernel (an A/B "
                          "switch: --noamx)")
+_DPBF16 = flags.DEFINE_bool("dpbf16", True, "let the resolved CPU backend use its AVX512-BF16 "
+                            "kernel (an A/B switch: --nodpbf16)")
 
 
 @functools.cache
 def _backend():
-  """The CPU backend as the server resolves it at start-up (``--noamx``: without AMX)."""
+  """The CPU backend as the server resolves it at start-up (``--noamx`` / ``--nodpbf16``:
+  without that kernel)."""
   from models.cpu import backend as cpu_backend
   b = cpu_backend.resolve().backend
-  return b if _AMX.value else dataclasses.replace(b, amx=False)
+  return dataclasses.replace(b, amx=b.amx and _AMX.value, dpbf16=b.dpbf16 and _DPBF16.value)
 
 
 def _stack(cfg, params, tok, *, slots, pages, chunk, step_tokens, context, tpot_target_ms=0.0):

@@ -3,7 +3,7 @@
 Contract:
   * ``CpuBackend`` (frozen, hashable): the lowering ``policy`` (``models.cpu.lowering``) and
     which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
-    ``amx``, ``paged_attention`` and its ``paged_bf16_dot`` path. Steps and KV stores hold it
+    ``amx``, ``dpbf16`` (AVX512-BF16), ``paged_attention`` and its ``paged_bf16_dot`` path. Steps and KV stores hold it
     and the model's functions take it as a static argument, so it is part of every jit key;
     nothing reads the environment or a module global at trace time.
   * ``CpuBackend()`` (the library default): ``DEFAULT`` policy, no native kernel, no side effect.
@@ -28,6 +28,7 @@ class CpuBackend:
   policy: CpuPolicy = DEFAULT
   matmul_kernels: bool = False
   amx: bool = False
+  dpbf16: bool = False
   paged_attention: bool = False
   paged_bf16_dot: bool = False
 
@@ -41,6 +42,7 @@ class Resolved:
     b, c = self.backend, self.choice
     return {"policy": dataclasses.asdict(b.policy), "source": c.source, "key": c.key,
             "cache_path": c.path, "native_kernels": b.matmul_kernels, "amx_kernel": b.amx,
+            "dpbf16_kernel": b.dpbf16,
             "paged_attention": b.paged_attention, "measurements": c.measurements}
 
 
@@ -51,7 +53,8 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
   from models.cpu import kernels, paged_attention  # loading them builds the libraries
   pa = paged_attention.available()
   return CpuBackend(policy, matmul_kernels=kernels.available(),
-                    amx=kernels.available() and kernels.amx_available(), paged_attention=pa,
+                    amx=kernels.available() and kernels.amx_available(),
+                    dpbf16=kernels.available() and kernels.dpbf16_available(), paged_attention=pa,
                     paged_bf16_dot=pa and env.paged_bf16_dot()
                     and paged_attention.bf16_dot_supported())
 
@@ -60,7 +63,7 @@ def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
   """See the module contract; call once at start-up, before any trace."""
   b = native(DEFAULT, env.native_kernels())
   choice = lowering.choose(env.measure_lowering() if measure is None else measure,
-                           b.matmul_kernels, b.amx, env.cache_dir(), refresh)
+                           b.matmul_kernels, b.amx, env.cache_dir(), refresh, b.dpbf16)
   return Resolved(dataclasses.replace(b, policy=choice.policy), choice)
 
 

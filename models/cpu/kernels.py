@@ -13,6 +13,8 @@ Contract:
     several weights of one dtype in ONE call (W8A8 bit-identical to separate calls).
   * ``matmul_amx_group`` / ``matmul_amx_nk``: bf16 activations times bf16 or int8 weights on
     AMX tiles, f32 results (XLA's bf16 dot up to summation order).
+  * ``dpbf16_available()`` / ``matmul_dpbf16_group`` / ``matmul_dpbf16_nk``: the same contract
+    on AVX512-BF16 dot products (``vdpbf16ps``: AMD Zen 4 / Zen 5, Intel since Cooper Lake).
 Inside ``shard_map`` the kernels run on each shard's local block; under GSPMD a custom call is
 not partitioned, so the ``partitioning`` layouts use ``shard_map``.
 """
@@ -214,5 +216,44 @@ def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
     raise ValueError(f"matmul_amx_nk wants bf16 [M, K] and a bf16|int8 [N, K] weight, got "
                      f"{x_MK.shape} {x_MK.dtype} and {w_NK.shape} {w_NK.dtype}")
   call = jax.ffi.ffi_call(_AMX_NK_TARGET, jax.ShapeDtypeStruct((m, w_NK.shape[0]), jnp.float32),
+                          vmap_method="sequential")
+  return call(x_MK, w_NK)
+
+# ---- AVX512-BF16 (AMD Zen 4 / Zen 5, Intel Cooper Lake and later): vdpbf16ps for decode rows ----
+
+_DPBF16_GROUP_TARGET = "phaseserve_dpbf16_matmul_group"
+_DPBF16_NK_TARGET = "phaseserve_dpbf16_matmul_nk"
+_DPBF16_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                 "-mavx512bf16"]
+
+
+def dpbf16_available() -> bool:
+  """True when the AVX512-BF16 kernel is loaded: the CPU lists ``avx512_bf16`` and
+  ``models/cpu/native/dpbf16_matmul.cc`` compiled and registered. Builds on the first call."""
+  return native_build.load(
+      "dpbf16_matmul", tuple(_DPBF16_FLAGS),
+      frozenset({"avx512_bf16", "avx512bw", "avx512vl", "avx512dq"}),
+      ((_DPBF16_GROUP_TARGET, "PhaseserveDpbf16MatmulGroup"),
+       (_DPBF16_NK_TARGET, "PhaseserveDpbf16MatmulNK")), optional=True) is not None
+
+
+def matmul_dpbf16_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Array]:
+  """``matmul_amx_group``'s contract on AVX512-BF16 dot products (bf16 pairs multiplied exactly,
+  f32 sums): f32 ``[x_MK @ w for w in ws_KN]`` for a bf16 ``x`` and ``[K, N]`` bf16 or int8
+  weights of one dtype (call only when ``dpbf16_available()``)."""
+  return _group_call(_DPBF16_GROUP_TARGET, "matmul_dpbf16_group", x_MK, ws_KN, jnp.bfloat16,
+                     AMX_WEIGHT_DTYPES)
+
+
+def matmul_dpbf16_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
+  """``matmul_dpbf16_group`` for one weight laid out ``[N, K]`` (a tied ``[V, D]``
+  unembedding): f32 ``x_MK @ w_NK.T`` (call only when ``dpbf16_available()``)."""
+  m, k = x_MK.shape
+  if (x_MK.dtype != jnp.bfloat16 or w_NK.dtype not in AMX_WEIGHT_DTYPES or w_NK.ndim != 2
+      or w_NK.shape[1] != k):
+    raise ValueError(f"matmul_dpbf16_nk wants bf16 [M, K] and a bf16|int8 [N, K] weight, got "
+                     f"{x_MK.shape} {x_MK.dtype} and {w_NK.shape} {w_NK.dtype}")
+  call = jax.ffi.ffi_call(_DPBF16_NK_TARGET,
+                          jax.ShapeDtypeStruct((m, w_NK.shape[0]), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_NK)

@@ -34,7 +34,7 @@ from jax import lax
 
 from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
-VERSION = 6
+VERSION = 7
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -59,6 +59,13 @@ class CpuPolicy:
   amx_max_rows: int = 0
   amx_int8_min_rows: int = 0
   amx_int8_max_rows: int = 0
+  # AVX512-BF16 dot products (bf16 activations, bf16 or weight-only int8 weights, [K, N] and
+  # [N, K]): rows in [min, max] go to cpu_kernels.matmul_dpbf16_*, where the CPU has the
+  # instruction and AMX does not take the rows. DEFAULT: measured on the AMD EPYC Zen 4.
+  dpbf16_min_rows: int = 4
+  dpbf16_max_rows: int = 32
+  dpbf16_int8_min_rows: int = 4
+  dpbf16_int8_max_rows: int = 128
 
   def __post_init__(self) -> None:
     if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
@@ -129,17 +136,19 @@ class Choice:
   measurements: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
-def cache_key(native: bool, amx: bool) -> str:
+def cache_key(native: bool, amx: bool, dpbf16: bool = False) -> str:
   import jaxlib
   kernels = hashlib.sha256((native_build.source("matmul_kernels")
-                            + native_build.source("amx_matmul")).encode()).hexdigest()[:12]
+                            + native_build.source("amx_matmul")
+                            + native_build.source("dpbf16_matmul")).encode()).hexdigest()[:12]
   parts = [cpuinfo.key(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
-           f"kernels {kernels}", f"native {native}", f"amx {amx}", f"v{VERSION}"]
+           f"kernels {kernels}", f"native {native}", f"amx {amx}", f"dpbf16 {dpbf16}",
+           f"v{VERSION}"]
   return " | ".join(parts)
 
 
-def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool = False
-           ) -> Choice:
+def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool = False,
+           dpbf16: bool = False) -> Choice:
   """The policy for this machine (start-up only, never inside a trace): ``DEFAULT`` unless
   ``allowed`` on a CPU backend; else the cached entry for this machine's key, else ``measure()``
   now, stored in the cache (``refresh``: measure even when cached). Any failure: ``DEFAULT``."""
@@ -148,12 +157,12 @@ def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool
   path = os.path.join(cache_dir, CACHE_FILE)
   key = None
   try:
-    key = cache_key(native, amx)
+    key = cache_key(native, amx, dpbf16)
     entry = None if refresh else json_cache.load(path).get(key)
     if entry is not None:
       return Choice(CpuPolicy(**entry["policy"]), "cache", key, path,
                     entry.get("measurements", {}))
-    p, meas, seconds = measure(native=native, amx=amx)
+    p, meas, seconds = measure(native=native, amx=amx, dpbf16=dpbf16)
     json_cache.store(path, key, {"policy": dataclasses.asdict(p), "measurements": meas,
                                  "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     return Choice(p, "measured", key, path, meas)
@@ -202,14 +211,15 @@ def _crossover(native: dict[int, float], xla: dict[int, float], default_max: int
   return best
 
 
-def _amx_range(amx: dict[int, float], other: dict[int, float], margin: float = MARGIN
+def _win_range(new: dict[int, float], other: dict[int, float], margin: float = MARGIN
                ) -> tuple[int, int]:
-  """The row counts for the AMX kernel: from the smallest measured count where it is faster
-  than the path it would replace by more than ``margin``, up to the last count of the run of
-  such wins that follows; (0, 0) when it never wins. No extrapolation past a measured count."""
+  """The row counts for a kernel (AMX, AVX512-BF16): from the smallest measured count where it
+  is faster than the path it would replace by more than ``margin``, up to the last count of the
+  run of such wins that follows; (0, 0) when it never wins. No extrapolation past a measured
+  count."""
   lo = hi = 0
-  for m in sorted(amx):
-    if amx[m] * (1 + margin) < other[m]:
+  for m in sorted(new):
+    if new[m] * (1 + margin) < other[m]:
       lo, hi = (lo or m), m
     elif lo:
       break
@@ -233,7 +243,7 @@ def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: 
   return [make(jax.random.key(i)) for i in range(n)]
 
 
-def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 2048,
+def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: int = 768, n: int = 2048,
             prefill_rows: int = 512, stream_bytes: int = 48 * 2**20,
             rows: tuple[int, ...] = (1, 8, 16)) -> tuple[CpuPolicy, dict, float]:
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
@@ -360,13 +370,21 @@ def measure(native: bool, amx: bool, rounds: int = 7, k: int = 768, n: int = 204
       score[name] = score.get(name, 0.0) + v / best
   int8_row_multiple = int(_pick(score, str(DEFAULT.int8_row_multiple)))
 
+  # AVX512-BF16 for decode batches, where AMX does not take the rows.
+  dp_bf16 = dp_int8 = (0, 0)
+  if native and dpbf16:
+    dp_bf16, dp_int8 = _measure_dpbf16(meas, rounds, k, n, stream_bytes, float_prefill,
+                                       float_max, int8_max)
+
   policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
                      float_native_max_rows=float_max,
                      f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
                      bf16_min_rows=bf16_min_rows, int8_native_max_rows=int8_max,
                      int8_nk_native_max_rows=int8_nk_max, int8_row_multiple=int8_row_multiple,
                      int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
-                     amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1])
+                     amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1],
+                     dpbf16_min_rows=dp_bf16[0], dpbf16_max_rows=dp_bf16[1],
+                     dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1])
   return policy, meas, time.perf_counter() - t0
 
 
@@ -374,24 +392,44 @@ def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, flo
                  float_max: int, int8_max: int,
                  rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
                  ) -> tuple[tuple[int, int], tuple[int, int]]:
-  """AMX vs the incumbent at each of ``rows`` (bf16 activations; bf16 weights: the native
+  """AMX vs the incumbent at each of ``rows``: ``_measure_kernel`` of
+  ``cpu_kernels.matmul_amx_group``."""
+  return _measure_kernel("amx", lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0], meas,
+                         rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, rows)
+
+
+def _measure_dpbf16(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                    float_prefill: str, float_max: int, int8_max: int,
+                    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """AVX512-BF16 vs the incumbent at each of ``rows``: ``_measure_kernel`` of
+  ``cpu_kernels.matmul_dpbf16_group``."""
+  return _measure_kernel("dpbf16", lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0],
+                         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max,
+                         rows)
+
+
+def _measure_kernel(name: str, kernel: Callable[[jax.Array, jax.Array], jax.Array], meas: dict,
+                    rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
+                    float_max: int, int8_max: int, rows: tuple[int, ...]
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """A bf16-activation kernel vs the incumbent at each of ``rows`` (bf16 weights: the native
   float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only
   int8: the native float kernel on the int8 values up to ``int8_max``, else XLA's dot of the
-  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows of
-  each (``_amx_range``)."""
+  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows for
+  bf16 and for int8 weights (``_win_range``)."""
   key = jax.random.key(0)
   out = []
-  for name, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
+  for wname, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
     if wdt == jnp.int8:
       ws = _stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8), stream_bytes,
                   k * n)
     else:
       ws = _stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
-    amx, other = {}, {}
+    new, other = {}, {}
+    fa = jax.jit(lambda x, ws: _chain(kernel, x, ws))
     for m in rows:
       xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-      fa = jax.jit(lambda x, ws: _chain(lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0],
-                                        x, ws))
       if m <= nat_max:
         fo = jax.jit(lambda x, ws: _chain(
             lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
@@ -399,9 +437,9 @@ def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, flo
         method = float_prefill if wdt == jnp.bfloat16 else "xw"  # as models.quant lowers them
         fo = jax.jit(lambda x, ws, method=method: _chain(
             lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method), x, ws))
-      r = _race({"amx": lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
-      amx[m], other[m] = r["amx"], r["incumbent"]
-      meas[f"amx_{name}_{m}rows"] = r
-    out.append(_amx_range(amx, other))
+      r = _race({name: lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
+      new[m], other[m] = r[name], r["incumbent"]
+      meas[f"{name}_{wname}_{m}rows"] = r
+    out.append(_win_range(new, other))
     del ws
   return out[0], out[1]

@@ -7,7 +7,7 @@ Contract:
     ``[N, K]`` (contracted weight axes leading or trailing); None for any other einsum.
   * ``matmul(mm, x_dtype, w, backend)``: the einsum's result (dtype ``x_dtype``): a native
     kernel of ``models.cpu.kernels`` where the backend allows it and its policy's row limits
-    say so (AMX, float, weight-only int8, W8A8), else XLA's dot lowered as the policy says
+    say so (AMX, AVX512-BF16, float, weight-only int8, W8A8), else XLA's dot lowered as the policy says
     (bf16 / int8 row padding, the prefill dot lowering). Results are the plain einsum's up to
     summation order (W8A8: bit-identical).
   * ``matmul_group(mms, x_dtype, ws, backend)``: the products of one activation with several
@@ -98,12 +98,15 @@ def _weight_2d(mm: Matmul, w: jax.Array) -> jax.Array:
 
 def _native_kernel(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> str | None:
   """Which ``models.cpu.kernels`` kernel computes this product on XLA:CPU under ``be``:
-  ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``float`` / ``float_nk`` (float or
+  ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``dpbf16`` / ``dpbf16_nk``
+  (``_dpbf16_rows``), ``float`` / ``float_nk`` (float or
   weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None (XLA's dot)."""
   if not _on_cpu():
     return None
   if _amx_rows(mm, x_dtype, w, be):
     return "amx" if mm.w_kn else "amx_nk"
+  if _dpbf16_rows(mm, x_dtype, w, be):
+    return "dpbf16" if mm.w_kn else "dpbf16_nk"
   layout = "" if mm.w_kn else "_nk"
   if isinstance(w, quant.QuantArray):
     max_rows = be.policy.int8_native_max_rows if mm.w_kn else be.policy.int8_nk_native_max_rows
@@ -143,19 +146,54 @@ def _amx_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
   return ok and lo <= mm.m <= hi and hi > 0 and be.amx
 
 
+def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+  """Whether the AVX512-BF16 kernel computes this product: bf16 activations, a bf16 or
+  weight-only int8 weight (``[K, N]`` or ``[N, K]``), and a row count in the policy's range for
+  that weight (the kernel's products are exact, so this is XLA's bf16 dot up to summation
+  order)."""
+  if x_dtype != jnp.bfloat16 or not be.dpbf16:
+    return False
+  if isinstance(w, quant.QuantArray):
+    lo, hi = be.policy.dpbf16_int8_min_rows, be.policy.dpbf16_int8_max_rows
+    ok = not w.act_quant
+  else:
+    lo, hi = be.policy.dpbf16_min_rows, be.policy.dpbf16_max_rows
+    ok = w.dtype == jnp.dtype(jnp.bfloat16)
+  return ok and lo <= mm.m <= hi and hi > 0
+
+
+def _scaled(y2s: list[jax.Array], mms: Sequence[Matmul], ws: Sequence[quant.Weight]
+            ) -> list[jax.Array]:
+  """Weight-only int8 products times their per-column scales; float ones as they are."""
+  return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, quant.QuantArray) else y2
+          for y2, mm, w in zip(y2s, mms, ws)]
+
+
+def _raw(mm: Matmul, w: quant.Weight) -> jax.Array:
+  """The stored weight (int8 values for weight-only int8) as ``[K, N]`` or ``[N, K]``."""
+  return _weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
+
+
 def _amx_products(mms: Sequence[Matmul], ws: Sequence[quant.Weight]) -> list[jax.Array]:
   """The f32 ``[M, N]`` products of one bf16 activation with ``[K, N]`` weights of one stored
   dtype, in one AMX call; weight-only int8 scaled after."""
-  y2s = cpu_kernels.matmul_amx_group(
-      mms[0].x2, [_weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
-                  for mm, w in zip(mms, ws)])
-  return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, quant.QuantArray) else y2
-          for y2, mm, w in zip(y2s, mms, ws)]
+  y2s = cpu_kernels.matmul_amx_group(mms[0].x2, [_raw(mm, w) for mm, w in zip(mms, ws)])
+  return _scaled(y2s, mms, ws)
+
+
+def _dpbf16_products(mms: Sequence[Matmul], ws: Sequence[quant.Weight]) -> list[jax.Array]:
+  """``_amx_products`` on AVX512-BF16 dot products."""
+  y2s = cpu_kernels.matmul_dpbf16_group(mms[0].x2, [_raw(mm, w) for mm, w in zip(mms, ws)])
+  return _scaled(y2s, mms, ws)
 
 
 def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) -> jax.Array:
   if kernel == "amx":
     return _amx_products([mm], [w])[0]
+  if kernel == "dpbf16":
+    return _dpbf16_products([mm], [w])[0]
+  if kernel == "dpbf16_nk":
+    return _scaled([cpu_kernels.matmul_dpbf16_nk(mm.x2, _raw(mm, w))], [mm], [w])[0]
   if kernel == "amx_nk":  # weight-only int8 [N, K]
     assert isinstance(w, quant.QuantArray)
     return cpu_kernels.matmul_amx_nk(mm.x2, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
@@ -221,8 +259,9 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
   if len(ws) < 2 or len(kernels) != 1 or len(quantized) != 1 or len(stored) != 1 or not same_x:
     return None
   kernel = kernels.pop()
-  if kernel == "amx":
-    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, _amx_products(mms, ws))]
+  if kernel in ("amx", "dpbf16"):
+    products = _amx_products if kernel == "amx" else _dpbf16_products
+    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, products(mms, ws))]
   x32 = mms[0].x2.astype(jnp.float32)  # every einsum reads x's contracted axes alike
   if kernel == "float":
     y2s = cpu_kernels.matmul_float_group(
