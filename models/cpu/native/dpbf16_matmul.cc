@@ -295,13 +295,19 @@ inline __m512 hsum16(__m512 v0, __m512 v1, __m512 v2, __m512 v3, __m512 v4, __m5
   return fold<3>(fold<2>(b0, b1), fold<2>(b2, b3));
 }
 
-// Weight rows [n, n + RN) x rows [0, RM) of x, over all K (32 values per step, masked tail).
+// Weight rows [n, n + RN) x rows [0, RM) of x, over all K (32 values per step, masked tail);
+// `pf_bytes` from `pf` (the next block's weight rows) prefetched, spread over the steps.
 template <int RN, int RM, typename W>
 void nk_block(const uint16_t* __restrict x, int64_t K, const W* __restrict w, float* __restrict y,
-              int64_t ldy) {
+              int64_t ldy, const char* pf, int64_t pf_bytes) {
   __m512 acc[RN * RM];
   for (int i = 0; i < RN * RM; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t steps = (K + 31) / 32;
+  const int64_t pf_per_step = (pf_bytes / 64 + steps - 1) / steps;
+  const char* pf_end = pf + pf_bytes;
   for (int64_t k = 0; k < K; k += 32) {
+    for (int64_t i = 0; i < pf_per_step && pf < pf_end; ++i, pf += 64)
+      _mm_prefetch(pf, _MM_HINT_T0);
     const __mmask32 m = K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (K - k)) - 1);
     __m512i xv[RM];
     for (int j = 0; j < RM; ++j) xv[j] = _mm512_maskz_loadu_epi16(m, x + j * K + k);
@@ -323,7 +329,7 @@ void nk_block(const uint16_t* __restrict x, int64_t K, const W* __restrict w, fl
 }
 
 template <typename W>
-using NKFn = void (*)(const uint16_t*, int64_t, const W*, float*, int64_t);
+using NKFn = void (*)(const uint16_t*, int64_t, const W*, float*, int64_t, const char*, int64_t);
 
 template <typename W>
 NKFn<W> nk_fn(int rn, int rm) {
@@ -348,7 +354,11 @@ void nk(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K, const W*
       const int64_t n = 4 * b, rn = std::min<int64_t>(4, N - n);
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rm = std::min<int64_t>(4, M - m);
-        nk_fn<W>(int(rn), int(rm))(x + m * K, K, w + n * K, y + m * N + n, N);
+        // The first block of x's rows prefetches the next block of weight rows.
+        const int64_t next = m == 0 ? std::min<int64_t>(4, N - n - rn) : 0;
+        nk_fn<W>(int(rn), int(rm))(x + m * K, K, w + n * K, y + m * N + n, N,
+                                   reinterpret_cast<const char*>(w + (n + rn) * K),
+                                   next > 0 ? next * K * int64_t(sizeof(W)) : 0);
       }
     }
   });
