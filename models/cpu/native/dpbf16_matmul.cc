@@ -316,14 +316,13 @@ void nk_block(const uint16_t* __restrict x, int64_t K, const W* __restrict w, fl
       for (int j = 0; j < RM; ++j) acc[i * RM + j] = dp(acc[i * RM + j], wv, xv[j]);
     }
   }
+  // One reduction tree for any block (missing accumulators are zeros): a per-output
+  // reduce_add would cost a tree each.
+  const __m512 z = _mm512_setzero_ps();
+  auto a = [&](int i) { return i < RN * RM ? acc[i] : z; };
   alignas(64) float out[16];
-  if constexpr (RN * RM == 16) {
-    _mm512_store_ps(out, hsum16(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7],
-                                acc[8], acc[9], acc[10], acc[11], acc[12], acc[13], acc[14],
-                                acc[15]));
-  } else {
-    for (int i = 0; i < RN * RM; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
-  }
+  _mm512_store_ps(out, hsum16(a(0), a(1), a(2), a(3), a(4), a(5), a(6), a(7), a(8), a(9),
+                              a(10), a(11), a(12), a(13), a(14), a(15)));
   for (int i = 0; i < RN; ++i)
     for (int j = 0; j < RM; ++j) y[j * ldy + i] = out[i * RM + j];
 }
