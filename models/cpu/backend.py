@@ -3,8 +3,9 @@
 Contract:
   * ``CpuBackend`` (frozen, hashable): the lowering ``policy`` (``models.cpu.lowering``) and
     which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
-    ``amx``, ``dpbf16`` (AVX512-BF16), ``paged_attention`` and its ``paged_bf16_dot`` path. Steps and KV stores hold it
-    and the model's functions take it as a static argument, so it is part of every jit key;
+    ``amx``, ``dpbf16`` (AVX512-BF16), ``paged_attention`` and its ``paged_bf16_dot`` path.
+    Steps and KV stores hold it and the model's functions take it as a static argument, so it
+    is part of every jit key;
     nothing reads the environment or a module global at trace time.
   * ``CpuBackend()`` (the library default): ``DEFAULT`` policy, no native kernel, no side effect.
   * ``resolve(measure=None, refresh=False) -> Resolved``: what the CLIs call once at start-up:

@@ -5,13 +5,13 @@ Contract:
   * ``CpuPolicy`` (frozen, hashable; ``DEFAULT``: hand-tuned constants) names, per shape class,
     the XLA dot lowering of float prefill (``float_prefill`` / ``f32_prefill``: ``xw``,
     ``xw_nacc``, ``wx``, ``wt``), the row counts up to which the native kernels of
-    ``models.cpu.kernels`` are used (float, f32, W8A8 ``[K, N]`` / ``[N, K]``), the AMX row
-    ranges, XLA's bf16 / int8 row padding and the W8A8 kernel's prefetch target.
-  * ``choose(allowed, native, amx, cache_dir, refresh) -> Choice``: run once at start-up
+    ``models.cpu.kernels`` are used (float, f32, W8A8 ``[K, N]`` / ``[N, K]``), the AMX and
+    AVX512-BF16 row ranges, XLA's bf16 / int8 row padding and the W8A8 kernel's prefetch target.
+  * ``choose(allowed, native, amx, cache_dir, refresh, dpbf16) -> Choice``: run once at start-up
     (``models.cpu.backend.resolve``), never inside a trace: ``DEFAULT`` when not ``allowed`` or
     not on CPU; else the entry of ``<cache_dir>/cpu_lowering.json`` for this machine's key
-    (CPU, jax / jaxlib, kernel sources, native / AMX availability, ``VERSION``); else
-    ``measure()`` (seconds on a small machine), stored there. Any failure: ``DEFAULT``.
+    (CPU, jax / jaxlib, kernel sources, native / AMX / AVX512-BF16 availability, ``VERSION``);
+    else ``measure()`` (seconds on a small machine), stored there. Any failure: ``DEFAULT``.
   * ``measure()`` races the candidates of each class round-robin by their best time; a
     measured choice replaces ``DEFAULT``'s only when faster by ``MARGIN``.
   * Every candidate computes the plain einsum up to summation order; int8 ones bit-identically.
@@ -243,7 +243,8 @@ def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: 
   return [make(jax.random.key(i)) for i in range(n)]
 
 
-def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: int = 768, n: int = 2048,
+def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: int = 768,
+            n: int = 2048,
             prefill_rows: int = 512, stream_bytes: int = 48 * 2**20,
             rows: tuple[int, ...] = (1, 8, 16)) -> tuple[CpuPolicy, dict, float]:
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
