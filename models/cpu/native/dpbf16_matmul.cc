@@ -115,9 +115,8 @@ void dpass(const uint16_t* __restrict x, int64_t ldx, const W* __restrict w, int
         a[r][1] = _mm512_load_ps(acc + r * lda + 32 * t + 16);
       }
     }
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512i u = row32(wt + (2 * p) * N, cols);
-      const __m512i v = row32(wt + (2 * p + 1) * N, cols);
+    // Weight rows u (k = 2 p) and v (k + 1) interleaved, times x's pair at k, into a.
+    auto add = [&](__m512i u, __m512i v, int64_t p) __attribute__((always_inline)) {
       const __m512i lo = _mm512_unpacklo_epi16(u, v), hi = _mm512_unpackhi_epi16(u, v);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
@@ -126,18 +125,10 @@ void dpass(const uint16_t* __restrict x, int64_t ldx, const W* __restrict w, int
         a[r][0] = dp(a[r][0], lo, xv);
         a[r][1] = dp(a[r][1], hi, xv);
       }
-    }
-    if (odd) {
-      const __m512i u = row32(wt + (2 * pairs) * N, cols), z = _mm512_setzero_si512();
-      const __m512i lo = _mm512_unpacklo_epi16(u, z), hi = _mm512_unpackhi_epi16(u, z);
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * ldx + 2 * pairs, 4);
-        const __m512i xv = _mm512_set1_epi32(pair);
-        a[r][0] = dp(a[r][0], lo, xv);
-        a[r][1] = dp(a[r][1], hi, xv);
-      }
-    }
+    };
+    for (int64_t p = 0; p < pairs; ++p)
+      add(row32(wt + (2 * p) * N, cols), row32(wt + (2 * p + 1) * N, cols), p);
+    if (odd) add(row32(wt + (2 * pairs) * N, cols), _mm512_setzero_si512(), pairs);
     for (int r = 0; r < R; ++r) {
       _mm512_store_ps(acc + r * lda + 32 * t, a[r][0]);
       _mm512_store_ps(acc + r * lda + 32 * t + 16, a[r][1]);

@@ -16,7 +16,8 @@ import pytest
 from models import quant
 from models.cpu import kernels as cpu_kernels
 from models.quant import quantize_array
-from tests.cpu_policies import NATIVE, XLA_ONLY
+from models.config import get_preset
+from tests.cpu_policies import NATIVE, XLA_ONLY, decode_step_vs_xla
 
 needs_dpbf16 = pytest.mark.skipif(not cpu_kernels.dpbf16_available(),
                                   reason="no avx512_bf16 on this CPU")
@@ -152,27 +153,8 @@ def test_routing_rules():
 def test_decode_step_equals_xla(quantize):
   """A whole decode step of the tiny model (bf16, weight-only int8 too) at 24 rows: every
   matmul on the kernel against XLA's dots."""
-  from models import weights
-  from models.config import get_preset
-  from models.kv_cache import init_cache
-  from models.transformer import decode_step
-
-  cfg = get_preset("tiny")
-  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
-                        weights.init_params(cfg, jax.random.key(0)))
-  if quantize:
-    params = weights.quantize(params, cfg)
-  rows = 24
-  toks = jax.random.randint(jax.random.key(1), (rows,), 0, cfg.vocab_size)
-  cache = init_cache(cfg, rows, 32, jnp.bfloat16).replace(lengths=jnp.full((rows,), 5, jnp.int32))
-
-  def run(backend):
-    step = jax.jit(lambda p, t, c: decode_step(p, t, c, cfg=cfg, attend_len=32,
-                                               backend=backend)[0])
-    return step(params, toks, cache), step.lower(params, toks, cache).compile().as_text()
-
-  ref, _ = run(XLA_ONLY)
-  got, hlo = run(DP)
-  assert hlo.count("phaseserve_dpbf16_matmul_group") >= 3 * cfg.num_layers  # qkv, o, gate/up, down
+  got, ref, hlo = decode_step_vs_xla(DP, quantize)
+  # Every layer's q / k / v, o, gate / up and down on the kernel.
+  assert hlo.count("phaseserve_dpbf16_matmul_group") >= 3 * get_preset("tiny").num_layers
   # bf16 activations rounded at every layer on both sides, sums in different orders.
   assert _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32)) < 2 ** -5
