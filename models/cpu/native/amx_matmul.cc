@@ -59,11 +59,7 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-struct Weight {
-  const void* w;
-  int64_t N;
-  float* y;
-};
+#include "group_args.h"
 
 struct Chunk {
   int g;
@@ -379,23 +375,11 @@ ffi::Error AmxMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   constexpr const char* kWant =
       "phaseserve_amx_matmul_group: want x [M, K] bf16, G w [K, N] of one dtype (bf16 or int8), "
       "G f32 results [M, N]";
-  auto xd = x.dimensions();
-  const size_t G = rets.size();
-  if (xd.size() != 2 || G == 0 || args.size() != G) return ffi::Error::InvalidArgument(kWant);
   std::vector<Weight> ws;
-  ffi::DataType type = ffi::DataType::INVALID;
-  for (size_t i = 0; i < G; ++i) {
-    auto w = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWant);
-    auto wd = w->dimensions();
-    if (wd.size() != 2 || wd[0] != xd[1] || (*y)->element_count() != xd[0] * wd[1])
-      return ffi::Error::InvalidArgument(kWant);
-    if (i == 0) type = w->element_type();
-    if (w->element_type() != type || (type != ffi::BF16 && type != ffi::S8))
-      return ffi::Error::InvalidArgument(kWant);
-    ws.push_back({w->untyped_data(), wd[1], (*y)->typed_data()});
-  }
+  ffi::DataType type;
+  if (auto err = group_args(x.dimensions(), args, rets, kWant, &ws, &type); err.failure())
+    return err;
+  const auto xd = x.dimensions();
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   if (type == ffi::BF16)
     amx_group<uint16_t>(pool, xp, xd[0], xd[1], ws);

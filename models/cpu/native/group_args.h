@@ -1,0 +1,32 @@
+// Shared by the grouped bf16-activation kernels (amx_matmul.cc, dpbf16_matmul.cc); inlined into
+// each source by models.cpu.build.source, so each library's cache key covers it.
+// A group call's operands: x [M, K] bf16, then G weights [K, N_g] of one dtype (bf16 or int8);
+// results: G f32 [M, N_g].
+struct Weight {
+  const void* w;
+  int64_t N;
+  float* y;
+};
+
+// The G weights (with their results) of a group call whose x has dimensions xd, into *ws, and
+// their common dtype into *type; InvalidArgument(want) for any other operands.
+template <typename Dims>
+ffi::Error group_args(const Dims& xd, ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                      const char* want, std::vector<Weight>* ws, ffi::DataType* type) {
+  const size_t G = rets.size();
+  if (xd.size() != 2 || G == 0 || args.size() != G) return ffi::Error::InvalidArgument(want);
+  *type = ffi::DataType::INVALID;
+  for (size_t i = 0; i < G; ++i) {
+    auto w = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(want);
+    auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != xd[1] || (*y)->element_count() != xd[0] * wd[1])
+      return ffi::Error::InvalidArgument(want);
+    if (i == 0) *type = w->element_type();
+    if (w->element_type() != *type || (*type != ffi::BF16 && *type != ffi::S8))
+      return ffi::Error::InvalidArgument(want);
+    ws->push_back({w->untyped_data(), wd[1], (*y)->typed_data()});
+  }
+  return ffi::Error::Success();
+}
