@@ -352,20 +352,7 @@ ffi::Error AmxMatmulNKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::
                            ffi::ResultBuffer<ffi::F32> y) {
   constexpr const char* kWant =
       "phaseserve_amx_matmul_nk: want x [M, K] bf16, w [N, K] bf16 or int8, f32 result [M, N]";
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1] || y->element_count() != xd[0] * wd[0])
-    return ffi::Error::InvalidArgument(kWant);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  if (w.element_type() == ffi::BF16)
-    amx_nk(pool, xp, xd[0], xd[1], reinterpret_cast<const uint16_t*>(w.untyped_data()), wd[0],
-           y->typed_data());
-  else if (w.element_type() == ffi::S8)
-    amx_nk(pool, xp, xd[0], xd[1], reinterpret_cast<const int8_t*>(w.untyped_data()), wd[0],
-           y->typed_data());
-  else
-    return ffi::Error::InvalidArgument(kWant);
-  return ffi::Error::Success();
+  return nk_args(x, w, y, kWant, [&](auto... a) { amx_nk(pool, a...); });
 }
 
 // Operands: x [M, K] bf16, then G weights [K, N_g] of one dtype (bf16 or int8); results: G f32

@@ -92,6 +92,12 @@ def test_refuses_bad_operands():
     cpu_kernels.matmul_dpbf16_group(x, [jnp.ones((7, 4), jnp.bfloat16)])
   with pytest.raises(ValueError, match="matmul_dpbf16_nk"):
     cpu_kernels.matmul_dpbf16_nk(x, jnp.ones((4, 7), jnp.bfloat16))
+  # Past the wrappers, the kernels check their operands themselves.
+  f32 = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+  with pytest.raises(Exception, match="phaseserve_dpbf16_matmul_nk: want"):
+    jax.ffi.ffi_call("phaseserve_dpbf16_matmul_nk", f32)(x, jnp.ones((4, 7), jnp.bfloat16))
+  with pytest.raises(Exception, match="phaseserve_dpbf16_matmul_group: want"):
+    jax.ffi.ffi_call("phaseserve_dpbf16_matmul_group", [f32])(x, jnp.ones((7, 4), jnp.int8))
 
 
 @needs_dpbf16
