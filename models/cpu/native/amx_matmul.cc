@@ -362,17 +362,10 @@ ffi::Error AmxMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   constexpr const char* kWant =
       "phaseserve_amx_matmul_group: want x [M, K] bf16, G w [K, N] of one dtype (bf16 or int8), "
       "G f32 results [M, N]";
-  std::vector<Weight> ws;
-  ffi::DataType type;
-  if (auto err = group_args(x.dimensions(), args, rets, kWant, &ws, &type); err.failure())
-    return err;
-  const auto xd = x.dimensions();
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  if (type == ffi::BF16)
-    amx_group<uint16_t>(pool, xp, xd[0], xd[1], ws);
-  else
-    amx_group<int8_t>(pool, xp, xd[0], xd[1], ws);
-  return ffi::Error::Success();
+  return group_args(x, args, rets, kWant, [&](auto w, const uint16_t* xp, int64_t M, int64_t K,
+                                               const std::vector<Weight>& ws) {
+    amx_group<decltype(w)>(pool, xp, M, K, ws);
+  });
 }
 
 }  // namespace

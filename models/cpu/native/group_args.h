@@ -8,14 +8,16 @@ struct Weight {
   float* y;
 };
 
-// The G weights (with their results) of a group call whose x has dimensions xd, into *ws, and
-// their common dtype into *type; InvalidArgument(want) for any other operands.
-template <typename Dims>
-ffi::Error group_args(const Dims& xd, ffi::RemainingArgs& args, ffi::RemainingRets& rets,
-                      const char* want, std::vector<Weight>* ws, ffi::DataType* type) {
+// A group call: fn(W{}, x, M, K, weights) with W the weights' common dtype (uint16_t: bf16, or
+// int8_t); InvalidArgument(want) for any other operands.
+template <typename Fn>
+ffi::Error group_args(ffi::Buffer<ffi::BF16>& x, ffi::RemainingArgs& args,
+                      ffi::RemainingRets& rets, const char* want, Fn fn) {
+  auto xd = x.dimensions();
   const size_t G = rets.size();
   if (xd.size() != 2 || G == 0 || args.size() != G) return ffi::Error::InvalidArgument(want);
-  *type = ffi::DataType::INVALID;
+  std::vector<Weight> ws;
+  ffi::DataType type = ffi::DataType::INVALID;
   for (size_t i = 0; i < G; ++i) {
     auto w = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
@@ -23,11 +25,16 @@ ffi::Error group_args(const Dims& xd, ffi::RemainingArgs& args, ffi::RemainingRe
     auto wd = w->dimensions();
     if (wd.size() != 2 || wd[0] != xd[1] || (*y)->element_count() != xd[0] * wd[1])
       return ffi::Error::InvalidArgument(want);
-    if (i == 0) *type = w->element_type();
-    if (w->element_type() != *type || (*type != ffi::BF16 && *type != ffi::S8))
+    if (i == 0) type = w->element_type();
+    if (w->element_type() != type || (type != ffi::BF16 && type != ffi::S8))
       return ffi::Error::InvalidArgument(want);
-    ws->push_back({w->untyped_data(), wd[1], (*y)->typed_data()});
+    ws.push_back({w->untyped_data(), wd[1], (*y)->typed_data()});
   }
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  if (type == ffi::BF16)
+    fn(uint16_t{}, xp, xd[0], xd[1], ws);
+  else
+    fn(int8_t{}, xp, xd[0], xd[1], ws);
   return ffi::Error::Success();
 }
 
