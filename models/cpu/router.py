@@ -7,9 +7,9 @@ Contract:
     ``[N, K]`` (contracted weight axes leading or trailing); None for any other einsum.
   * ``matmul(mm, x_dtype, w, backend)``: the einsum's result (dtype ``x_dtype``): a native
     kernel of ``models.cpu.kernels`` where the backend allows it and its policy's row limits
-    say so (AMX, AVX512-BF16, float, weight-only int8, W8A8), else XLA's dot lowered as the policy says
-    (bf16 / int8 row padding, the prefill dot lowering). Results are the plain einsum's up to
-    summation order (W8A8: bit-identical).
+    say so (AMX, AVX512-BF16, float, weight-only int8, W8A8), else XLA's dot lowered as the
+    policy says (bf16 / int8 row padding, the prefill dot lowering). Results are the plain
+    einsum's up to summation order (W8A8: bit-identical).
   * ``matmul_group(mms, x_dtype, ws, backend)``: the products of one activation with several
     weights in one native call (same kernel, one stored dtype), else None.
 Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
@@ -99,8 +99,8 @@ def _weight_2d(mm: Matmul, w: jax.Array) -> jax.Array:
 def _native_kernel(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> str | None:
   """Which ``models.cpu.kernels`` kernel computes this product on XLA:CPU under ``be``:
   ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``dpbf16`` / ``dpbf16_nk``
-  (``_dpbf16_rows``), ``float`` / ``float_nk`` (float or
-  weight-only int8 weights), ``w8a8`` / ``w8a8_nk``, or None (XLA's dot)."""
+  (``_dpbf16_rows``), ``float`` / ``float_nk`` (float or weight-only int8 weights), ``w8a8`` /
+  ``w8a8_nk``, or None (XLA's dot)."""
   if not _on_cpu():
     return None
   if _amx_rows(mm, x_dtype, w, be):
