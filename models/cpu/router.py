@@ -137,13 +137,9 @@ def _amx_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
     return (isinstance(w, quant.QuantArray) and not w.act_quant
             and be.policy.int8_nk_native_max_rows < mm.m <= be.policy.amx_int8_max_rows
             and be.amx)
-  if isinstance(w, quant.QuantArray):
-    lo, hi = be.policy.amx_int8_min_rows, be.policy.amx_int8_max_rows
-    ok = not w.act_quant
-  else:
-    lo, hi = be.policy.amx_min_rows, be.policy.amx_max_rows
-    ok = w.dtype == jnp.dtype(jnp.bfloat16)
-  return ok and lo <= mm.m <= hi and hi > 0 and be.amx
+  p = be.policy
+  return be.amx and _in_range(mm, w, (p.amx_min_rows, p.amx_max_rows),
+                              (p.amx_int8_min_rows, p.amx_int8_max_rows))
 
 
 def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
@@ -151,14 +147,20 @@ def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
   weight-only int8 weight (``[K, N]`` or ``[N, K]``), and a row count in the policy's range for
   that weight (the kernel's products are exact, so this is XLA's bf16 dot up to summation
   order)."""
-  if x_dtype != jnp.bfloat16 or not be.dpbf16:
-    return False
+  p = be.policy
+  return (x_dtype == jnp.bfloat16 and be.dpbf16
+          and _in_range(mm, w, (p.dpbf16_min_rows, p.dpbf16_max_rows),
+                        (p.dpbf16_int8_min_rows, p.dpbf16_int8_max_rows)))
+
+
+def _in_range(mm: Matmul, w: quant.Weight, bf16_rows: tuple[int, int],
+              int8_rows: tuple[int, int]) -> bool:
+  """A bf16-activation kernel's rule: a bf16 weight with the rows in ``bf16_rows``, or a
+  weight-only int8 one with the rows in ``int8_rows`` (``(min, max)``; max 0: never)."""
   if isinstance(w, quant.QuantArray):
-    lo, hi = be.policy.dpbf16_int8_min_rows, be.policy.dpbf16_int8_max_rows
-    ok = not w.act_quant
+    (lo, hi), ok = int8_rows, not w.act_quant
   else:
-    lo, hi = be.policy.dpbf16_min_rows, be.policy.dpbf16_max_rows
-    ok = w.dtype == jnp.dtype(jnp.bfloat16)
+    (lo, hi), ok = bf16_rows, w.dtype == jnp.dtype(jnp.bfloat16)
   return ok and lo <= mm.m <= hi and hi > 0
 
 
