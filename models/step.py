@@ -3,8 +3,10 @@
 Contract: a ``Step`` runs one phase of the model over a paged pool (``models.paged_kv.PagedKV``);
 its functions are traceable (the engine calls them inside its own jitted programs, ``attend_len``
 static).
-  * ``prefill(params, tokens_BT, kv, start_B, lens_B, attend_len=) -> (logits_BV, kv)``: row b's
-    ``lens_B[b]`` tokens at positions ``start_B[b] + t``; logits of each row's last valid token.
+  * ``prefill(params, tokens_BT, kv, start_B, lens_B, attend_len=, logits_at=None) ->
+    (logits_BV, kv)``: row b's ``lens_B[b]`` tokens at positions ``start_B[b] + t``; logits of
+    each row's last valid token (``logits_at`` [R]: of those rows only, ``[R, V]``). A packed
+    call is ``T = 1``: each token its own row (its own table row and position).
   * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
     active row at position ``kv.lengths[b]``.
   * ``place_params`` / ``param_sharding(path, sds)``: the step's resident layout, per param (what
@@ -42,7 +44,8 @@ class Step(Protocol):
   def kv_shards(self) -> int: ...
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
-              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, PagedKV]: ...
+              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None
+              ) -> tuple[jax.Array, PagedKV]: ...
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
              attend_len: int) -> tuple[jax.Array, PagedKV]: ...
@@ -79,9 +82,9 @@ class UnshardedStep:
   scan_layers: bool = False
   backend: CpuBackend = CpuBackend()
 
-  def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len):
+  def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len, logits_at=None):
     return transformer.prefill(params, tokens_BT, kv, start_B, lens_B, cfg=self.cfg,
-                               attend_len=attend_len, backend=self.backend)
+                               attend_len=attend_len, backend=self.backend, logits_at=logits_at)
 
   def decode(self, params, tokens_B, kv, active_B, *, attend_len):
     return transformer.decode_step(params, tokens_B, kv, cfg=self.cfg, attend_len=attend_len,

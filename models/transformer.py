@@ -75,9 +75,10 @@ _jit_block = jax.jit(_block, static_argnames=("cfg", "attend_len", "backend"))
 
 def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Array | None,
             lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
-            all_logits: bool = False, backend: CpuBackend = CpuBackend()
-            ) -> tuple[jax.Array, Store]:
-  """Returns (logits [B, V] of each row's last valid token, or [B, T, V]; updated cache)."""
+            all_logits: bool = False, backend: CpuBackend = CpuBackend(),
+            logits_at: jax.Array | None = None) -> tuple[jax.Array, Store]:
+  """Returns (logits [B, V] of each row's last valid token, or [B, T, V], or with
+  ``logits_at`` (rows [R]) those rows' only: [R, V]; updated cache)."""
   b, t = tokens_BT.shape
   attend_len = attend_len or cache.max_len
   dtype = params["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
@@ -104,6 +105,8 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
                                 rot_q, cfg, attend_len, backend)
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
+    if logits_at is not None:
+      x_BTD = x_BTD[logits_at]  # [R, 1, D]: the unembedding only where a token is sampled
   logits = _unembed(params, x_BTD, cfg, backend)
   cache = cache.replace(lengths=c.lengths_B)
   return (logits if all_logits else logits[:, 0]), cache

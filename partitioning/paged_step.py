@@ -88,8 +88,11 @@ class PagedShardedStep:
   # -- the Step protocol --------------------------------------------------------------------
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
-              lens_B: jax.Array, *, attend_len: int) -> tuple[jax.Array, PagedKV]:
-    return self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
+              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None
+              ) -> tuple[jax.Array, PagedKV]:
+    logits_BV, kv = self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
+    # Rows sharded over the kv axes: every row's logits, then the rows asked for.
+    return (logits_BV if logits_at is None else logits_BV[logits_at]), kv
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
              attend_len: int) -> tuple[jax.Array, PagedKV]:

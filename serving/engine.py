@@ -35,9 +35,9 @@ from models.step import PhaseDecode, Step, Transfer
 from models.transformer import bucket
 from models.weights import Params
 from serving.engine_api import EngineApi
-from serving.engine_calls import (Part, Pending, copy_call, decode_call, prefill_call,
-                                  read_pages, sample_call, want_lp, write_pages)
-from serving.engine_shapes import ProgramSet, arrange, powers
+from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_call,
+                                  prefill_call, read_pages, sample_call, want_lp, write_pages)
+from serving.engine_shapes import ProgramSet, arrange, pack, packed, packed_sizes, powers
 from serving.host_tier import HostStore
 from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
@@ -114,6 +114,10 @@ class Engine(EngineApi):
     self.length_free = {"prefill": self.prefill_pool.kv.native_attention(n, 2),
                         "decode": self.decode_pool.kv.native_attention(n, 1)}
     self._rings_only = self.prefill_pool.kv.rings_only(n)  # a sink pool's decode: rings only
+    # Prefill packed (chunks end to end, a token a row) where attention reads each token's own
+    # table row at its own position: the native kernel on one kv shard.
+    self.packed = self.prefill_pool.shards == 1 and self.prefill_pool.kv.native_attention(n, 1)
+    self._prefill_rows = 1  # a packed call's logits rows, at least (warm-up: the plans' most)
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
     self._held: collections.deque[Pending] = collections.deque()
@@ -160,6 +164,8 @@ class Engine(EngineApi):
     return arrange(slots, self._table_XM, self.config.num_pages, shards, cap)
 
   def prefill(self, chunks: Sequence[PrefillChunk]) -> Part:
+    if self.packed:
+      return self._prefill_packed(chunks)
     pool = self.prefill_pool
     r, row_of = self._arrange([c.slot for c in chunks], pool.shards)
     t = bucket(max(len(c.token_ids) for c in chunks), minimum=16,
@@ -181,9 +187,33 @@ class Engine(EngineApi):
     slots_R, start_R, lens_R = jax.device_put(slots), jax.device_put(start), jax.device_put(lens)
     pool.kv, logits_RV = prefill_call(pool.params, pool.kv, jax.device_put(toks), slots_R,
                                       start_R, lens_R, step=pool.step, attend_len=attend)
-    self.program_set.dispatch(("sample", r, "prefill"))
+    return self._sample_prefill(chunks, logits_RV, slots_R, start + lens, want, rows)
+
+  def _prefill_packed(self, chunks: Sequence[PrefillChunk]) -> Part:
+    """The chunks' tokens end to end in one row of ``N = packed(total)`` tokens (no padding to
+    the longest chunk); logits rows ``R``: at least the warm-up's (one sampling program)."""
+    pool = self.prefill_pool
+    r = max(bucket(len(chunks), minimum=1), self._prefill_rows)
+    _, r, n, attend = self.program_set.cover(
+        ("prefill", r, packed(sum(len(c.token_ids) for c in chunks)), self._attend(1, "prefill")),
+        pad_rows=True)
+    p = pack(chunks, n, r, self.config.max_slots)
+    rows = [(c.request_id, j, self._samp_host[c.slot].logprobs)
+            for j, c in enumerate(chunks) if c.sample]
+    self.program_set.dispatch(("prefill", r, n, attend))
+    slots_R = jax.device_put(p.slots_R)
+    pool.kv, logits_RV = packed_call(
+        pool.params, pool.kv, *jax.device_put((p.tokens_N, p.slot_N, p.pos_N)), slots_R,
+        *jax.device_put((p.end_R, p.last_R)), step=pool.step, attend_len=attend)
+    return self._sample_prefill(chunks, logits_RV, slots_R, p.end_R, p.want_R, rows)
+
+  def _sample_prefill(self, chunks: Sequence[PrefillChunk], logits_RV: jax.Array,
+                      slots_R: jax.Array, end: np.ndarray, want: np.ndarray, rows: list) -> Part:
+    """Each chunk's next id (rows ``want``: a prompt's last chunk) from its logits."""
+    pool = self.prefill_pool
+    self.program_set.dispatch(("sample", len(end), "prefill"))
     pool.last_X, tok_R, lp = sample_call(
-        logits_RV, pool.last_X, self._samp, slots_R, jax.device_put(start + lens),
+        logits_RV, pool.last_X, self._samp, slots_R, jax.device_put(end),
         jax.device_put(want), want_lp(rows), valid_vocab=self.valid_vocab)
     self.insert(chunks)
     return Part(tok_R, rows, lp)
@@ -248,23 +278,30 @@ class Engine(EngineApi):
 
   # -- warm-up ------------------------------------------------------------------------------
 
-  def buckets(self, max_prefill_rows: int = 1, max_chunk: int | None = None
-              ) -> list[tuple[str, int, int, int]]:
+  def buckets(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
+              max_tokens: int | None = None) -> list[tuple[str, int, int, int]]:
     """Every (phase, rows, chunk length (prefill) or 0, attended length) program the scheduler's
     plans can reach with at most ``max_prefill_rows`` chunks per step of at most ``max_chunk``
-    tokens (decode rows: every power of two up to the slots), then the sampling programs of
-    each row count (``sample_prefill`` / ``sample_decode``, chunk and attended length 0)."""
+    tokens, ``max_tokens`` in all (packed: one logits row count, every ``packed`` size up to
+    the most tokens a step's chunks hold; decode rows: every power of two up to the slots), then
+    the sampling programs of each row count (``sample_prefill`` / ``sample_decode``, chunk and
+    attended length 0)."""
     cap = self.config.pages_per_seq * self.config.page_size
     attends = {p: sorted({self._attend(e, p) for e in powers(1, cap)})
                for p in ("prefill", "decode")}
     chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
-    chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
-                     for c in powers(1, chunk_cap)})
     out = []
-    for r in sorted({bucket(n, minimum=1) for n in powers(1, max_prefill_rows)}):
-      for t in chunks:
-        out += [("prefill", r * self.prefill_pool.shards, t, a) for a in attends["prefill"]
-                if a >= min(t, cap) or a == attends["prefill"][-1]]
+    if self.packed:
+      most = min(max_prefill_rows * chunk_cap, max_tokens or max_prefill_rows * chunk_cap)
+      out += [("prefill", bucket(max_prefill_rows, minimum=1), n, attends["prefill"][-1])
+              for n in packed_sizes(most)]
+    else:
+      chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
+                       for c in powers(1, chunk_cap)})
+      for r in sorted({bucket(n, minimum=1) for n in powers(1, max_prefill_rows)}):
+        for t in chunks:
+          out += [("prefill", r * self.prefill_pool.shards, t, a) for a in attends["prefill"]
+                  if a >= min(t, cap) or a == attends["prefill"][-1]]
     for n in sorted({min(bucket(n, minimum=1), self.config.max_slots)
                      for n in powers(1, self.config.max_slots)}):
       out += [("decode", n * self.decode_pool.shards, 0, a) for a in attends["decode"]]
@@ -278,9 +315,15 @@ class Engine(EngineApi):
     phase, r, t, attend = bucket
     none_R = jnp.full((r,), self.config.max_slots, jnp.int32)  # out of range: null pages
     z_R = jax.device_put(np.zeros((r,), np.int32))
+    if phase == "prefill" and self.packed:  # t tokens, every one padding
+      pool = self.prefill_pool
+      none_N = jnp.full((t,), self.config.max_slots, jnp.int32)
+      args: tuple = (pool.params, pool.kv, jnp.zeros((t,), jnp.int32), none_N,
+                     jnp.full((t,), -1, jnp.int32), none_R, z_R, z_R)
+      return packed_call, args, dict(step=pool.step, attend_len=attend), pool
     if phase == "prefill":
       pool = self.prefill_pool
-      args: tuple = (pool.params, pool.kv, jnp.zeros((r, t), jnp.int32), none_R, z_R, z_R)
+      args = (pool.params, pool.kv, jnp.zeros((r, t), jnp.int32), none_R, z_R, z_R)
       return prefill_call, args, dict(step=pool.step, attend_len=attend), pool
     if phase == "decode":
       pool = self.decode_pool
@@ -293,28 +336,29 @@ class Engine(EngineApi):
     return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-             threads: int | None = None) -> int:
+             threads: int | None = None, max_tokens: int | None = None) -> int:
     """Compiles every program of ``buckets`` by running it with every row inactive (no state
     changes). With ``threads`` > 1 (default: the CPU count, at most 4) the model programs are
     first compiled side by side (``lower(...).compile()`` in a thread pool), then each is run
     once. Returns the number of programs compiled."""
     before = self.program_set.count
-    buckets = list(self.buckets(max_prefill_rows, max_chunk))
+    self._prefill_rows = bucket(max_prefill_rows, minimum=1)
+    buckets = list(self.buckets(max_prefill_rows, max_chunk, max_tokens))
     model = [b for b in buckets if b[0] in ("prefill", "decode")]
     if threads is None:
       threads = min(4, os.cpu_count() or 1)
     if threads > 1 and len(model) > 1:
-      def compile_one(bucket: tuple) -> None:
-        fn, args, kw, _ = self._warm_call(bucket)
+      def compile_one(key: tuple) -> None:
+        fn, args, kw, _ = self._warm_call(key)
         fn.lower(*args, **kw).compile()
       with concurrent.futures.ThreadPoolExecutor(threads) as executor:
         list(executor.map(compile_one, model))  # re-raises the first error
-    for bucket in buckets:  # model programs first: the sampling ones run on their logits
-      phase, r, t, attend = bucket
+    for key in buckets:  # model programs first: the sampling ones run on their logits
+      phase, r, t, attend = key
       self.program_set.shapes.add(
           {"prefill": ("prefill", r, t, attend), "decode": ("decode", r, attend)}
           .get(phase, ("sample", r, phase[len("sample_"):])))
-      fn, args, kw, pool = self._warm_call(bucket)
+      fn, args, kw, pool = self._warm_call(key)
       out = fn(*args, **kw)
       if phase in ("prefill", "decode"):
         pool.kv, self._warm_logits[(phase, r)] = out

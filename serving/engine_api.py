@@ -6,8 +6,8 @@ else of an engine.
   * ``execute(plan) -> StepResult | None``: runs a ``StepPlan``; returns the result of the step
     ``lag`` steps back (None while fewer are in flight). ``flush()`` returns every held result;
     ``reset()`` drops them (after a fault).
-  * ``warmup(max_prefill_rows, max_chunk, threads) -> int`` compiles every program a plan can
-    reach (returns how many); ``seal()`` closes the program set at readiness.
+  * ``warmup(max_prefill_rows, max_chunk, threads, max_tokens) -> int`` compiles every program a
+    plan can reach (``max_tokens``: a step's prefill tokens in all; returns how many); ``seal()`` closes the program set at readiness.
   * ``programs``: programs dispatched so far (a call that grew it compiled one); ``lag``: steps
     a result trails its plan; ``describe()``: a JSON-able description of what runs the steps.
 """
@@ -33,7 +33,7 @@ class EngineApi(abc.ABC):
 
   @abc.abstractmethod
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-             threads: int | None = None) -> int: ...
+             threads: int | None = None, max_tokens: int | None = None) -> int: ...
 
   @abc.abstractmethod
   def seal(self) -> None: ...

@@ -79,6 +79,23 @@ def prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax
   return kv, logits_RV
 
 
+@functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
+def packed_call(params: Params, kv: PagedKV, tokens_N: jax.Array, slot_N: jax.Array,
+                pos_N: jax.Array, slots_R: jax.Array, end_R: jax.Array, last_R: jax.Array, *,
+                step: Step, attend_len: int):
+  """A prefill of ``R`` chunks packed into ``N`` tokens, each token its own row (T = 1): token n
+  of slot ``slot_N[n]`` at position ``pos_N[n]`` (-1: padding, no work, no write); chunk r
+  (slot ``slots_R[r]``) ends at ``end_R[r]`` and samples from token ``last_R[r]``."""
+  sub = kv.replace(page_table=rows(kv.page_table, slot_N, kv.num_pages),
+                   lengths=rows(kv.lengths, slot_N, 0))
+  valid_N = (pos_N >= 0).astype(jnp.int32)
+  logits_RV, out = step.prefill(params, tokens_N[:, None], sub, pos_N, valid_N,
+                                attend_len=attend_len, logits_at=last_R)
+  kv = kv.replace(k_pages=out.k_pages, v_pages=out.v_pages,
+                  lengths=kv.lengths.at[slots_R].set(end_R, mode="drop"))
+  return kv, logits_RV
+
+
 @functools.partial(jax.jit, static_argnames=("step", "n", "attend_len"), donate_argnames=("kv",))
 def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Array,
                 pos_R: jax.Array, active_R: jax.Array, *, step: Step, n: int, attend_len: int):

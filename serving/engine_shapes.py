@@ -1,7 +1,7 @@
 """The engine's program shapes: bucketed keys, the set sealed at readiness, rows by kv shard.
 
-Contract: a program key is ``("prefill", R, T, attended)``, ``("decode", R, attended)`` or
-``("sample", R, phase)``. ``ProgramSet`` counts the keys dispatched (``count``: each compiled
+Contract: a program key is ``("prefill", R, T, attended)`` (packed: ``T`` is the call's ``N``
+tokens, ``R`` its logits rows), ``("decode", R, attended)`` or ``("sample", R, phase)``. ``ProgramSet`` counts the keys dispatched (``count``: each compiled
 once); after ``seal()`` a model program outside the set runs as the smallest dispatched one of
 its phase that covers it (``cover``: more rows only where ``pad_rows``, a chunk and an attended
 length at least as long; counted in ``covered``), and one nothing covers is logged, counted
@@ -13,14 +13,66 @@ bucket(largest group)``); one shard: rows ``0..``. Letters: ``models/config.py``
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Sequence
 
 import numpy as np
 
 from models.transformer import bucket
+from serving.step_plan import PrefillChunk
 
 _log = logging.getLogger(__name__)
+
+
+def packed(n: int) -> int:
+  """A packed prefill's token count ``n`` rounded up to four sizes an octave (16, 32, 48, 64,
+  80, ..., 128, 160, ..., 256, 320, ...): at most a quarter of the tokens (below 64: at most
+  15) are padding."""
+  if n <= 16:
+    return 16
+  step = max(16, (1 << ((n - 1).bit_length() - 1)) // 4)
+  return -(-n // step) * step
+
+
+def packed_sizes(cap: int) -> list[int]:
+  """Every ``packed(n)`` for ``1 <= n <= cap``."""
+  out, n = [], 1
+  while n <= cap:
+    out.append(packed(n))
+    n = out[-1] + 1
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A packed prefill's host arrays: ``N`` tokens end to end (``slot_N``, ``pos_N``; padding:
+  the null slot, position -1) and per chunk ``R`` its slot, end, last token's index and whether
+  it samples (padding rows: the null slot)."""
+  tokens_N: np.ndarray
+  slot_N: np.ndarray
+  pos_N: np.ndarray
+  slots_R: np.ndarray
+  end_R: np.ndarray
+  last_R: np.ndarray
+  want_R: np.ndarray
+
+
+def pack(chunks: Sequence[PrefillChunk], n: int, r: int, null_slot: int) -> Packed:
+  """``chunks`` end to end in ``n`` tokens, ``r`` rows (``n`` >= their tokens, ``r`` >= their
+  count)."""
+  out = Packed(np.zeros((n,), np.int32), np.full((n,), null_slot, np.int32),
+               np.full((n,), -1, np.int32), np.full((r,), null_slot, np.int32),
+               np.zeros((r,), np.int32), np.zeros((r,), np.int32), np.zeros((r,), bool))
+  i = 0
+  for j, c in enumerate(chunks):
+    k = len(c.token_ids)
+    out.tokens_N[i:i + k], out.slot_N[i:i + k] = c.token_ids, c.slot
+    out.pos_N[i:i + k] = np.arange(c.start, c.start + k)
+    out.slots_R[j], out.end_R[j], out.last_R[j], out.want_R[j] = (c.slot, c.start + k, i + k - 1,
+                                                                  c.sample)
+    i += k
+  return out
 
 
 def powers(lo: int, hi: int) -> list[int]:

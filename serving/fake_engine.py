@@ -119,7 +119,7 @@ class FakeEngine(EngineApi):
     self._held.clear()
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-             threads: int | None = None) -> int:
+             threads: int | None = None, max_tokens: int | None = None) -> int:
     return 0
 
   def seal(self) -> None:

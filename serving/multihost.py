@@ -55,10 +55,10 @@ class LeaderEngine(EngineApi):
     self.engine.reset()
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-             threads: int | None = None) -> int:
+             threads: int | None = None, max_tokens: int | None = None) -> int:
     """Every process compiles the same programs (each with its own default threads)."""
-    self._publish("warmup", max_prefill_rows, max_chunk)
-    return self.engine.warmup(max_prefill_rows, max_chunk, threads)
+    self._publish("warmup", max_prefill_rows, max_chunk, None, max_tokens)
+    return self.engine.warmup(max_prefill_rows, max_chunk, threads, max_tokens)
 
   def seal(self) -> None:
     """Every process seals: after it, a shape may run as a larger warmed one (the same on all)."""

@@ -113,7 +113,7 @@ def warmup(loop: ServingLoop, threads: int | None = None) -> int:
   """Compiles every program the loop's plans can reach, ``threads`` at a time (None: the
   engine's default); returns how many."""
   c = loop.capacity()
-  return loop.engine.warmup(c.max_prefill_chunks, c.max_chunk, threads)
+  return loop.engine.warmup(c.max_prefill_chunks, c.max_chunk, threads, c.max_step_tokens)
 
 
 def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
