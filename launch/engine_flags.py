@@ -5,7 +5,8 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--prefill_devices``, ``--prefill_layout``, ``--decode_layout``, ``--hardware``, ``--calibration``,
 ``--warmup_threads``,
 ``--max_slots``, ``--page_size``, ``--kv_pages``, ``--max_step_tokens``, ``--max_chunk``,
-``--max_prefill_chunks``, ``--tpot_target_ms``, ``--min_prefill_tokens``, ``--max_context``,
+``--max_prefill_chunks``, ``--tpot_target_ms``, ``--min_prefill_tokens``, ``--pack_prefill``,
+``--max_context``,
 ``--prefix_cache``, ``--session_idle_s``,
 ``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``,
 ``--scan_layers``, ``--compile_cache_dir``) for ``launch.serve_offline`` and ``launch.server``.
@@ -75,6 +76,10 @@ TPOT_TARGET = flags.DEFINE_float("tpot_target_ms", 0.0,
                                  "TPOT-aware prefill budget: a step that decodes carries only "
                                  "the prefill tokens the measured step cost keeps within this "
                                  "(0: off; e.g. 30 for a 40 ms TPOT SLO at p99)", lower_bound=0.0)
+PACK_PREFILL = flags.DEFINE_bool("pack_prefill", True,
+                                  "pack a step's prefill chunks end to end where attention is the "
+                                  "native kernel (an A/B switch: --nopack_prefill pads each chunk "
+                                  "to the longest)")
 MIN_PREFILL = flags.DEFINE_integer("min_prefill_tokens", 32,
                                    "prefill tokens a decoding step may always carry under "
                                    "--tpot_target_ms", lower_bound=1)
@@ -191,7 +196,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         host_tier_bytes=HOST_TIER.value,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
         attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
-        min_prefill_tokens=MIN_PREFILL.value)
+        min_prefill_tokens=MIN_PREFILL.value, pack_prefill=PACK_PREFILL.value)
     deployment = Deployment(mode,  # type: ignore[arg-type]  # an enum flag: one of the modes
                             PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,

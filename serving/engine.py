@@ -54,6 +54,7 @@ class EngineConfig:
   valid_vocab: int | None = None  # sample only ids below this (a tokenizer smaller than V)
   lag: int = 1
   sinks: bool = False  # a sink pool: slots may run the attention-sink policy
+  pack_prefill: bool = True  # pack a step's chunks where attention allows (see Engine.packed)
 
   @property
   def pages_per_seq(self) -> int:
@@ -116,7 +117,8 @@ class Engine(EngineApi):
     self._rings_only = self.prefill_pool.kv.rings_only(n)  # a sink pool's decode: rings only
     # Prefill packed (chunks end to end, a token a row) where attention reads each token's own
     # table row at its own position: the native kernel on one kv shard.
-    self.packed = self.prefill_pool.shards == 1 and self.prefill_pool.kv.native_attention(n, 1)
+    self.packed = (config.pack_prefill and self.prefill_pool.shards == 1
+                   and self.prefill_pool.kv.native_attention(n, 1))
     self._prefill_rows = 1  # a packed call's logits rows, at least (warm-up: the plans' most)
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
@@ -184,10 +186,11 @@ class Engine(EngineApi):
     rows = [(c.request_id, i, self._samp_host[c.slot].logprobs)
             for c, i in zip(chunks, row_of) if c.sample]
     self.program_set.dispatch(("prefill", r, t, attend))
-    slots_R, start_R, lens_R = jax.device_put(slots), jax.device_put(start), jax.device_put(lens)
-    pool.kv, logits_RV = prefill_call(pool.params, pool.kv, jax.device_put(toks), slots_R,
-                                      start_R, lens_R, step=pool.step, attend_len=attend)
-    return self._sample_prefill(chunks, logits_RV, slots_R, start + lens, want, rows)
+    toks_RT, slots_R, start_R, lens_R, end_R, want_R, lp_on = jax.device_put(  # one transfer
+        (toks, slots, start, lens, start + lens, want, want_lp(rows)))
+    pool.kv, logits_RV = prefill_call(pool.params, pool.kv, toks_RT, slots_R, start_R, lens_R,
+                                      step=pool.step, attend_len=attend)
+    return self._sample_prefill(chunks, logits_RV, slots_R, end_R, want_R, lp_on, rows)
 
   def _prefill_packed(self, chunks: Sequence[PrefillChunk]) -> Part:
     """The chunks' tokens end to end in one row of ``N = packed(total)`` tokens (no padding to
@@ -201,20 +204,20 @@ class Engine(EngineApi):
     rows = [(c.request_id, j, self._samp_host[c.slot].logprobs)
             for j, c in enumerate(chunks) if c.sample]
     self.program_set.dispatch(("prefill", r, n, attend))
-    slots_R = jax.device_put(p.slots_R)
-    pool.kv, logits_RV = packed_call(
-        pool.params, pool.kv, *jax.device_put((p.tokens_N, p.slot_N, p.pos_N)), slots_R,
-        *jax.device_put((p.end_R, p.last_R)), step=pool.step, attend_len=attend)
-    return self._sample_prefill(chunks, logits_RV, slots_R, p.end_R, p.want_R, rows)
+    toks_N, slot_N, pos_N, slots_R, end_R, last_R, want_R, lp_on = jax.device_put(
+        (p.tokens_N, p.slot_N, p.pos_N, p.slots_R, p.end_R, p.last_R, p.want_R, want_lp(rows)))
+    pool.kv, logits_RV = packed_call(pool.params, pool.kv, toks_N, slot_N, pos_N, slots_R, end_R,
+                                     last_R, step=pool.step, attend_len=attend)
+    return self._sample_prefill(chunks, logits_RV, slots_R, end_R, want_R, lp_on, rows)
 
   def _sample_prefill(self, chunks: Sequence[PrefillChunk], logits_RV: jax.Array,
-                      slots_R: jax.Array, end: np.ndarray, want: np.ndarray, rows: list) -> Part:
-    """Each chunk's next id (rows ``want``: a prompt's last chunk) from its logits."""
+                      slots_R: jax.Array, end_R: jax.Array, want_R: jax.Array,
+                      lp_on: jax.Array, rows: list) -> Part:
+    """Each chunk's next id (rows ``want_R``: a prompt's last chunk) from its logits."""
     pool = self.prefill_pool
-    self.program_set.dispatch(("sample", len(end), "prefill"))
-    pool.last_X, tok_R, lp = sample_call(
-        logits_RV, pool.last_X, self._samp, slots_R, jax.device_put(end),
-        jax.device_put(want), want_lp(rows), valid_vocab=self.valid_vocab)
+    self.program_set.dispatch(("sample", end_R.shape[0], "prefill"))
+    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots_R, end_R,
+                                         want_R, lp_on, valid_vocab=self.valid_vocab)
     self.insert(chunks)
     return Part(tok_R, rows, lp)
 
@@ -259,13 +262,12 @@ class Engine(EngineApi):
                 for r, i in zip(rows, row_of)]
     self.program_set.dispatch(("decode", n, attend))
     self.program_set.dispatch(("sample", n, "decode"))
-    slots_R, active_R = jax.device_put(slots), jax.device_put(active)
-    pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots_R,
-                                     jax.device_put(pos), active_R, step=pool.step, n=n,
-                                     attend_len=attend)
-    pool.last_X, tok_R, lp = sample_call(
-        logits_RV, pool.last_X, self._samp, slots_R, jax.device_put(pos + 1), active_R,
-        want_lp(out_rows), valid_vocab=self.valid_vocab)
+    slots_R, pos_R, next_R, active_R, lp_on = jax.device_put(  # one transfer
+        (slots, pos, pos + 1, active, want_lp(out_rows)))
+    pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots_R, pos_R,
+                                     active_R, step=pool.step, n=n, attend_len=attend)
+    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots_R, next_R,
+                                         active_R, lp_on, valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
 
   def _attend(self, end: int, phase: str) -> int:
@@ -332,7 +334,7 @@ class Engine(EngineApi):
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
     args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, self._samp, none_R,
-            z_R, z_R.astype(bool), want_lp([]))
+            z_R, z_R.astype(bool), jax.device_put(want_lp([])))
     return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,

@@ -142,9 +142,9 @@ LogprobArrays = tuple[jax.Array, jax.Array, jax.Array]  # chosen [R], top ids [R
 Row = tuple[str, int, int]  # (request id, row of the call, top-n logprobs it asked for)
 
 
-def want_lp(rows: Sequence[Row]) -> jax.Array:
-  """The calls' traced logprobs switch: on when any sampled row asked for them."""
-  return jax.device_put(np.bool_(any(k for _, _, k in rows)))
+def want_lp(rows: Sequence[Row]) -> np.bool_:
+  """The calls' traced logprobs switch (host side): on when any sampled row asked for them."""
+  return np.bool_(any(k for _, _, k in rows))
 
 
 @dataclasses.dataclass

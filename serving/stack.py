@@ -61,6 +61,7 @@ class ServingConfig:
   # min_prefill_tokens (serving.step_cost.tpot_prefill_limit).
   tpot_target_ms: float = 0.0
   min_prefill_tokens: int = 32
+  pack_prefill: bool = True  # a step's chunks end to end (serving.engine): off is an A/B switch
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -102,7 +103,8 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=config.lag, sinks=config.attention_sinks), decode=decode, host_store=store)
+      lag=config.lag, sinks=config.attention_sinks, pack_prefill=config.pack_prefill),
+      decode=decode, host_store=store)
   return ServingLoop(make_scheduler(), engine if wrap_engine is None else wrap_engine(engine),
                      metrics, max_traces=max_traces, fault_hook=fault_hook,
                      rebuild=make_scheduler if restarts else None, guard=guard,

@@ -21,6 +21,10 @@ Sections (``--sections``, all by default), each a JSON object under its name:
     tokens per step) and without (the whole prompt in one step), against the quiet TPOT; with
     ``--tpot_target_ms``, also whole prompts under the TPOT-aware prefill budget
     (``tpot_budget``).
+  * ``prefill``: one prefill step per ``--prefill_mixes`` entry (a step's chunk lengths joined by
+    ``+``, prompts from position 0) through the engine with its chunks packed end to end and
+    padded to the longest (``pack_prefill`` on / off), interleaved rounds, best; ``x_packed`` =
+    padded / packed.
 ``--json`` prints one object {"model", "dtype", "quantize", "machine", "date", <sections>}.
 Bad flags exit 2.
 """
@@ -46,7 +50,7 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "param 
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "weight quantization")
 _INT8_MODE = flags.DEFINE_enum("int8_mode", None, ["weight_only", "w8a8"],
                                "int8 compute (default: models.precision's choice, weight_only)")
-_SECTIONS = flags.DEFINE_list("sections", ["decode", "paged", "continuous", "chunked"],
+_SECTIONS = flags.DEFINE_list("sections", ["decode", "paged", "continuous", "chunked", "prefill"],
                               "sections to run")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "engine decode batches")
 _CONTEXT = flags.DEFINE_integer("context", 128, "prompt length for the decode section",
@@ -70,6 +74,9 @@ _CHUNK = flags.DEFINE_integer("chunk", 128, "prefill chunk when chunking", lower
 _TPOT_TARGET = flags.DEFINE_float("tpot_target_ms", 0.0, "chunked section: also run whole "
                                   "prompts under the TPOT-aware prefill budget (0: skip)",
                                   lower_bound=0.0)
+_PREFILL_MIXES = flags.DEFINE_list("prefill_mixes", ["60", "100", "150", "120+150", "60+130+170",
+                                                     "128+128+128+128"],
+                                   "prefill section: a step's chunk lengths, joined by '+'")
 _SEED = flags.DEFINE_integer("seed", 0, "trace seed")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 _AMX = flags.DEFINE_bool("amx", True, "let the resolved CPU backend use its AMX kernel (an A/B "
@@ -276,18 +283,55 @@ def _chunked_section(cfg, params, tok, rng) -> dict:
   return out
 
 
+def _prefill_section(cfg, params, mixes: list[list[int]], rng) -> dict:
+  from models.step import UnshardedStep
+  from serving.engine import Engine, EngineConfig
+  from serving.step_plan import PrefillChunk, StepPlan
+
+  slots = max(len(m) for m in mixes)
+  per_seq = _pages(max(2048, max(n for m in mixes for n in m)))  # the server's context: chunks
+  # padded to their power of two, not capped by a short one
+  config = EngineConfig(max_slots=slots, num_pages=slots * per_seq, page_size=_PAGE_SIZE.value,
+                        max_seq_tokens=per_seq * _PAGE_SIZE.value, kv_dtype=_DTYPE.value, lag=0)
+  engines = {pack: Engine(UnshardedStep(cfg, backend=_backend()), params,
+                          dataclasses.replace(config, pack_prefill=pack)) for pack in (True, False)}
+  table = np.arange(slots * per_seq, dtype=np.int32).reshape(slots, per_seq)
+  rows = []
+  for mix in mixes:
+    plan = StepPlan(0, tuple(PrefillChunk(f"r{i}", i, tuple(int(t) for t in rng.integers(
+        0, cfg.vocab_size, n)), 0, True) for i, n in enumerate(mix)), (), (), table)
+    ms: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(_ROUNDS.value + 1):  # round 0 compiles
+      for pack, engine in engines.items():
+        t0 = time.perf_counter()
+        engine.execute(plan)
+        ms[pack].append((time.perf_counter() - t0) * 1e3)
+    packed, padded = min(ms[True][1:]), min(ms[False][1:])
+    rows.append({"chunks": mix, "tokens": sum(mix), "packed_ms": round(packed, 2),
+                 "padded_ms": round(padded, 2), "x_packed": round(padded / packed, 3)})
+  return {"packed": engines[True].packed, "rows": rows,
+          "programs": {"packed": sorted(k[1:3] for k in engines[True].program_set.shapes
+                                        if k[0] == "prefill"),
+                       "padded": sorted(k[1:3] for k in engines[False].program_set.shapes
+                                        if k[0] == "prefill")}}
+
+
 def run() -> dict:
   import jax.numpy as jnp
   from models.io.loader import load_model
 
-  unknown = set(_SECTIONS.value) - {"decode", "paged", "continuous", "chunked"}
+  unknown = set(_SECTIONS.value) - {"decode", "paged", "continuous", "chunked", "prefill"}
   if unknown:
     raise CliError(f"unknown --sections {sorted(unknown)}")
   try:
     lo, hi = (int(v) for v in _PROMPT_RANGE.value)
     [int(b) for b in _DECODE_BATCHES.value]
+    mixes = [[int(n) for n in m.split("+")] for m in _PREFILL_MIXES.value]
   except ValueError:
-    raise CliError("--prompt_range is two integers and --decode_batches a list of integers")
+    raise CliError("--prompt_range is two integers, --decode_batches a list of integers and "
+                   "--prefill_mixes lists of integers joined by '+'")
+  if any(n < 1 for m in mixes for n in m):
+    raise CliError("--prefill_mixes: chunk lengths are >= 1")
   if not 1 <= lo <= hi:
     raise CliError("--prompt_range must be 1 <= min <= max")
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
@@ -311,6 +355,8 @@ def run() -> dict:
     out["continuous"] = _continuous_section(cfg, params, tok, rng)
   if "chunked" in _SECTIONS.value:
     out["chunked"] = _chunked_section(cfg, params, tok, rng)
+  if "prefill" in _SECTIONS.value:
+    out["prefill"] = _prefill_section(cfg, params, mixes, rng)
   out["wall_s"] = round(time.perf_counter() - t0, 1)
   return out
 

@@ -17,7 +17,7 @@ def test_bench_engine_smoke():
        "--decode_batches", "1,2", "--trace_requests", "6", "--prompt_range", "8,24",
        "--output_mean", "4", "--output_cap", "8", "--slots", "2", "--long_prompt", "48",
        "--long_count", "1", "--chunk", "16", "--paged_context", "128", "--steps", "2",
-       "--rounds", "1", "--tpot_target_ms", "50", "--json"],
+       "--rounds", "1", "--tpot_target_ms", "50", "--prefill_mixes", "20,5+30", "--json"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -30,6 +30,11 @@ def test_bench_engine_smoke():
                                  "tpot_budget", "tpot_budget_x_quiet"}
   assert out["chunked"]["tpot_budget"]["long_ttft_ms_max"] > 0
   assert out["chunked"]["quiet"]["long_ttft_ms_max"] is None
+  p = out["prefill"]
+  assert [row["chunks"] for row in p["rows"]] == [[20], [5, 30]]
+  assert all(row["packed_ms"] > 0 and row["padded_ms"] > 0 for row in p["rows"])
+  if p["packed"]:  # the padded engine ran [R, T] programs, the packed one N tokens
+    assert [2, 32] in p["programs"]["padded"] and [2, 48] in p["programs"]["packed"]
   assert out["machine"]["cpu"]
 
 
