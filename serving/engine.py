@@ -11,7 +11,11 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
     with ``fold_in(key(seed), position)``, independent of the batch.
   * A step's ``kv_shards``: row ``r`` of a call runs on shard ``r // (R / n)`` and holds pages of
     that shard only; rows are arranged by the shard of each slot's pages.
-  * Shapes are bucketed (powers of two; the cap where attention is the native kernel);
+  * ``packed``: where prefill attention is the native kernel on one kv shard, a step's chunks
+    run end to end (a token a row, ``engine_calls.packed_call``), else as ``[R, T]`` rows padded
+    to the longest chunk.
+  * Shapes are bucketed (powers of two, a packed prefill's tokens four sizes an octave; the cap
+    where attention is the native kernel);
     ``warmup()`` runs every bucket with all rows inactive, ``seal()`` closes the set
     (``serving.engine_shapes``). Host arrays go in with ``jax.device_put``. Letters:
     ``models/config.py``.

@@ -8,7 +8,8 @@ Contract:
   * ``temperature == 0`` is the first-index ``argmax`` of the raw logits; ``top_k == 0`` (or
     ``>= V``) and ``top_p == 1`` disable those filters. The kept set is the sorted definition's
     (temperature, then top-k, then top-p over the top-k set), exact for any ``top_k``; draws are
-    Gumbel-max over it, and a sampled row always returns a valid id.
+    Gumbel-max over it when it fits the ``K_MAX`` cap, else the inverse CDF over all V at one
+    uniform a row; a sampled row always returns a valid id.
   * ``logprobs(logits_BV, tokens_B, n)`` -> ``(chosen [B], top_ids [B, n], top_logprobs [B, n])``,
     ``log_softmax`` of the raw logits; ``logprobs_if(want, ...)`` under a traced bool.
   * Seeds: a request without one gets ``fresh_seed()`` when created (``serving.request``);
@@ -31,6 +32,7 @@ import numpy as np
 K_MAX = 64
 LOGPROBS_MAX = 20  # the largest top-n logprobs a request may ask for (OpenAI's and vLLM's limit)
 _SEARCH_STEPS = 32  # bisection steps over uint32: exact
+_BLOCK = 256  # ids per block of the full-vocabulary draw's two-level cumulative mass
 
 
 def fresh_seed() -> int:
@@ -103,6 +105,30 @@ def _gumbel_argmax(keys_B: jax.Array, z_BN: jax.Array) -> jax.Array:
   return argmax(z_BN + g_BN)
 
 
+def _inverse_cdf(keys_B: jax.Array, z_BV: jax.Array) -> jax.Array:
+  """Index drawn from softmax(z) per row by its inverse CDF at one uniform a row; masked ids
+  hold -inf and are never drawn (a row with none kept: its argmax). The cumulative mass is
+  two-level (blocks of ``_BLOCK`` ids, then ids within the chosen block): no V-wide random
+  numbers (Gumbel-max over V drew one per id: 25 ms at B=32, V=49152 on 2 Zen 4 vCPUs)."""
+  b, v = z_BV.shape
+  nb = -(-v // _BLOCK)
+  zmax_B1 = jnp.max(z_BV, axis=-1, keepdims=True)
+  e_BV = jnp.exp(z_BV - jnp.where(jnp.isfinite(zmax_B1), zmax_B1, 0.0))  # -inf -> 0
+  e_BNS = jnp.pad(e_BV, ((0, 0), (0, nb * _BLOCK - v))).reshape(b, nb, _BLOCK)
+  blk_BN = jnp.sum(e_BNS, axis=-1)
+  cum_BN = jnp.cumsum(blk_BN, axis=-1)
+  u_B = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_B) * cum_BN[:, -1]
+  j_B = jnp.minimum(jnp.sum(cum_BN <= u_B[:, None], axis=-1), nb - 1)
+  before_B = jnp.take_along_axis(cum_BN - blk_BN, j_B[:, None], axis=-1)[:, 0]
+  in_BS = jnp.take_along_axis(e_BNS, j_B[:, None, None], axis=1)[:, 0]
+  t_B = jnp.minimum(jnp.sum(jnp.cumsum(in_BS, axis=-1) <= (u_B - before_B)[:, None], axis=-1),
+                    _BLOCK - 1)
+  idx_B = (j_B * _BLOCK + t_B).astype(jnp.int32)
+  # Rounding may land past the last kept id (on a zero-mass one): the row's argmax instead.
+  hit_B = jnp.take_along_axis(e_BNS.reshape(b, -1), idx_B[:, None], axis=-1)[:, 0] > 0
+  return jnp.where(hit_B, idx_B, argmax(z_BV))
+
+
 def _order_keys(z_BV: jax.Array) -> jax.Array:
   """uint32 image of f32 with the same order (no NaN here): radix-sort's sign flip."""
   u = jax.lax.bitcast_convert_type(z_BV, jnp.uint32)
@@ -170,10 +196,18 @@ def _filter(logits_BV: jax.Array, s: SamplingArrays) -> _Filter:
   p_on_B = top_p_B < 1.0
   sampling_B = s.temperature > 0
 
-  # The barrier keeps XLA's TopK custom call: a slice of the values fused into their users makes
-  # XLA:CPU fall back to sorting all V (6 -> 0.1 ms at B=1, V=49152).
-  vals_BK, idx_BK = jax.lax.optimization_barrier(jax.lax.top_k(z_BV, kcap))
-  zmax_B1 = vals_BK[:, :1]
+  def best() -> tuple[jax.Array, jax.Array, jax.Array]:
+    # The barrier keeps XLA's TopK custom call: a slice of the values fused into their users
+    # makes XLA:CPU fall back to sorting all V (6 -> 0.1 ms at B=1, V=49152).
+    vals_BK, idx_BK = jax.lax.optimization_barrier(jax.lax.top_k(z_BV, kcap))
+    return vals_BK, idx_BK, vals_BK[:, :1]
+
+  def no_best() -> tuple[jax.Array, jax.Array, jax.Array]:  # plain temperature: no cap needed
+    return (jnp.full((b, kcap), -jnp.inf, jnp.float32), jnp.zeros((b, kcap), jnp.int32),
+            jnp.max(z_BV, axis=-1, keepdims=True))
+  # The cap's top_k (3 ms at B=32) only where a sampled row filters (top-k or top-p).
+  filters = jnp.any(sampling_B & ((k_B <= kcap) | p_on_B))
+  vals_BK, idx_BK, zmax_B1 = jax.lax.cond(filters, best, no_best)
   zmax_B1 = jnp.where(jnp.isfinite(zmax_B1), zmax_B1, 0.0)
   in_k_BK = jnp.arange(kcap) < k_B[:, None]
   e_BK = jnp.where(in_k_BK, jnp.exp(vals_BK - zmax_B1), 0.0)
@@ -224,7 +258,7 @@ def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_onl
     cap_tok_B = jnp.take_along_axis(f.idx_BK, choice_B[:, None], axis=-1)[:, 0]
 
     def full_draw() -> jax.Array:
-      return _gumbel_argmax(keys_B, jnp.where(_full_keep(f), f.z_BV, -jnp.inf))
+      return _inverse_cdf(keys_B, jnp.where(_full_keep(f), f.z_BV, -jnp.inf))
     full_tok_B = jax.lax.cond(jnp.any(f.full_B), full_draw, lambda: jnp.zeros((b,), jnp.int32))
     sampled_B = jnp.where(f.cap_B, cap_tok_B.astype(jnp.int32), full_tok_B)
     return jnp.where(f.sampling_B, sampled_B, greedy_B)

@@ -105,6 +105,32 @@ def test_draws_follow_the_filtered_distribution(top_k, top_p, temp):
   assert chi2 < stats.chi2.ppf(1 - 1e-3, obs.size - 1), (chi2, obs.size)
 
 
+def test_full_vocabulary_draw_across_blocks():
+  """The full-vocabulary draw (inverse CDF over blocks of ``S._BLOCK`` ids) lands only on kept
+  ids wherever they sit: mass in the last, partial block only; one kept id at the very end; a
+  row with all its mass in one block between empty ones; plain temperature rows beside a top-k
+  row (the cap's top_k skipped only when no row filters)."""
+  v = 2 * S._BLOCK + 77
+  x = np.full(v, -np.inf, np.float32)
+  x[2 * S._BLOCK + 3:] = np.linspace(-1, 1, v - 2 * S._BLOCK - 3)
+  last = np.full(v, -np.inf, np.float32)
+  last[-1] = 0.0
+  mid = np.full(v, -np.inf, np.float32)
+  mid[S._BLOCK + 10:S._BLOCK + 20] = 0.5
+  for logits, ok in ((x, set(range(2 * S._BLOCK + 3, v))), (last, {v - 1}),
+                     (mid, set(range(S._BLOCK + 10, S._BLOCK + 20)))):
+    got = set(_draws(logits, SamplingParams(1.0, seed=11), 400).tolist())
+    assert got <= ok and len(got) >= min(len(ok), 5), (sorted(got)[:10], len(ok))
+  rng = np.random.default_rng(2)
+  y = _distinct_logits(rng, v, 1.0)
+  s = SamplingArrays.from_params([SamplingParams(1.0, seed=4), SamplingParams(1.0, top_k=3,
+                                                                             seed=4)])
+  top3 = set(np.argsort(-y)[:3].tolist())
+  for i in range(30):
+    t = np.asarray(_sample(jnp.asarray(np.stack([y, y])), jnp.full(2, i), s, False))
+    assert 0 <= t[0] < v and int(t[1]) in top3
+
+
 def test_small_vocab_support():
   logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
   assert set(_draws(logits, SamplingParams(1.0, top_k=2, seed=3), 600)) == {0, 1}
