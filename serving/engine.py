@@ -246,18 +246,16 @@ class Engine(EngineApi):
   def generate(self, rows: Sequence[DecodeRow]) -> Part:
     pool = self.decode_pool
     shards = pool.shards
-    if shards == 1:  # rows = slots [0, n): the scheduler keeps active slots compact
-      n = min(bucket(max(r.slot for r in rows) + 1, minimum=1), self.config.max_slots)
-      row_of = [r.slot for r in rows]
+    if shards == 1:  # rows packed in plan order (slots free and refill in any order)
+      n = min(bucket(len(rows), minimum=1), self.config.max_slots)
+      row_of = list(range(len(rows)))
     else:
       n, row_of = self._arrange([r.slot for r in rows], shards, cap=self.config.max_slots)
     attend = self._attend(max((self._row_end(r.slot, r.position + 1) for r in rows
                                if not self._rings_only or self._policy_host[1, r.slot]),
                               default=1), "decode")
     _, n, attend = self.program_set.cover(("decode", n, attend), pad_rows=shards == 1)
-    slots = np.full((n,), self.config.max_slots, np.int32)
-    if shards == 1:
-      slots[:] = np.arange(n)
+    slots = np.full((n,), self.config.max_slots, np.int32)  # padding rows: the null slot
     pos = np.zeros((n,), np.int32)
     active = np.zeros((n,), bool)
     for r, i in zip(rows, row_of):

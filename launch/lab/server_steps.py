@@ -12,6 +12,9 @@ counters) into the window's figures, all per busy step unless said:
   * ``programs_after_ready``: programs compiled in the window (0 with a closed program set);
   * ``host_off_cpu_ms``: wall minus CPU over the host phases (admit, plan, update, deliver,
     between): time the loop thread waited for the GIL or was descheduled;
+  * ``server_ms``: the loop's own view of the window's finished requests (each sampled id
+    counted when it reached the host, before detokenization and delivery): mean TTFT, TPOT and
+    e2e ms (``phaseserve_{ttft,tpot,e2e}_seconds``), to set beside what the client measured;
   * ``ttft_prediction``: the early-rejection predictor against what the window's admitted
     requests got, from ``phaseserve_ttft_prediction_ratio`` (actual / predicted): requests, the
     ratio's p10 / p50 / p90 (interpolated in the histogram's buckets, as Prometheus'
@@ -69,6 +72,9 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float
                               if decode_only else None),
       "decode_only_steps": int(decode_only),
       "programs_after_ready": d("phaseserve_programs_after_ready"),
+      "server_ms": {k: (round(1e3 * d(f"phaseserve_{k}_seconds_sum") / n, 2)
+                        if (n := d(f"phaseserve_{k}_seconds_count")) > 0 else None)
+                    for k in ("ttft", "tpot", "e2e")},
       "ttft_prediction": _prediction(before, after),
   }
 

@@ -134,3 +134,26 @@ def test_packed_sizes_waste_at_most_a_quarter():
     assert p >= n and ((p - n) * 4 <= p or p - n < 16), n
     assert packed(p) == p  # a size is its own bucket
   assert packed_sizes(100) == [16, 32, 48, 64, 80, 96, 112]  # the last covers 100
+
+
+@needs_kernel
+def test_decode_rows_packed_whatever_the_slots():
+  """A decode step over slots {1, 3} runs 2 rows (not ``bucket(max slot + 1)``), and each row's
+  greedy id is the one its slot gets decoding alone from the same state."""
+  from serving.step_plan import DecodeRow
+  engine = _engine("float32", "float32")
+  pool = engine.prefill_pool
+  rng = np.random.default_rng(1)
+  pool.kv, _ = _rect(pool, [(1, 0, rng.integers(0, CFG.vocab_size, 9).astype(np.int32)),
+                            (3, 0, rng.integers(0, CFG.vocab_size, 12).astype(np.int32))], 16)
+  pool.last_X = jnp.asarray([0, 7, 0, 11], jnp.int32)
+  base_kv, base_last = jax.tree.map(jnp.copy, pool.kv), jnp.copy(pool.last_X)
+
+  def decode(rows):
+    pool.kv, pool.last_X = jax.tree.map(jnp.copy, base_kv), jnp.copy(base_last)
+    part = engine.generate(rows)
+    return {rid: int(np.asarray(part.ids)[i]) for rid, i, _ in part.rows}
+  both = decode([DecodeRow("a", 1, 9), DecodeRow("b", 3, 12)])
+  assert ("decode", 2, CFG.max_seq_len) in engine.program_set.shapes
+  assert not any(k[0] == "decode" and k[1] > 2 for k in engine.program_set.shapes)
+  assert both == {**decode([DecodeRow("a", 1, 9)]), **decode([DecodeRow("b", 3, 12)])}

@@ -521,6 +521,8 @@ def test_mlperf_server_scenario_on_the_tiny_server_and_the_table(server, tmp_pat
   assert sum(v["share"] for v in st["phases_ms"].values()) == pytest.approx(1.0)
   assert st["decode_only_steps"] == 0 or st["decode_only_step_ms"] > 0
   assert s["tpot_p50_over_decode_step"] is None or s["tpot_p50_over_decode_step"] > 0
+  sv = st["server_ms"]  # the loop's view: at most what the client saw, first token to last
+  assert 0 < sv["ttft"] <= sv["e2e"] and 0 < sv["tpot"] < sv["e2e"]
   pred = st["ttft_prediction"]  # the early-rejection predictor over the run
   assert pred["requests"] == 0 or (0 < pred["ratio_p10"] <= pred["ratio_p50"] <= pred["ratio_p90"]
                                    and 0 <= pred["within_0.8_1.25"] <= 1)
