@@ -201,9 +201,9 @@ class Engine(EngineApi):
     the longest chunk); logits rows ``R``: at least the warm-up's (one sampling program)."""
     pool = self.prefill_pool
     r = max(bucket(len(chunks), minimum=1), self._prefill_rows)
+    cap = self._attend(1, "prefill")  # packed implies the native kernel: the cap, length-free
     _, r, n, attend = self.program_set.cover(
-        ("prefill", r, packed(sum(len(c.token_ids) for c in chunks)), self._attend(1, "prefill")),
-        pad_rows=True)
+        ("prefill", r, packed(sum(len(c.token_ids) for c in chunks)), cap), pad_rows=True)
     p = pack(chunks, n, r, self.config.max_slots)
     rows = [(c.request_id, j, self._samp_host[c.slot].logprobs)
             for j, c in enumerate(chunks) if c.sample]
@@ -296,7 +296,8 @@ class Engine(EngineApi):
     chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
     out = []
     if self.packed:
-      most = min(max_prefill_rows * chunk_cap, max_tokens or max_prefill_rows * chunk_cap)
+      most = max_prefill_rows * chunk_cap if max_tokens is None else min(
+          max_tokens, max_prefill_rows * chunk_cap)
       out += [("prefill", bucket(max_prefill_rows, minimum=1), n, attends["prefill"][-1])
               for n in packed_sizes(most)]
     else:
