@@ -12,17 +12,22 @@ Contract:
     ``models.cpu.backend.CpuBackend``; the default: XLA's dots only); any other einsum is
     lowered directly. ``einsums(specs, x, ws, backend)``: the list, grouped where the router can.
   * ``take_rows(table, ids, dtype)``: an embedding lookup in a float or int8 table.
+  * ``TiledArray(array, tiles)``: a bf16 weight and its copy in the tiled decode kernel's layout
+    (``tile_array(w, contract_axes)``); the router reads ``tiles`` for the rows that kernel takes
+    and ``array`` for everything else, so results do not depend on which copy was read beyond
+    summation order.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models.cpu import router
+from models.cpu import kernels as cpu_kernels, router
 from models.cpu.backend import CpuBackend
 from models.cpu.lowering import quantize_activations
 
@@ -48,7 +53,38 @@ class QuantArray:
     return (self.quant.astype(jnp.float32) * self.scale).astype(dtype)
 
 
-Weight = jax.Array | QuantArray
+@flax.struct.dataclass
+class TiledArray:
+  array: jax.Array  # bf16, the weight as stored
+  tiles: jax.Array  # cpu_kernels.tile_weight of the weight as [K, N] (contracted axes first)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.array.shape)
+
+  @property
+  def ndim(self) -> int:
+    return self.array.ndim
+
+  @property
+  def dtype(self):
+    return self.array.dtype
+
+
+Weight = jax.Array | QuantArray | TiledArray
+
+
+def tile_array(w: jax.Array, contract_axes: Sequence[int]) -> TiledArray:
+  """``w`` (bf16) with its tiled copy: the contracted axes first, as ``[K, N]``."""
+  free = [a for a in range(w.ndim) if a not in contract_axes]
+  k = math.prod(w.shape[a] for a in contract_axes)
+  w_KN = jnp.transpose(w, (*contract_axes, *free)).reshape(k, -1)
+  return TiledArray(array=w, tiles=cpu_kernels.tile_weight(w_KN))
+
+
+def stored(w: Weight) -> jax.Array | QuantArray:
+  """The weight as stored (a ``TiledArray``'s ``array``)."""
+  return w.array if isinstance(w, TiledArray) else w
 
 def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool = False
                    ) -> QuantArray:
@@ -103,6 +139,7 @@ def einsums(specs: Sequence[str], x: jax.Array, ws: Sequence[Weight],
 
 def _einsum_generic(spec: str, x: jax.Array, w: Weight) -> jax.Array:
   """Any einsum (batch axes, odd weight layouts): the straightforward lowering."""
+  w = stored(w)
   if not isinstance(w, QuantArray):
     return jnp.einsum(spec, x, w.astype(x.dtype),
                       preferred_element_type=jnp.float32).astype(x.dtype)
@@ -119,6 +156,7 @@ def _einsum_generic(spec: str, x: jax.Array, w: Weight) -> jax.Array:
 
 def take_rows(table: Weight, ids: jax.Array, dtype) -> jax.Array:
   """Embedding lookup ``table[ids]`` for a float or int8 ``[V, D]`` table."""
+  table = stored(table)
   if isinstance(table, QuantArray):
     return (table.quant[ids].astype(jnp.float32) * table.scale[ids]).astype(dtype)
   return table[ids].astype(dtype)

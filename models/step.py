@@ -11,7 +11,8 @@ static).
     active row at position ``kv.lengths[b]``.
   * ``place_params`` / ``param_sharding(path, sds)``: the step's resident layout, per param (what
     ``models.io.placement`` loaders make params straight into); ``stacked_params``: it wants
-    ``models.weights.stack_layers``' form. ``init_kv(...)``: an empty placed pool (``sink_pool``
+    ``models.weights.stack_layers``' form (the unsharded step adds ``tile_params``' copies where
+    its backend has the tiled kernel). ``init_kv(...)``: an empty placed pool (``sink_pool``
     for attention sinks, or ``ValueError``). ``describe()``: JSON-able. ``kv_shards``: sub-pools
     of the page axis; row ``r`` of a call runs on shard ``r // (R / kv_shards)``.
 ``UnshardedStep`` is the single-device model; the partitioned one is in ``partitioning/``.
@@ -30,7 +31,7 @@ from models import transformer
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
 from models.paged_kv import PagedKV, init_paged
-from models.weights import Params, is_stacked, stack_layers
+from models.weights import Params, is_stacked, stack_layers, tile_params
 
 
 class Step(Protocol):
@@ -101,7 +102,10 @@ class UnshardedStep:
   def place_params(self, params: Params) -> Params:
     if self.scan_layers and not is_stacked(params):
       params = jax.jit(stack_layers)(params)
-    return jax.device_put(params, jax.local_devices()[0])
+    params = jax.device_put(params, jax.local_devices()[0])
+    if self.backend.tiled and self.backend.policy.tiled_max_rows > 0:
+      params = tile_params(params, self.cfg)
+    return params
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
     del path, sds

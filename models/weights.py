@@ -13,6 +13,8 @@ are their own buffers and a Python loop over layers never slices a stacked array
 ``stack_layers(params)`` is the other layout, for a ``lax.scan`` over layers (compile time
 independent of depth, ``models.transformer``): ``layers`` one dict whose every leaf has a leading
 ``[L]`` axis (a ``QuantArray``'s values and scales alike); ``is_stacked`` tells them apart.
+``tile_params(params, cfg)`` adds to each bf16 matmul weight its copy for the tiled decode kernel
+(``models.quant.TiledArray``), in either layout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.quant import QuantArray, quantize_array
+from models.quant import QuantArray, TiledArray, quantize_array, tile_array
 
 Init = Literal["normal", "ones", "zeros"]
 Params = dict  # nested dict / list pytree of jax.Array | QuantArray
@@ -146,6 +148,28 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
 
   return jax.tree.map(one, param_infos(cfg), is_leaf=_is_info)
 
+
+
+def tile_params(params: Params, cfg: ModelConfig) -> Params:
+  """Every bf16 matmul weight as a ``TiledArray`` (its tiles contracted as ``ArrayInfo`` says);
+  the rest as it is."""
+  infos = param_infos(cfg)
+  stacked = is_stacked(params)
+  if stacked:  # one info per stacked leaf, its axes after the leading [L]
+    infos = {**infos, "layers": infos["layers"][0]}
+
+  def one(info: ArrayInfo, w, layered: bool):
+    if (not info.quantizable or isinstance(w, (QuantArray, TiledArray))
+        or w.dtype != jnp.bfloat16):
+      return w
+    tile = jax.jit(lambda a: tile_array(a, info.contract_axes))
+    return jax.vmap(tile)(w) if layered else tile(w)
+
+  out = {k: jax.tree.map(lambda i, w: one(i, w, False), infos[k], v, is_leaf=_is_info)
+         for k, v in params.items() if k != "layers"}
+  out["layers"] = jax.tree.map(lambda i, w: one(i, w, stacked), infos["layers"],
+                               params["layers"], is_leaf=_is_info)
+  return out
 
 
 def stack_layers(params: Params) -> Params:

@@ -11,15 +11,18 @@ from models.cpu import backend as cpu_backend, kernels as cpu_kernels, lowering 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="native CPU kernels unavailable here (CPU / compiler)")
 NATIVE = cpu_backend.native(cpu_lowering.DEFAULT)
-XLA_ONLY = dataclasses.replace(NATIVE, amx=False, dpbf16=False, policy=dataclasses.replace(
-    cpu_lowering.DEFAULT, float_native_max_rows=0, f32_native_max_rows=0, int8_native_max_rows=0,
-    int8_nk_native_max_rows=0))
+XLA_ONLY = dataclasses.replace(
+    NATIVE, amx=False, dpbf16=False, tiled=False, policy=dataclasses.replace(
+        cpu_lowering.DEFAULT, float_native_max_rows=0, f32_native_max_rows=0,
+        int8_native_max_rows=0, int8_nk_native_max_rows=0))
 
 
-def decode_step_vs_xla(backend, quantize: bool, rows: int = 24):
+def decode_step_vs_xla(backend, quantize: bool, rows: int = 24, tile: bool = False,
+                       stacked: bool = False):
   """A whole decode step of the tiny model (bf16 weights, weight-only int8 when ``quantize``) at
   ``rows`` rows under ``backend`` and under ``XLA_ONLY``: (logits, XLA's logits, compiled HLO
-  text of the ``backend`` step)."""
+  text of the ``backend`` step). ``stacked``: the layers stacked (one ``lax.scan``); ``tile``:
+  both runs on ``weights.tile_params``' params."""
   import jax
   import jax.numpy as jnp
 
@@ -33,6 +36,10 @@ def decode_step_vs_xla(backend, quantize: bool, rows: int = 24):
                         weights.init_params(cfg, jax.random.key(0)))
   if quantize:
     params = weights.quantize(params, cfg)
+  if stacked:
+    params = weights.stack_layers(params)
+  if tile:
+    params = weights.tile_params(params, cfg)
   toks = jax.random.randint(jax.random.key(1), (rows,), 0, cfg.vocab_size)
   cache = init_cache(cfg, rows, 32, jnp.bfloat16).replace(lengths=jnp.full((rows,), 5, jnp.int32))
 

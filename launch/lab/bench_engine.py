@@ -83,15 +83,18 @@ _AMX = flags.DEFINE_bool("amx", True, "let the resolved CPU backend use its AMX 
                          "switch: --noamx)")
 _DPBF16 = flags.DEFINE_bool("dpbf16", True, "let the resolved CPU backend use its AVX512-BF16 "
                             "kernel (an A/B switch: --nodpbf16)")
+_TILED = flags.DEFINE_bool("tiled", True, "let the resolved CPU backend use its tiled "
+                           "AVX512-BF16 kernel and weight copies (an A/B switch: --notiled)")
 
 
 @functools.cache
 def _backend():
-  """The CPU backend as the server resolves it at start-up (``--noamx`` / ``--nodpbf16``:
-  without that kernel)."""
+  """The CPU backend as the server resolves it at start-up (``--noamx`` / ``--nodpbf16`` /
+  ``--notiled``: without that kernel)."""
   from models.cpu import backend as cpu_backend
   b = cpu_backend.resolve().backend
-  return dataclasses.replace(b, amx=b.amx and _AMX.value, dpbf16=b.dpbf16 and _DPBF16.value)
+  return dataclasses.replace(b, amx=b.amx and _AMX.value, dpbf16=b.dpbf16 and _DPBF16.value,
+                             tiled=b.tiled and _TILED.value)
 
 
 def _stack(cfg, params, tok, *, slots, pages, chunk, step_tokens, context, tpot_target_ms=0.0):

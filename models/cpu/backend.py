@@ -3,7 +3,8 @@
 Contract:
   * ``CpuBackend`` (frozen, hashable): the lowering ``policy`` (``models.cpu.lowering``) and
     which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
-    ``amx``, ``dpbf16`` (AVX512-BF16), ``paged_attention`` and its ``paged_bf16_dot`` path.
+    ``amx``, ``dpbf16`` (AVX512-BF16), ``tiled`` (AVX512-BF16 on tiled weight copies),
+    ``paged_attention`` and its ``paged_bf16_dot`` path.
     Steps and KV stores hold it and the model's functions take it as a static argument, so it
     is part of every jit key;
     nothing reads the environment or a module global at trace time.
@@ -30,6 +31,7 @@ class CpuBackend:
   matmul_kernels: bool = False
   amx: bool = False
   dpbf16: bool = False
+  tiled: bool = False
   paged_attention: bool = False
   paged_bf16_dot: bool = False
 
@@ -43,7 +45,7 @@ class Resolved:
     b, c = self.backend, self.choice
     return {"policy": dataclasses.asdict(b.policy), "source": c.source, "key": c.key,
             "cache_path": c.path, "native_kernels": b.matmul_kernels, "amx_kernel": b.amx,
-            "dpbf16_kernel": b.dpbf16,
+            "dpbf16_kernel": b.dpbf16, "tiled_kernel": b.tiled,
             "paged_attention": b.paged_attention, "measurements": c.measurements}
 
 
@@ -55,7 +57,8 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
   pa = paged_attention.available()
   return CpuBackend(policy, matmul_kernels=kernels.available(),
                     amx=kernels.available() and kernels.amx_available(),
-                    dpbf16=kernels.available() and kernels.dpbf16_available(), paged_attention=pa,
+                    dpbf16=kernels.available() and kernels.dpbf16_available(),
+                    tiled=kernels.available() and kernels.tiled_available(), paged_attention=pa,
                     paged_bf16_dot=pa and env.paged_bf16_dot()
                     and paged_attention.bf16_dot_supported())
 
@@ -64,7 +67,7 @@ def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
   """See the module contract; call once at start-up, before any trace."""
   b = native(DEFAULT, env.native_kernels())
   choice = lowering.choose(env.measure_lowering() if measure is None else measure,
-                           b.matmul_kernels, b.amx, env.cache_dir(), refresh, b.dpbf16)
+                           b.matmul_kernels, b.amx, env.cache_dir(), refresh, b.dpbf16, b.tiled)
   return Resolved(dataclasses.replace(b, policy=choice.policy), choice)
 
 

@@ -15,6 +15,9 @@ Contract:
     AMX tiles, f32 results (XLA's bf16 dot up to summation order).
   * ``dpbf16_available()`` / ``matmul_dpbf16_group`` / ``matmul_dpbf16_nk``: the same contract
     on AVX512-BF16 dot products (``vdpbf16ps``: AMD Zen 4 / Zen 5, Intel since Cooper Lake).
+  * ``tiled_available()`` / ``tile_weight(w_KN)`` / ``matmul_tiled_group(x_MK, tiles, ns)``: the
+    same products from a copy of each weight in column tiles of row pairs (the decode rows are
+    the vector lanes: one broadcast weight pair a dot product, no shuffles).
 Inside ``shard_map`` the kernels run on each shard's local block; under GSPMD a custom call is
 not partitioned, so the ``partitioning`` layouts use ``shard_map``.
 """
@@ -257,3 +260,47 @@ def matmul_dpbf16_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
                           jax.ShapeDtypeStruct((m, w_NK.shape[0]), jnp.float32),
                           vmap_method="sequential")
   return call(x_MK, w_NK)
+
+# ---- Column tiles of K pairs (AVX512-BF16): decode rows as vector lanes ----
+
+_TILED_GROUP_TARGET = "phaseserve_tiled_matmul_group"
+TILE_COLUMNS = 16
+
+
+def tiled_available() -> bool:
+  """True when ``models/cpu/native/tiled_matmul.cc`` is loaded (the CPU lists ``avx512_bf16``);
+  builds on the first call."""
+  return native_build.load(
+      "tiled_matmul", tuple(_DPBF16_FLAGS),
+      frozenset({"avx512_bf16", "avx512bw", "avx512vl", "avx512dq"}),
+      ((_TILED_GROUP_TARGET, "PhaseserveTiledMatmulGroup"),), optional=True) is not None
+
+
+def tile_weight(w_KN: jax.Array) -> jax.Array:
+  """A ``[K, N]`` weight as the tiled kernel reads it: bf16 ``[T, P, 32]`` with ``T =
+  ceil(N / 16)`` column tiles and ``P = ceil(K / 2)`` row pairs, ``[t, p, 2c + j] = w[2p + j,
+  16t + c]`` (zeros past ``w``)."""
+  k, n = w_KN.shape
+  p, t = -(-k // 2), -(-n // TILE_COLUMNS)
+  w = jnp.pad(w_KN.astype(jnp.bfloat16), ((0, 2 * p - k), (0, TILE_COLUMNS * t - n)))
+  return w.reshape(p, 2, t, TILE_COLUMNS).transpose(2, 0, 3, 1).reshape(t, p, 2 * TILE_COLUMNS)
+
+
+def matmul_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence[int]
+                       ) -> list[jax.Array]:
+  """f32 ``[x_MK @ w for w in ...]`` for a bf16 ``x`` and weights given as ``tile_weight(w)``
+  with ``w``'s column counts ``ns``, in one call (call only when ``tiled_available()``): bf16
+  products (exact in f32), f32 sums, so XLA's bf16 dot with ``preferred_element_type=f32`` up
+  to summation order."""
+  m, k = x_MK.shape
+  p = -(-k // 2)
+  if (x_MK.dtype != jnp.bfloat16 or not tiles or len(tiles) != len(ns)
+      or any(t.dtype != jnp.bfloat16 or t.shape != (-(-n // TILE_COLUMNS), p, 2 * TILE_COLUMNS)
+             for t, n in zip(tiles, ns))):
+    raise ValueError(f"matmul_tiled_group wants bf16 [M, K] and bf16 [ceil(N/16), ceil(K/2), "
+                     f"32] tiles, got {x_MK.shape} {x_MK.dtype}, "
+                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
+  call = jax.ffi.ffi_call(_TILED_GROUP_TARGET,
+                          [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
+                          vmap_method="sequential")
+  return list(call(x_MK, *tiles))

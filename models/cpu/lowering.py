@@ -34,7 +34,7 @@ from jax import lax
 
 from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
-VERSION = 7
+VERSION = 8
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -66,6 +66,11 @@ class CpuPolicy:
   dpbf16_max_rows: int = 32
   dpbf16_int8_min_rows: int = 4
   dpbf16_int8_max_rows: int = 128
+  # The tiled kernel (bf16 activations, bf16 weights with a tiled copy, models.quant.TiledArray):
+  # rows in [min, max] go to cpu_kernels.matmul_tiled_group. DEFAULT: measured on the AMD EPYC
+  # Zen 4; 0 / 0: never (no copy is made).
+  tiled_min_rows: int = 8
+  tiled_max_rows: int = 128
 
   def __post_init__(self) -> None:
     if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
@@ -136,19 +141,18 @@ class Choice:
   measurements: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
-def cache_key(native: bool, amx: bool, dpbf16: bool = False) -> str:
+def cache_key(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False) -> str:
   import jaxlib
-  kernels = hashlib.sha256((native_build.source("matmul_kernels")
-                            + native_build.source("amx_matmul")
-                            + native_build.source("dpbf16_matmul")).encode()).hexdigest()[:12]
+  kernels = hashlib.sha256("".join(native_build.source(n) for n in (
+      "matmul_kernels", "amx_matmul", "dpbf16_matmul", "tiled_matmul")).encode()).hexdigest()[:12]
   parts = [cpuinfo.key(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
            f"kernels {kernels}", f"native {native}", f"amx {amx}", f"dpbf16 {dpbf16}",
-           f"v{VERSION}"]
+           f"tiled {tiled}", f"v{VERSION}"]
   return " | ".join(parts)
 
 
 def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool = False,
-           dpbf16: bool = False) -> Choice:
+           dpbf16: bool = False, tiled: bool = False) -> Choice:
   """The policy for this machine (start-up only, never inside a trace): ``DEFAULT`` unless
   ``allowed`` on a CPU backend; else the cached entry for this machine's key, else ``measure()``
   now, stored in the cache (``refresh``: measure even when cached). Any failure: ``DEFAULT``."""
@@ -157,12 +161,12 @@ def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool
   path = os.path.join(cache_dir, CACHE_FILE)
   key = None
   try:
-    key = cache_key(native, amx, dpbf16)
+    key = cache_key(native, amx, dpbf16, tiled)
     entry = None if refresh else json_cache.load(path).get(key)
     if entry is not None:
       return Choice(CpuPolicy(**entry["policy"]), "cache", key, path,
                     entry.get("measurements", {}))
-    p, meas, seconds = measure(native=native, amx=amx, dpbf16=dpbf16)
+    p, meas, seconds = measure(native=native, amx=amx, dpbf16=dpbf16, tiled=tiled)
     json_cache.store(path, key, {"policy": dataclasses.asdict(p), "measurements": meas,
                                  "seconds": seconds, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
     return Choice(p, "measured", key, path, meas)
@@ -243,7 +247,8 @@ def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: 
   return [make(jax.random.key(i)) for i in range(n)]
 
 
-def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: int = 768,
+def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
+            rounds: int = 7, k: int = 768,
             n: int = 2048,
             prefill_rows: int = 512, stream_bytes: int = 48 * 2**20,
             rows: tuple[int, ...] = (1, 8, 16)) -> tuple[CpuPolicy, dict, float]:
@@ -377,6 +382,12 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: i
     dp_bf16, dp_int8 = _measure_dpbf16(meas, rounds, k, n, stream_bytes, float_prefill,
                                        float_max, int8_max)
 
+  # The tiled kernel against the path each row count takes without it.
+  tiled_rows = (0, 0)
+  if native and tiled:
+    tiled_rows = _measure_tiled(meas, rounds, k, n, stream_bytes, float_prefill, float_max,
+                                dp_bf16)
+
   policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
                      float_native_max_rows=float_max,
                      f32_native_max_rows=f32_max, f32_native_min_rows=f32_min,
@@ -385,7 +396,8 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, rounds: int = 7, k: i
                      int8_prefetch_l1=prefetch_l1, amx_min_rows=amx_bf16[0], amx_max_rows=amx_bf16[1],
                      amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1],
                      dpbf16_min_rows=dp_bf16[0], dpbf16_max_rows=dp_bf16[1],
-                     dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1])
+                     dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1],
+                     tiled_min_rows=tiled_rows[0], tiled_max_rows=tiled_rows[1])
   return policy, meas, time.perf_counter() - t0
 
 
@@ -444,3 +456,31 @@ def _measure_kernel(name: str, kernel: Callable[[jax.Array, jax.Array], jax.Arra
     out.append(_win_range(new, other))
     del ws
   return out[0], out[1]
+
+
+def _measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                   float_prefill: str, float_max: int, dp_bf16: tuple[int, int],
+                   rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                   ) -> tuple[int, int]:
+  """The tiled kernel vs the incumbent at each of ``rows`` (bf16 weights: the AVX512-BF16
+  kernel in ``dp_bf16``, else the native float kernel up to ``float_max``, else XLA's dot
+  lowered as ``float_prefill``): its (min, max) rows (``_win_range``)."""
+  key = jax.random.key(0)
+  ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
+  tiles = [cpu_kernels.tile_weight(w) for w in ws]
+  ft = jax.jit(lambda x, ts: _chain(lambda y, t: cpu_kernels.matmul_tiled_group(y, [t], [n])[0],
+                                    x, ts))
+  new, other = {}, {}
+  for m in rows:
+    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+    if dp_bf16[0] <= m <= dp_bf16[1] and dp_bf16[1]:
+      inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]
+    elif m <= float_max:
+      inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)
+    else:
+      inc = lambda y, w: float_dot(y, w, True, float_prefill)
+    fo = jax.jit(lambda x, ws, inc=inc: _chain(inc, x, ws))
+    r = _race({"tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
+    new[m], other[m] = r["tiled"], r["incumbent"]
+    meas[f"tiled_bf16_{m}rows"] = r
+  return _win_range(new, other)

@@ -12,6 +12,9 @@ Contract:
     einsum's up to summation order (W8A8: bit-identical).
   * ``matmul_group(mms, x_dtype, ws, backend)``: the products of one activation with several
     weights in one native call (same kernel, one stored dtype), else None.
+  * A ``quant.TiledArray`` weight goes to the tiled kernel (``kernels.matmul_tiled_group``) for
+    bf16 activations with rows in the policy's ``tiled_min_rows..tiled_max_rows``; otherwise its
+    stored ``array`` takes the path above.
 Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
 """
 
@@ -243,7 +246,27 @@ def _xla_product(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> jax.Ar
                                be.policy.int8_row_multiple if cpu else 1)
 
 
+def _tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+  """Whether the tiled kernel computes this product: a ``TiledArray`` whose tiles are this
+  product's ``[K, N]``, bf16 activations, rows in the policy's range."""
+  p = be.policy
+  return (isinstance(w, quant.TiledArray) and _on_cpu() and be.tiled
+          and x_dtype == jnp.bfloat16 and p.tiled_min_rows <= mm.m <= p.tiled_max_rows
+          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), -(-mm.k // 2),
+                                2 * cpu_kernels.TILE_COLUMNS))
+
+
+def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
+                    ) -> list[jax.Array]:
+  tiles = [w.tiles for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
+  y2s = cpu_kernels.matmul_tiled_group(mms[0].x2, tiles, [mm.n for mm in mms])
+  return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
+
+
 def matmul(mm: Matmul, x_dtype, w: quant.Weight, backend: CpuBackend) -> jax.Array:
+  if _tiled_rows(mm, x_dtype, w, backend):
+    return _tiled_products([mm], x_dtype, [w])[0]
+  w = quant.stored(w)
   kernel = _native_kernel(mm, x_dtype, w, backend)
   y2 = (_native_product(kernel, mm, w, backend) if kernel
         else _xla_product(mm, x_dtype, w, backend))
@@ -254,10 +277,14 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
                  backend: CpuBackend) -> list[jax.Array] | None:
   """The products of one activation with several weights in ONE native call, when every one
   would go to the same native ``[K, N]`` kernel with weights of one dtype; else None."""
+  same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
+  if len(ws) >= 2 and same_x and all(_tiled_rows(mm, x_dtype, w, backend)
+                                     for mm, w in zip(mms, ws)):
+    return _tiled_products(mms, x_dtype, ws)
+  ws = [quant.stored(w) for w in ws]
   kernels = {_native_kernel(mm, x_dtype, w, backend) for mm, w in zip(mms, ws)}
   quantized = {isinstance(w, quant.QuantArray) for w in ws}
   stored = {(w.quant if isinstance(w, quant.QuantArray) else w).dtype for w in ws}
-  same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
   if len(ws) < 2 or len(kernels) != 1 or len(quantized) != 1 or len(stored) != 1 or not same_x:
     return None
   kernel = kernels.pop()
