@@ -12,10 +12,10 @@ Contract:
     ``models.cpu.backend.CpuBackend``; the default: XLA's dots only); any other einsum is
     lowered directly. ``einsums(specs, x, ws, backend)``: the list, grouped where the router can.
   * ``take_rows(table, ids, dtype)``: an embedding lookup in a float or int8 table.
-  * ``TiledArray(array, tiles)``: a bf16 weight and its copy in the tiled decode kernel's layout
-    (``tile_array(w, contract_axes)``); the router reads ``tiles`` for the rows that kernel takes
-    and ``array`` for everything else, so results do not depend on which copy was read beyond
-    summation order.
+  * ``TiledArray(array, tiles)``: a bf16 or weight-only int8 weight and its copy in the tiled
+    decode kernel's layout (``tile_array(w, contract_axes)``; int8: the values, the scales stay
+    in ``array``); the router reads ``tiles`` for the rows that kernel takes and ``array`` for
+    everything else, so results do not depend on which copy was read beyond summation order.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class QuantArray:
 
 @flax.struct.dataclass
 class TiledArray:
-  array: jax.Array  # bf16, the weight as stored
-  tiles: jax.Array  # cpu_kernels.tile_weight of the weight as [K, N] (contracted axes first)
+  array: jax.Array | QuantArray  # the weight as stored: bf16, or weight-only int8
+  tiles: jax.Array  # cpu_kernels.tile_weight of the (int8) weight as [K, N], contracted first
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -66,19 +66,17 @@ class TiledArray:
   def ndim(self) -> int:
     return self.array.ndim
 
-  @property
-  def dtype(self):
-    return self.array.dtype
-
 
 Weight = jax.Array | QuantArray | TiledArray
 
 
-def tile_array(w: jax.Array, contract_axes: Sequence[int]) -> TiledArray:
-  """``w`` (bf16) with its tiled copy: the contracted axes first, as ``[K, N]``."""
+def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int]) -> TiledArray:
+  """``w`` (bf16, or weight-only int8) with its tiled copy: the contracted axes first, as
+  ``[K, N]``."""
+  values = w.quant if isinstance(w, QuantArray) else w
   free = [a for a in range(w.ndim) if a not in contract_axes]
   k = math.prod(w.shape[a] for a in contract_axes)
-  w_KN = jnp.transpose(w, (*contract_axes, *free)).reshape(k, -1)
+  w_KN = jnp.transpose(values, (*contract_axes, *free)).reshape(k, -1)
   return TiledArray(array=w, tiles=cpu_kernels.tile_weight(w_KN))
 
 

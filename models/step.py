@@ -103,7 +103,7 @@ class UnshardedStep:
     if self.scan_layers and not is_stacked(params):
       params = jax.jit(stack_layers)(params)
     params = jax.device_put(params, jax.local_devices()[0])
-    if self.backend.tiled and self.backend.policy.tiled_max_rows > 0:
+    if self.backend.tiled and self.backend.policy.tiles_weights:
       params = tile_params(params, self.cfg)
     return params
 

@@ -14,7 +14,7 @@ are their own buffers and a Python loop over layers never slices a stacked array
 independent of depth, ``models.transformer``): ``layers`` one dict whose every leaf has a leading
 ``[L]`` axis (a ``QuantArray``'s values and scales alike); ``is_stacked`` tells them apart.
 ``tile_params(params, cfg)`` adds to each bf16 matmul weight its copy for the tiled decode kernel
-(``models.quant.TiledArray``), in either layout.
+(and weight-only int8: ``models.quant.TiledArray``), in either layout.
 """
 
 from __future__ import annotations
@@ -151,16 +151,16 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
 
 
 def tile_params(params: Params, cfg: ModelConfig) -> Params:
-  """Every bf16 matmul weight as a ``TiledArray`` (its tiles contracted as ``ArrayInfo`` says);
-  the rest as it is."""
+  """Every bf16 or weight-only int8 matmul weight as a ``TiledArray`` (its tiles contracted as
+  ``ArrayInfo`` says); the rest as it is."""
   infos = param_infos(cfg)
   stacked = is_stacked(params)
   if stacked:  # one info per stacked leaf, its axes after the leading [L]
     infos = {**infos, "layers": infos["layers"][0]}
 
   def one(info: ArrayInfo, w, layered: bool):
-    if (not info.quantizable or isinstance(w, (QuantArray, TiledArray))
-        or w.dtype != jnp.bfloat16):
+    if (not info.quantizable or isinstance(w, TiledArray)
+        or (w.act_quant if isinstance(w, QuantArray) else w.dtype != jnp.bfloat16)):
       return w
     tile = jax.jit(lambda a: tile_array(a, info.contract_axes))
     return jax.vmap(tile)(w) if layered else tile(w)

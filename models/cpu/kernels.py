@@ -277,28 +277,32 @@ def tiled_available() -> bool:
 
 
 def tile_weight(w_KN: jax.Array) -> jax.Array:
-  """A ``[K, N]`` weight as the tiled kernel reads it: bf16 ``[T, P, 32]`` with ``T =
-  ceil(N / 16)`` column tiles and ``P = ceil(K / 2)`` row pairs, ``[t, p, 2c + j] = w[2p + j,
-  16t + c]`` (zeros past ``w``)."""
+  """A ``[K, N]`` weight as the tiled kernel reads it: ``[T, P, 32]`` (int8 stays int8, any
+  float becomes bf16) with ``T = ceil(N / 16)`` column tiles and ``P = ceil(K / 2)`` row pairs,
+  ``[t, p, 2c + j] = w[2p + j, 16t + c]`` (zeros past ``w``)."""
   k, n = w_KN.shape
   p, t = -(-k // 2), -(-n // TILE_COLUMNS)
-  w = jnp.pad(w_KN.astype(jnp.bfloat16), ((0, 2 * p - k), (0, TILE_COLUMNS * t - n)))
+  dtype = jnp.int8 if w_KN.dtype == jnp.int8 else jnp.bfloat16
+  w = jnp.pad(w_KN.astype(dtype), ((0, 2 * p - k), (0, TILE_COLUMNS * t - n)))
   return w.reshape(p, 2, t, TILE_COLUMNS).transpose(2, 0, 3, 1).reshape(t, p, 2 * TILE_COLUMNS)
 
 
 def matmul_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence[int]
                        ) -> list[jax.Array]:
-  """f32 ``[x_MK @ w for w in ...]`` for a bf16 ``x`` and weights given as ``tile_weight(w)``
-  with ``w``'s column counts ``ns``, in one call (call only when ``tiled_available()``): bf16
-  products (exact in f32), f32 sums, so XLA's bf16 dot with ``preferred_element_type=f32`` up
-  to summation order."""
+  """f32 ``[x_MK @ w for w in ...]`` for a bf16 ``x`` and weights of one dtype given as
+  ``tile_weight(w)`` with ``w``'s column counts ``ns``, in one call (call only when
+  ``tiled_available()``; int8: the raw values, the caller applies the scales): bf16 products
+  (exact in f32), f32 sums, so XLA's bf16 dot with ``preferred_element_type=f32`` up to
+  summation order."""
   m, k = x_MK.shape
   p = -(-k // 2)
   if (x_MK.dtype != jnp.bfloat16 or not tiles or len(tiles) != len(ns)
-      or any(t.dtype != jnp.bfloat16 or t.shape != (-(-n // TILE_COLUMNS), p, 2 * TILE_COLUMNS)
+      or tiles[0].dtype not in AMX_WEIGHT_DTYPES
+      or any(t.dtype != tiles[0].dtype
+             or t.shape != (-(-n // TILE_COLUMNS), p, 2 * TILE_COLUMNS)
              for t, n in zip(tiles, ns))):
-    raise ValueError(f"matmul_tiled_group wants bf16 [M, K] and bf16 [ceil(N/16), ceil(K/2), "
-                     f"32] tiles, got {x_MK.shape} {x_MK.dtype}, "
+    raise ValueError(f"matmul_tiled_group wants bf16 [M, K] and [ceil(N/16), ceil(K/2), 32] "
+                     f"tiles of one dtype (bf16|int8), got {x_MK.shape} {x_MK.dtype}, "
                      f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
   call = jax.ffi.ffi_call(_TILED_GROUP_TARGET,
                           [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],

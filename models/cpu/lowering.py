@@ -66,11 +66,17 @@ class CpuPolicy:
   dpbf16_max_rows: int = 32
   dpbf16_int8_min_rows: int = 4
   dpbf16_int8_max_rows: int = 128
-  # The tiled kernel (bf16 activations, bf16 weights with a tiled copy, models.quant.TiledArray):
-  # rows in [min, max] go to cpu_kernels.matmul_tiled_group. DEFAULT: measured on the AMD EPYC
-  # Zen 4; 0 / 0: never (no copy is made).
+  # The tiled kernel (bf16 activations; bf16, then weight-only int8 weights with a tiled copy,
+  # models.quant.TiledArray): rows in [min, max] go to cpu_kernels.matmul_tiled_group. DEFAULT:
+  # measured on the AMD EPYC Zen 4; 0 / 0 for both formats: never (no copy is made).
   tiled_min_rows: int = 8
   tiled_max_rows: int = 128
+  tiled_int8_min_rows: int = 8
+  tiled_int8_max_rows: int = 128
+
+  @property
+  def tiles_weights(self) -> bool:
+    return max(self.tiled_max_rows, self.tiled_int8_max_rows) > 0
 
   def __post_init__(self) -> None:
     if self.float_prefill not in FLOAT_PREFILL or self.f32_prefill not in F32_PREFILL:
@@ -180,7 +186,7 @@ def choose(allowed: bool, native: bool, amx: bool, cache_dir: str, refresh: bool
 MARGIN = 0.10  # a measured choice replaces DEFAULT's only when at least this much faster
 
 
-def _race(cands: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def race(cands: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
   """Best (minimum) ms of each candidate, timed round-robin after one warm-up call each: on a
   shared machine other load only ever adds time, so the minimum is the stable statistic."""
   for f in cands.values():
@@ -215,7 +221,7 @@ def _crossover(native: dict[int, float], xla: dict[int, float], default_max: int
   return best
 
 
-def _win_range(new: dict[int, float], other: dict[int, float], margin: float = MARGIN
+def win_range(new: dict[int, float], other: dict[int, float], margin: float = MARGIN
                ) -> tuple[int, int]:
   """The row counts for a kernel (AMX, AVX512-BF16): from the smallest measured count where it
   is faster than the path it would replace by more than ``margin``, up to the last count of the
@@ -230,7 +236,7 @@ def _win_range(new: dict[int, float], other: dict[int, float], margin: float = M
   return lo, hi
 
 
-def _chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
+def chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
            ws: list[jax.Array]) -> jax.Array:
   """``step(x, w)`` over the weights in sequence, each input depending on the previous output
   (as a model's layers do; XLA may not run them concurrently)."""
@@ -241,7 +247,7 @@ def _chain(step: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array,
   return y
 
 
-def _stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: int
+def weight_stack(make: Callable[[jax.Array], jax.Array], total_bytes: int, one_bytes: int
            ) -> list[jax.Array]:
   n = max(1, total_bytes // one_bytes)
   return [make(jax.random.key(i)) for i in range(n)]
@@ -256,6 +262,7 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   Decode-shaped classes stream ``stream_bytes`` of weights per call (more than the L3 of the
   machines seen) so they measure memory-bound behaviour; prefill uses one ``[prefill_rows, k] x
   [k, n]`` product."""
+  from models.cpu import lowering_kernels  # it builds on this module's helpers
   t0 = time.perf_counter()
   meas: dict[str, dict[str, float]] = {}
   key = jax.random.key(0)
@@ -267,21 +274,21 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
     x = jax.random.normal(key, (prefill_rows, k), dt)
     w = jax.random.normal(key, (k, n), dt)
     fns = {m: jax.jit(lambda x, w, m=m: float_dot(x, w, True, m)) for m in methods}
-    res = _race({m: functools.partial(f, x, w) for m, f in fns.items()}, rounds)
+    res = race({m: functools.partial(f, x, w) for m, f in fns.items()}, rounds)
     meas[f"float_prefill_{jnp.dtype(dt).name}"] = res
     chosen[jnp.dtype(dt).name] = _pick(res, default)
   float_prefill, f32_prefill = chosen["bfloat16"], chosen["float32"]
 
   # bf16 XLA decode padding (the path without native kernels).
-  ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
+  ws = weight_stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
   x1 = jax.random.normal(key, (1, k), jnp.bfloat16)
 
   def xla_stack(pad: int):
-    f = jax.jit(lambda x, ws: _chain(
+    f = jax.jit(lambda x, ws: chain(
         lambda y, w: float_dot(pad_rows(y, pad), w, True, "xw")[:1], x, ws))
     return lambda: f(x1, ws)
 
-  res = _race({str(p): xla_stack(p) for p in (1, 2, 8)}, rounds)
+  res = race({str(p): xla_stack(p) for p in (1, 2, 8)}, rounds)
   meas["bf16_xla_1row_pad"] = res
   bf16_min_rows = int(_pick(res, str(DEFAULT.bf16_min_rows)))
 
@@ -295,17 +302,17 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
     crossovers = []
     for dt, counts in ((jnp.bfloat16, rows), (jnp.float32, rows[:2])):
       isz = jnp.dtype(dt).itemsize
-      wst = ws if dt == jnp.bfloat16 else _stack(
+      wst = ws if dt == jnp.bfloat16 else weight_stack(
           lambda kk: jax.random.normal(kk, (k, n), dt), stream_bytes, k * n * isz)
       nat, xla = {}, {}
       for m in counts:
         xm = jax.random.normal(key, (m, k), dt)
-        fn = jax.jit(lambda x, ws: _chain(
+        fn = jax.jit(lambda x, ws: chain(
             lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
-        fx = jax.jit(lambda x, ws: _chain(
+        fx = jax.jit(lambda x, ws: chain(
             lambda y, w: float_dot(pad_rows(y, bf16_min_rows) if y.dtype == jnp.bfloat16
                                    else y, w, True, "xw")[:y.shape[0]], x, ws))
-        r = _race({"native": lambda: fn(xm, wst), "xla": lambda: fx(xm, wst)}, rounds)
+        r = race({"native": lambda: fn(xm, wst), "xla": lambda: fx(xm, wst)}, rounds)
         nat[m], xla[m] = r["native"], r["xla"]
         meas[f"float_decode_{jnp.dtype(dt).name}_{m}rows"] = r
       crossovers.append(_crossover(nat, xla, DEFAULT.float_native_max_rows))
@@ -321,7 +328,7 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
 
     # int8 W8A8 decode rows, [K, N] and [N, K] weights: native vs XLA padded to 8.
     for name, w_kn, shape in (("int8_kn", True, (k, n)), ("int8_nk", False, (4 * n, k))):
-      wq = _stack(lambda kk: jax.random.randint(kk, shape, -127, 128, jnp.int8), stream_bytes,
+      wq = weight_stack(lambda kk: jax.random.randint(kk, shape, -127, 128, jnp.int8), stream_bytes,
                   shape[0] * shape[1])
       nn = shape[1] if w_kn else shape[0]
       sc = jnp.full((nn,), 0.01, jnp.float32)
@@ -329,10 +336,10 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
       for m in rows:
         xm = jax.random.normal(key, (m, k), jnp.float32)
         kern = cpu_kernels.matmul_w8a8 if w_kn else cpu_kernels.matmul_w8a8_nk
-        fn = jax.jit(lambda x, ws, kern=kern: _chain(lambda y, w: kern(y, w, sc), x, ws))
-        fx = jax.jit(lambda x, ws, w_kn=w_kn: _chain(
+        fn = jax.jit(lambda x, ws, kern=kern: chain(lambda y, w: kern(y, w, sc), x, ws))
+        fx = jax.jit(lambda x, ws, w_kn=w_kn: chain(
             lambda y, w: w8a8_xla(y, w, sc[None], w_kn, 8), x, ws))
-        r = _race({"native": lambda: fn(xm, wq), "xla": lambda: fx(xm, wq)}, rounds)
+        r = race({"native": lambda: fn(xm, wq), "xla": lambda: fx(xm, wq)}, rounds)
         nat[m], xla[m] = r["native"], r["xla"]
         meas[f"{name}_decode_{m}rows"] = r
       if w_kn:
@@ -342,11 +349,11 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
         pf: dict[int, dict[str, float]] = {}
         for m in rows[:2]:
           xm = jax.random.normal(key, (m, k), jnp.float32)
-          fl = {str(l1): jax.jit(lambda x, ws, l1=l1: _chain(
+          fl = {str(l1): jax.jit(lambda x, ws, l1=l1: chain(
               lambda y, w: cpu_kernels.matmul_w8a8(y, w, sc, prefetch_l1=l1), x, ws))
                 for l1 in (False, True)}
           # A ~10% effect: twice the rounds of the other classes.
-          pf[m] = _race({key_: functools.partial(f, xm, wq) for key_, f in fl.items()}, 2 * rounds)
+          pf[m] = race({key_: functools.partial(f, xm, wq) for key_, f in fl.items()}, 2 * rounds)
           meas[f"int8_kn_prefetch_l1_{m}rows"] = pf[m]
         one, two = pf[rows[0]], pf[rows[1]]
         prefetch_l1 = (one["True"] * (1 + MARGIN) < one["False"]
@@ -358,8 +365,8 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   # AMX for decode batches: against what each row count would otherwise use.
   amx_bf16 = amx_int8 = (0, 0)
   if native and amx:
-    amx_bf16, amx_int8 = _measure_amx(meas, rounds, k, n, stream_bytes, float_prefill,
-                                      float_max, int8_max)
+    amx_bf16, amx_int8 = lowering_kernels.measure_amx(
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max)
 
   # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
   wq1 = jax.random.randint(key, (k, n), -127, 128, jnp.int8)
@@ -369,7 +376,7 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
     xm = jax.random.normal(key, (m, k), jnp.float32)
     by_multiple = {p: jax.jit(lambda x, w, p=p: w8a8_xla(x, w, sc[None], True, p))
                    for p in (1, 8, 32)}
-    r = _race({str(p): functools.partial(f, xm, wq1) for p, f in by_multiple.items()}, rounds)
+    r = race({str(p): functools.partial(f, xm, wq1) for p, f in by_multiple.items()}, rounds)
     meas[f"int8_xla_row_multiple_{m}rows"] = r
     best = min(r.values())
     for name, v in r.items():
@@ -379,14 +386,14 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   # AVX512-BF16 for decode batches, where AMX does not take the rows.
   dp_bf16 = dp_int8 = (0, 0)
   if native and dpbf16:
-    dp_bf16, dp_int8 = _measure_dpbf16(meas, rounds, k, n, stream_bytes, float_prefill,
-                                       float_max, int8_max)
+    dp_bf16, dp_int8 = lowering_kernels.measure_dpbf16(
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max)
 
   # The tiled kernel against the path each row count takes without it.
-  tiled_rows = (0, 0)
+  tiled_bf16 = tiled_int8 = (0, 0)
   if native and tiled:
-    tiled_rows = _measure_tiled(meas, rounds, k, n, stream_bytes, float_prefill, float_max,
-                                dp_bf16)
+    tiled_bf16, tiled_int8 = lowering_kernels.measure_tiled(
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, (dp_bf16, dp_int8))
 
   policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
                      float_native_max_rows=float_max,
@@ -397,90 +404,6 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
                      amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1],
                      dpbf16_min_rows=dp_bf16[0], dpbf16_max_rows=dp_bf16[1],
                      dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1],
-                     tiled_min_rows=tiled_rows[0], tiled_max_rows=tiled_rows[1])
+                     tiled_min_rows=tiled_bf16[0], tiled_max_rows=tiled_bf16[1],
+                     tiled_int8_min_rows=tiled_int8[0], tiled_int8_max_rows=tiled_int8[1])
   return policy, meas, time.perf_counter() - t0
-
-
-def _measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
-                 float_max: int, int8_max: int,
-                 rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
-                 ) -> tuple[tuple[int, int], tuple[int, int]]:
-  """AMX vs the incumbent at each of ``rows``: ``_measure_kernel`` of
-  ``cpu_kernels.matmul_amx_group``."""
-  return _measure_kernel("amx", lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0], meas,
-                         rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, rows)
-
-
-def _measure_dpbf16(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
-                    float_prefill: str, float_max: int, int8_max: int,
-                    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-                    ) -> tuple[tuple[int, int], tuple[int, int]]:
-  """AVX512-BF16 vs the incumbent at each of ``rows``: ``_measure_kernel`` of
-  ``cpu_kernels.matmul_dpbf16_group``."""
-  return _measure_kernel("dpbf16", lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0],
-                         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max,
-                         rows)
-
-
-def _measure_kernel(name: str, kernel: Callable[[jax.Array, jax.Array], jax.Array], meas: dict,
-                    rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
-                    float_max: int, int8_max: int, rows: tuple[int, ...]
-                    ) -> tuple[tuple[int, int], tuple[int, int]]:
-  """A bf16-activation kernel vs the incumbent at each of ``rows`` (bf16 weights: the native
-  float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only
-  int8: the native float kernel on the int8 values up to ``int8_max``, else XLA's dot of the
-  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows for
-  bf16 and for int8 weights (``_win_range``)."""
-  key = jax.random.key(0)
-  out = []
-  for wname, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
-    if wdt == jnp.int8:
-      ws = _stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8), stream_bytes,
-                  k * n)
-    else:
-      ws = _stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
-    new, other = {}, {}
-    fa = jax.jit(lambda x, ws: _chain(kernel, x, ws))
-    for m in rows:
-      xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-      if m <= nat_max:
-        fo = jax.jit(lambda x, ws: _chain(
-            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
-      else:
-        method = float_prefill if wdt == jnp.bfloat16 else "xw"  # as models.quant lowers them
-        fo = jax.jit(lambda x, ws, method=method: _chain(
-            lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method), x, ws))
-      r = _race({name: lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
-      new[m], other[m] = r[name], r["incumbent"]
-      meas[f"{name}_{wname}_{m}rows"] = r
-    out.append(_win_range(new, other))
-    del ws
-  return out[0], out[1]
-
-
-def _measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
-                   float_prefill: str, float_max: int, dp_bf16: tuple[int, int],
-                   rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-                   ) -> tuple[int, int]:
-  """The tiled kernel vs the incumbent at each of ``rows`` (bf16 weights: the AVX512-BF16
-  kernel in ``dp_bf16``, else the native float kernel up to ``float_max``, else XLA's dot
-  lowered as ``float_prefill``): its (min, max) rows (``_win_range``)."""
-  key = jax.random.key(0)
-  ws = _stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes, k * n * 2)
-  tiles = [cpu_kernels.tile_weight(w) for w in ws]
-  ft = jax.jit(lambda x, ts: _chain(lambda y, t: cpu_kernels.matmul_tiled_group(y, [t], [n])[0],
-                                    x, ts))
-  new, other = {}, {}
-  for m in rows:
-    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-    if dp_bf16[0] <= m <= dp_bf16[1] and dp_bf16[1]:
-      inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]
-    elif m <= float_max:
-      inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)
-    else:
-      inc = lambda y, w: float_dot(y, w, True, float_prefill)
-    fo = jax.jit(lambda x, ws, inc=inc: _chain(inc, x, ws))
-    r = _race({"tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
-    new[m], other[m] = r["tiled"], r["incumbent"]
-    meas[f"tiled_bf16_{m}rows"] = r
-  return _win_range(new, other)

@@ -13,8 +13,8 @@ Contract:
   * ``matmul_group(mms, x_dtype, ws, backend)``: the products of one activation with several
     weights in one native call (same kernel, one stored dtype), else None.
   * A ``quant.TiledArray`` weight goes to the tiled kernel (``kernels.matmul_tiled_group``) for
-    bf16 activations with rows in the policy's ``tiled_min_rows..tiled_max_rows``; otherwise its
-    stored ``array`` takes the path above.
+    bf16 activations with rows in the policy's ``tiled_min_rows..tiled_max_rows`` (int8:
+    ``tiled_int8_*``); otherwise its stored ``array`` takes the path above.
 Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
 """
 
@@ -248,18 +248,21 @@ def _xla_product(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> jax.Ar
 
 def _tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
   """Whether the tiled kernel computes this product: a ``TiledArray`` whose tiles are this
-  product's ``[K, N]``, bf16 activations, rows in the policy's range."""
+  product's ``[K, N]``, bf16 activations, rows in the policy's range for its format."""
   p = be.policy
   return (isinstance(w, quant.TiledArray) and _on_cpu() and be.tiled
-          and x_dtype == jnp.bfloat16 and p.tiled_min_rows <= mm.m <= p.tiled_max_rows
+          and x_dtype == jnp.bfloat16
+          and _in_range(mm, w.array, (p.tiled_min_rows, p.tiled_max_rows),
+                        (p.tiled_int8_min_rows, p.tiled_int8_max_rows))
           and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), -(-mm.k // 2),
                                 2 * cpu_kernels.TILE_COLUMNS))
 
 
 def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
                     ) -> list[jax.Array]:
-  tiles = [w.tiles for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
-  y2s = cpu_kernels.matmul_tiled_group(mms[0].x2, tiles, [mm.n for mm in mms])
+  tws = [w for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
+  y2s = cpu_kernels.matmul_tiled_group(mms[0].x2, [w.tiles for w in tws], [mm.n for mm in mms])
+  y2s = _scaled(y2s, mms, [w.array for w in tws])
   return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
 
 
@@ -278,8 +281,9 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
   """The products of one activation with several weights in ONE native call, when every one
   would go to the same native ``[K, N]`` kernel with weights of one dtype; else None."""
   same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
-  if len(ws) >= 2 and same_x and all(_tiled_rows(mm, x_dtype, w, backend)
-                                     for mm, w in zip(mms, ws)):
+  if (len(ws) >= 2 and same_x and len({w.tiles.dtype for w in ws
+                                       if isinstance(w, quant.TiledArray)}) == 1
+      and all(_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))):
     return _tiled_products(mms, x_dtype, ws)
   ws = [quant.stored(w) for w in ws]
   kernels = {_native_kernel(mm, x_dtype, w, backend) for mm, w in zip(mms, ws)}

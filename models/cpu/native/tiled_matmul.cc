@@ -1,7 +1,9 @@
 // AVX512-BF16 matmuls for decode batches on weights laid out in column tiles of K pairs:
-// ys[g][M, N_g] (f32) = x[M, K] (bf16) . w_g, with w_g stored as [T, P, 16, 2] bf16
+// ys[g][M, N_g] (f32) = x[M, K] (bf16) . w_g, with w_g stored as [T, P, 16, 2] bf16 or int8
 // (T = ceil(N / 16) tiles of 16 columns, P = ceil(K / 2) pairs of rows; [t, p, c, j] is
 // w[2p + j, 16t + c], zeros past the weight): a tile's K x 16 values are one contiguous stream.
+// An int8 tile (raw values: the caller applies the scales) is widened to bf16 (exact) into a
+// per-thread buffer once, then read as a bf16 one: half the bytes from memory.
 //
 // The rows of x are the vector lanes: x is transposed once into pairs, xt[p, m] = (x[m, 2p],
 // x[m, 2p + 1]) (32 bits), rows padded to the lane count V (16 in a zmm, 8 in a ymm). For a tile
@@ -29,16 +31,17 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
-// The calling thread's 64-byte aligned buffer of at least `bytes`, kept across calls.
-void* scratch(int64_t bytes) {
-  thread_local std::unique_ptr<void, FreeDeleter> buf;
-  thread_local int64_t size = 0;
-  if (size < bytes) {
+// The calling thread's 64-byte aligned buffer `slot` (0: x's pairs, 1: a widened int8 tile) of
+// at least `bytes`, kept across calls.
+void* scratch(int slot, int64_t bytes) {
+  thread_local std::unique_ptr<void, FreeDeleter> buf[2];
+  thread_local int64_t size[2] = {0, 0};
+  if (size[slot] < bytes) {
     const int64_t rounded = (bytes + 4095) / 4096 * 4096;
-    buf.reset(std::aligned_alloc(64, rounded));
-    size = rounded;
+    buf[slot].reset(std::aligned_alloc(64, rounded));
+    size[slot] = rounded;
   }
-  return buf.get();
+  return buf[slot].get();
 }
 
 // xt[p * ld + m] = (x[m, 2p], x[m, 2p + 1]) for m < M (zeros for m in [M, ld) and past K).
@@ -98,17 +101,27 @@ void tile_block(const uint32_t* __restrict xt, int64_t ld, int64_t r0, int64_t P
 }
 
 struct Tiled {
-  const uint32_t* w;  // [T, P, 16] pairs
+  const void* w;  // [T, P, 16] pairs of bf16 (or of int8)
   int64_t N, T;
   float* y;  // [M, N]
 };
 
-template <int V>
+// An int8 tile's P pairs of 16 columns (32 bytes a pair) as bf16 pairs, into out.
+void widen(const int8_t* __restrict w, int64_t P, uint32_t* __restrict out) {
+  for (int64_t p = 0; p < P; ++p) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * p));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    _mm512_store_si512(out + 16 * p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+template <int V, typename W>
 void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
            const std::vector<Tiled>& ws) {
   if (M == 0) return;
   const int64_t P = (K + 1) / 2, ld = (M + V - 1) / V * V;
-  auto* xt = static_cast<uint32_t*>(scratch(P * ld * 4));
+  auto* xt = static_cast<uint32_t*>(scratch(0, P * ld * 4));
   pair_rows(x, M, K, P, ld, xt);
   int64_t tiles = 0;
   std::vector<int64_t> first;  // each weight's first tile in the group's numbering
@@ -125,7 +138,14 @@ void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
       while (g + 1 < ws.size() && t >= first[g + 1]) ++g;
       const Tiled& w = ws[g];
       const int64_t local = t - first[g], n0 = 16 * local;
-      const uint32_t* wt = w.w + local * P * 16;
+      const uint32_t* wt;
+      if constexpr (sizeof(W) == 1) {
+        auto* buf = static_cast<uint32_t*>(scratch(1, P * 64));
+        widen(static_cast<const int8_t*>(w.w) + local * P * 32, P, buf);
+        wt = buf;
+      } else {
+        wt = static_cast<const uint32_t*>(w.w) + local * P * 16;
+      }
       for (int64_t r0 = 0; r0 < M; r0 += V)
         tile_block<V>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, std::min<int64_t>(V, M - r0),
                       std::min<int64_t>(16, w.N - n0));
@@ -133,35 +153,37 @@ void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
   });
 }
 
-// Operands: x [M, K] bf16, then G tiled weights [T_g, P, 32] bf16 (P = ceil(K / 2)); results: G
-// f32 [M, N_g] with T_g = ceil(N_g / 16).
+// Operands: x [M, K] bf16, then G tiled weights [T_g, P, 32] of one dtype, bf16 or int8
+// (P = ceil(K / 2)); results: G f32 [M, N_g] with T_g = ceil(N_g / 16).
 ffi::Error GroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs args,
                      ffi::RemainingRets rets) {
   constexpr const char* kWant =
-      "phaseserve_tiled_matmul_group: want x [M, K] bf16, G bf16 tiles [ceil(N/16), ceil(K/2), "
-      "32], G f32 results [M, N]";
+      "phaseserve_tiled_matmul_group: want x [M, K] bf16, G tiles [ceil(N/16), ceil(K/2), 32] of "
+      "one dtype (bf16 or int8), G f32 results [M, N]";
   auto xd = x.dimensions();
   const size_t G = rets.size();
   if (xd.size() != 2 || G == 0 || args.size() != G) return ffi::Error::InvalidArgument(kWant);
   const int64_t M = xd[0], K = xd[1], P = (K + 1) / 2;
   std::vector<Tiled> ws;
+  ffi::DataType type = ffi::DataType::INVALID;
   for (size_t i = 0; i < G; ++i) {
     auto w = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWant);
     auto wd = w->dimensions();
     auto yd = (*y)->dimensions();
-    if (w->element_type() != ffi::BF16 || wd.size() != 3 || wd[1] != P || wd[2] != 32 ||
-        yd.size() != 2 || yd[0] != M || (yd[1] + 15) / 16 != wd[0])
+    if (i == 0) type = w->element_type();
+    if (w->element_type() != type || (type != ffi::BF16 && type != ffi::S8) || wd.size() != 3 ||
+        wd[1] != P || wd[2] != 32 || yd.size() != 2 || yd[0] != M || (yd[1] + 15) / 16 != wd[0])
       return ffi::Error::InvalidArgument(kWant);
-    ws.push_back({static_cast<const uint32_t*>(w->untyped_data()), yd[1], wd[0],
-                  (*y)->typed_data()});
+    ws.push_back({w->untyped_data(), yd[1], wd[0], (*y)->typed_data()});
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const bool i8 = type == ffi::S8;
   if (M <= 8)
-    group<8>(pool, xp, M, K, ws);
+    i8 ? group<8, int8_t>(pool, xp, M, K, ws) : group<8, uint16_t>(pool, xp, M, K, ws);
   else
-    group<16>(pool, xp, M, K, ws);
+    i8 ? group<16, int8_t>(pool, xp, M, K, ws) : group<16, uint16_t>(pool, xp, M, K, ws);
   return ffi::Error::Success();
 }
 

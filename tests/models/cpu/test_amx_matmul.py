@@ -149,9 +149,9 @@ def test_amx_routing_rules():
 
 def test_win_range_is_the_first_run_of_wins():
   other = {8: 10.0, 16: 10.0, 32: 10.0, 64: 10.0, 128: 10.0}
-  assert cpu_lowering._win_range({8: 9.5, 16: 8.0, 32: 8.0, 64: 9.5, 128: 5.0}, other) == (16, 32)
-  assert cpu_lowering._win_range({8: 5.0, 16: 5.0, 32: 5.0, 64: 5.0, 128: 5.0}, other) == (8, 128)
-  assert cpu_lowering._win_range({m: 9.5 for m in other}, other) == (0, 0)  # within the margin
+  assert cpu_lowering.win_range({8: 9.5, 16: 8.0, 32: 8.0, 64: 9.5, 128: 5.0}, other) == (16, 32)
+  assert cpu_lowering.win_range({8: 5.0, 16: 5.0, 32: 5.0, 64: 5.0, 128: 5.0}, other) == (8, 128)
+  assert cpu_lowering.win_range({m: 9.5 for m in other}, other) == (0, 0)  # within the margin
 
 
 @needs_amx

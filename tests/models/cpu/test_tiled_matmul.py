@@ -1,6 +1,7 @@
-"""The tiled AVX512-BF16 kernel (``cpu_kernels.matmul_tiled_group`` on ``tile_weight`` copies)
-and how ``models.quant`` routes ``TiledArray`` weights to it: the layout index by index, products
-against an f64 reference off every boundary (rows across the 8- and 16-lane vectors, odd K,
+"""The tiled AVX512-BF16 kernel (``cpu_kernels.matmul_tiled_group`` on ``tile_weight`` copies of
+bf16 and int8 weights) and how ``models.quant`` routes ``TiledArray`` weights to it: the layout
+index by index, every int8 value widened exactly, products against an f64 reference off every
+boundary (rows across the 8- and 16-lane vectors, odd K,
 columns off the 16-column tiles, several weights split over threads), the routing rules, and a
 whole decode step on tiled params (unrolled and stacked layers) against XLA's dots. Skipped where
 the CPU lacks ``avx512_bf16`` (there the backend never has the kernel and no copy is made)."""
@@ -21,7 +22,8 @@ from tests.cpu_policies import NATIVE, XLA_ONLY, decode_step_vs_xla
 needs_tiled = pytest.mark.skipif(not cpu_kernels.tiled_available(),
                                  reason="no avx512_bf16 on this CPU")
 TILED = dataclasses.replace(NATIVE, amx=False, dpbf16=False, tiled=True, policy=dataclasses.replace(
-    NATIVE.policy, tiled_min_rows=2, tiled_max_rows=96))
+    NATIVE.policy, tiled_min_rows=2, tiled_max_rows=96, tiled_int8_min_rows=2,
+    tiled_int8_max_rows=96))
 TARGET = "phaseserve_tiled_matmul_group"
 
 
@@ -49,21 +51,37 @@ def test_tile_layout_index_by_index():
           assert t[ti, p, 2 * c + j] == want, (ti, p, c, j)
 
 
+def _weight(rng, shape, wdtype):
+  return jnp.asarray(rng.integers(-127, 128, shape) if wdtype == "int8"
+                     else rng.standard_normal(shape), wdtype)
+
+
 @needs_tiled
+@pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("m,k,ns", [(1, 7, (5,)), (3, 33, (17, 40)), (8, 64, (16,)),
                                     (9, 576, (576, 192, 192)), (16, 101, (33,)),
                                     (17, 1536, (576,)), (40, 66, (100, 3)), (97, 30, (2000,))])
-def test_group_equals_the_products(m, k, ns):
+def test_group_equals_the_products(wdtype, m, k, ns):
   rng = np.random.default_rng(m + k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-  ws = [jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16) for n in ns]
+  ws = [_weight(rng, (k, n), wdtype) for n in ns]
   got = jax.jit(lambda x, ts: cpu_kernels.matmul_tiled_group(x, ts, ns))(
       x, [cpu_kernels.tile_weight(w) for w in ws])
   assert [g.shape for g in got] == [(m, n) for n in ns]
   for g, w in zip(got, ws):
-    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    # bf16 x bf16 products are exact in f32: f32 sums only.
+    ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    # bf16 x bf16 products are exact in f32 (int8 values are exact in bf16): f32 sums only.
     assert _rel_err(g, ref) < 1e-5
+
+
+@needs_tiled
+def test_every_int8_value_is_exact():
+  """Each of the 256 int8 values (widened to bf16 in the kernel) times one-hot rows of x."""
+  w = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(8, 32)  # [K, N]
+  x = jnp.eye(8, dtype=jnp.bfloat16)
+  (y,) = jax.jit(lambda x, t: cpu_kernels.matmul_tiled_group(x, [t], [32]))(
+      x, cpu_kernels.tile_weight(w))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(w, np.float32))
 
 
 @needs_tiled
@@ -76,19 +94,23 @@ def test_refuses_bad_operands():
     cpu_kernels.matmul_tiled_group(x, [t], [40])  # 40 columns are 3 tiles
   with pytest.raises(ValueError, match="matmul_tiled_group"):
     cpu_kernels.matmul_tiled_group(jnp.ones((4, 10), jnp.bfloat16), [t], [20])
+  with pytest.raises(ValueError, match="matmul_tiled_group"):  # two dtypes in one group
+    cpu_kernels.matmul_tiled_group(x, [t, t.astype(jnp.int8)], [20, 20])
   f32 = jax.ShapeDtypeStruct((4, 20), jnp.float32)
   with pytest.raises(Exception, match="phaseserve_tiled_matmul_group: want"):
     jax.ffi.ffi_call(TARGET, [f32])(x, t[:, :3])
 
 
 @needs_tiled
+@pytest.mark.parametrize("quantize", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 24, 97])
-def test_einsums_equal_xla(rows):
+def test_einsums_equal_xla(quantize, rows):
   rng = np.random.default_rng(rows)
 
   def w(*shape, axes=(0,)):
     a = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.bfloat16)
-    return quant.tile_array(a, axes)
+    return quant.tile_array(quant.quantize_array(a.astype(jnp.float32), axes) if quantize else a,
+                            axes)
 
   qkv, o = [w(64, 4, 16), w(64, 1, 16), w(64, 1, 16)], w(4, 16, 64, axes=(0, 1))
   table = w(96, 64, axes=(1,))  # a tied [V, D] table as the unembedding: contracted trailing
@@ -149,10 +171,14 @@ def test_tile_params_copies_bf16_matmul_weights_only():
   assert st["layers"]["gate"].tiles.shape == (cfg.num_layers, *layer["gate"].tiles.shape)
   np.testing.assert_array_equal(np.asarray(st["layers"]["gate"].tiles[1]),
                                 np.asarray(tiled["layers"][1]["gate"].tiles))
-  # f32 and int8 weights get none.
-  f32 = weights.tile_params(weights.init_params(cfg, jax.random.key(0)), cfg)
-  assert not any(isinstance(x, quant.TiledArray) for x in jax.tree.leaves(
-      f32, is_leaf=lambda x: isinstance(x, quant.TiledArray)))
+  # Weight-only int8: int8 tiles, the scales in the stored QuantArray; f32 and W8A8: none.
+  q = weights.tile_params(weights.quantize(params, cfg), cfg)["layers"][0]["down"]
+  assert isinstance(q, quant.TiledArray) and isinstance(q.array, quant.QuantArray)
+  assert q.tiles.dtype == jnp.int8
+  for p in (weights.init_params(cfg, jax.random.key(0)),
+            weights.quantize(params, cfg, act_quant=True)):
+    assert not any(isinstance(x, quant.TiledArray) for x in jax.tree.leaves(
+        weights.tile_params(p, cfg), is_leaf=lambda x: isinstance(x, quant.TiledArray)))
 
 
 def test_the_step_places_copies_only_where_its_backend_reads_them():
@@ -161,16 +187,18 @@ def test_the_step_places_copies_only_where_its_backend_reads_them():
   is_tiled = lambda p: isinstance(p["layers"][0]["q"], quant.TiledArray)  # noqa: E731
   assert is_tiled(UnshardedStep(cfg, backend=TILED).place_params(params))
   assert not is_tiled(UnshardedStep(cfg, backend=XLA_ONLY).place_params(params))
-  off = dataclasses.replace(TILED, policy=dataclasses.replace(TILED.policy, tiled_max_rows=0))
+  off = dataclasses.replace(TILED, policy=dataclasses.replace(
+      TILED.policy, tiled_max_rows=0, tiled_int8_max_rows=0))
   assert not is_tiled(UnshardedStep(cfg, backend=off).place_params(params))
 
 
 @needs_tiled
-@pytest.mark.parametrize("stacked", [False, True])
-def test_decode_step_equals_xla(stacked):
-  """A whole decode step of the tiny model (bf16) at 24 rows on tiled params: every matmul and
-  the tied unembedding on the kernel against XLA's dots (which read the stored copies)."""
-  got, ref, hlo = decode_step_vs_xla(TILED, False, tile=True, stacked=stacked)
+@pytest.mark.parametrize("quantize,stacked", [(False, False), (False, True), (True, False)])
+def test_decode_step_equals_xla(quantize, stacked):
+  """A whole decode step of the tiny model (bf16, weight-only int8 too) at 24 rows on tiled
+  params: every matmul and the tied unembedding on the kernel against XLA's dots (which read
+  the stored copies)."""
+  got, ref, hlo = decode_step_vs_xla(TILED, quantize, tile=True, stacked=stacked)
   layers = 1 if stacked else get_preset("tiny").num_layers  # a scan body is traced once
   # q / k / v, o, gate / up, down per layer and the unembedding.
   assert hlo.count(TARGET) >= 4 * layers + 1

@@ -1,0 +1,116 @@
+"""The native kernels' share of ``models.cpu.lowering.measure``: each bf16-activation kernel
+(AMX, AVX512-BF16, tiled) raced against the path its rows would otherwise take, per weight
+format, at start-up only.
+
+Contract: ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
+stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
+(min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
+the shared race of a kernel given as ``(x, w) -> y``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from models.cpu import kernels as cpu_kernels
+from models.cpu.lowering import chain, float_dot, race, weight_stack, win_range
+
+
+def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
+                 float_max: int, int8_max: int,
+                 rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+                 ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """AMX vs the incumbent at each of ``rows``: ``measure_kernel`` of
+  ``cpu_kernels.matmul_amx_group``."""
+  return measure_kernel("amx", lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0], meas,
+                         rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, rows)
+
+
+def measure_dpbf16(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                    float_prefill: str, float_max: int, int8_max: int,
+                    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """AVX512-BF16 vs the incumbent at each of ``rows``: ``measure_kernel`` of
+  ``cpu_kernels.matmul_dpbf16_group``."""
+  return measure_kernel("dpbf16", lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0],
+                         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max,
+                         rows)
+
+
+def measure_kernel(name: str, kernel: Callable[[jax.Array, jax.Array], jax.Array], meas: dict,
+                    rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
+                    float_max: int, int8_max: int, rows: tuple[int, ...]
+                    ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """A bf16-activation kernel vs the incumbent at each of ``rows`` (bf16 weights: the native
+  float kernel up to ``float_max`` rows, else XLA's dot lowered as ``float_prefill``; weight-only
+  int8: the native float kernel on the int8 values up to ``int8_max``, else XLA's dot of the
+  converted weight), over ``stream_bytes`` of weights per call. Returns the (min, max) rows for
+  bf16 and for int8 weights (``win_range``)."""
+  key = jax.random.key(0)
+  out = []
+  for wname, wdt, nat_max in (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)):
+    if wdt == jnp.int8:
+      ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
+                        stream_bytes, k * n)
+    else:
+      ws = weight_stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
+    new, other = {}, {}
+    fa = jax.jit(lambda x, ws: chain(kernel, x, ws))
+    for m in rows:
+      xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+      if m <= nat_max:
+        fo = jax.jit(lambda x, ws: chain(
+            lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w), x, ws))
+      else:
+        method = float_prefill if wdt == jnp.bfloat16 else "xw"  # as models.quant lowers them
+        fo = jax.jit(lambda x, ws, method=method: chain(
+            lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method), x, ws))
+      r = race({name: lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
+      new[m], other[m] = r[name], r["incumbent"]
+      meas[f"{name}_{wname}_{m}rows"] = r
+    out.append(win_range(new, other))
+    del ws
+  return out[0], out[1]
+
+
+def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                   float_prefill: str, float_max: int, int8_max: int,
+                   dp: tuple[tuple[int, int], tuple[int, int]],
+                   rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """The tiled kernel vs the incumbent at each of ``rows``, per weight format (bf16 / int8 raw
+  values): the AVX512-BF16 kernel in its range ``dp``, else the native float kernel up to
+  ``float_max`` / ``int8_max``, else XLA's dot (as ``models.quant`` lowers it). Returns the
+  (min, max) rows for bf16 and for int8 (``win_range``)."""
+  key = jax.random.key(0)
+  out = []
+  for (wname, wdt, nat_max), (dlo, dhi) in zip(
+      (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)), dp):
+    if wdt == jnp.int8:
+      ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
+                        stream_bytes, k * n)
+    else:
+      ws = weight_stack(lambda kk: jax.random.normal(kk, (k, n), wdt), stream_bytes, k * n * 2)
+    tiles = [cpu_kernels.tile_weight(w) for w in ws]
+    ft = jax.jit(lambda x, ts: chain(
+        lambda y, t: cpu_kernels.matmul_tiled_group(y, [t], [n])[0], x, ts))
+    method = float_prefill if wdt == jnp.bfloat16 else "xw"
+    new, other = {}, {}
+    for m in rows:
+      xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+      if dlo <= m <= dhi and dhi:
+        inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]
+      elif m <= nat_max:
+        inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)
+      else:
+        inc = lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, method)
+      fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
+      r = race({"tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
+      new[m], other[m] = r["tiled"], r["incumbent"]
+      meas[f"tiled_{wname}_{m}rows"] = r
+    out.append(win_range(new, other))
+    del ws, tiles
+  return out[0], out[1]
