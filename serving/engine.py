@@ -14,8 +14,8 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
   * ``packed``: where prefill attention is the native kernel on one kv shard, a step's chunks
     run end to end (a token a row, ``engine_calls.packed_call``), else as ``[R, T]`` rows padded
     to the longest chunk.
-  * Shapes are bucketed (powers of two, a packed prefill's tokens four sizes an octave; the cap
-    where attention is the native kernel);
+  * Shapes are bucketed (powers of two; one shard's decode rows two sizes an octave past 16, a
+    packed prefill's tokens four; the cap where attention is the native kernel);
     ``warmup()`` runs every bucket with all rows inactive, ``seal()`` closes the set
     (``serving.engine_shapes``). Host arrays go in with ``jax.device_put``. Letters:
     ``models/config.py``.
@@ -41,7 +41,8 @@ from models.weights import Params
 from serving.engine_api import EngineApi
 from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_call,
                                   prefill_call, read_pages, sample_call, want_lp, write_pages)
-from serving.engine_shapes import ProgramSet, arrange, pack, packed, packed_sizes, powers
+from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
+                                   powers)
 from serving.host_tier import HostStore
 from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
@@ -247,7 +248,7 @@ class Engine(EngineApi):
     pool = self.decode_pool
     shards = pool.shards
     if shards == 1:  # rows packed in plan order (slots free and refill in any order)
-      n = min(bucket(len(rows), minimum=1), self.config.max_slots)
+      n = decode_rows(len(rows), self.config.max_slots)
       row_of = list(range(len(rows)))
     else:
       n, row_of = self._arrange([r.slot for r in rows], shards, cap=self.config.max_slots)
@@ -307,8 +308,10 @@ class Engine(EngineApi):
         for t in chunks:
           out += [("prefill", r * self.prefill_pool.shards, t, a) for a in attends["prefill"]
                   if a >= min(t, cap) or a == attends["prefill"][-1]]
-    for n in sorted({min(bucket(n, minimum=1), self.config.max_slots)
-                     for n in powers(1, self.config.max_slots)}):
+    one = self.decode_pool.shards == 1  # more shards: a power of two a shard (arrange)
+    for n in sorted({decode_rows(n, self.config.max_slots) if one
+                     else min(bucket(n, minimum=1), self.config.max_slots)
+                     for n in range(1, self.config.max_slots + 1)}):
       out += [("decode", n * self.decode_pool.shards, 0, a) for a in attends["decode"]]
     rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
     return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")

@@ -7,7 +7,9 @@ its phase that covers it (``cover``: more rows only where ``pad_rows``, a chunk 
 length at least as long; counted in ``covered``), and one nothing covers is logged, counted
 (``unwarmed``) and compiles. ``arrange(slots, table_XM, num_pages, shards)`` places a call's
 slots on rows ``R`` grouped by the kv shard of each slot's pages (``R = shards *
-bucket(largest group)``); one shard: rows ``0..``. Letters: ``models/config.py``.
+bucket(largest group)``); one shard: rows ``0..``. ``decode_rows(n, cap)``: one shard's decode
+row count for ``n`` rows; ``packed(n)``: a packed prefill's token count. Letters:
+``models/config.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def packed(n: int) -> int:
     return 16
   step = max(16, (1 << ((n - 1).bit_length() - 1)) // 4)
   return -(-n // step) * step
+
+
+def decode_rows(n: int, cap: int) -> int:
+  """A decode call's row count for ``n`` rows, at most ``cap``: powers of two up to 16, then two
+  sizes an octave (24, 32, 48, 64, 96, ...): past 16 rows a step costs about its rows (the tiled
+  kernel's vectors are 16 rows and a last one of 8), so at most a third of them are padding."""
+  b = bucket(n, minimum=1)
+  if b > 16 and n <= 3 * b // 4:
+    b = 3 * b // 4
+  return min(b, cap)
 
 
 def packed_sizes(cap: int) -> list[int]:

@@ -17,7 +17,7 @@ from models.step import UnshardedStep
 from models.weights import init_params
 from serving.engine import Engine, EngineConfig
 from serving.engine_calls import packed_call, prefill_call
-from serving.engine_shapes import pack, packed, packed_sizes
+from serving.engine_shapes import decode_rows, pack, packed, packed_sizes
 from serving.step_plan import PrefillChunk
 from tests.cpu_policies import NATIVE, needs_kernel
 
@@ -134,6 +134,15 @@ def test_packed_sizes_waste_at_most_a_quarter():
     assert p >= n and ((p - n) * 4 <= p or p - n < 16), n
     assert packed(p) == p  # a size is its own bucket
   assert packed_sizes(100) == [16, 32, 48, 64, 80, 96, 112]  # the last covers 100
+
+
+def test_decode_rows_waste_at_most_a_third_past_sixteen():
+  assert sorted({decode_rows(n, 64) for n in range(1, 65)}) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+  for n in range(1, 300):
+    r = decode_rows(n, 1024)
+    assert r >= n and (r <= 16 or (r - n) * 3 < r), n
+    assert decode_rows(r, 1024) == r  # a size is its own bucket
+  assert decode_rows(50, 40) == 40  # never past the slots
 
 
 @needs_kernel

@@ -6,8 +6,8 @@
 // per-thread buffer once, then read as a bf16 one: half the bytes from memory.
 //
 // The rows of x are the vector lanes: x is transposed once into pairs, xt[p, m] = (x[m, 2p],
-// x[m, 2p + 1]) (32 bits), rows padded to the lane count V (16 in a zmm, 8 in a ymm). For a tile
-// and a vector of V rows, 16 accumulators (one a column) take, per pair p, one vdpbf16ps of the
+// x[m, 2p + 1]) (32 bits), rows padded to a multiple of 8; vectors of V = 16 rows (a zmm), the
+// last 1-8 rows in one of V = 8 (a ymm). For a tile and a vector of V rows, 16 accumulators (one a column) take, per pair p, one vdpbf16ps of the
 // rows' pair vector with the column's weight pair broadcast from memory: no shuffles in the
 // loop, one 4-byte load a dot product. The 16 x V block is transposed once at the end. A tile is
 // streamed from memory for the first row vector and read again from L2 for the others.
@@ -73,7 +73,7 @@ void tile_block(const uint32_t* __restrict xt, int64_t ld, int64_t r0, int64_t P
     __m512 a[16];
     for (int c = 0; c < 16; ++c) a[c] = _mm512_setzero_ps();
     for (int64_t p = 0; p < P; ++p) {
-      const __m512bh xv = (__m512bh)_mm512_load_si512(xt + p * ld + r0);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xt + p * ld + r0);
       const uint32_t* w = wt + p * 16;
       _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kAhead), _MM_HINT_T0);
       for (int c = 0; c < 16; ++c)
@@ -84,7 +84,7 @@ void tile_block(const uint32_t* __restrict xt, int64_t ld, int64_t r0, int64_t P
     __m256 a[16];
     for (int c = 0; c < 16; ++c) a[c] = _mm256_setzero_ps();
     for (int64_t p = 0; p < P; ++p) {
-      const __m256bh xv = (__m256bh)_mm256_load_si256((const __m256i*)(xt + p * ld + r0));
+      const __m256bh xv = (__m256bh)_mm256_loadu_si256((const __m256i*)(xt + p * ld + r0));
       const uint32_t* w = wt + p * 16;
       _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kAhead), _MM_HINT_T0);
       for (int c = 0; c < 16; ++c)
@@ -116,11 +116,13 @@ void widen(const int8_t* __restrict w, int64_t P, uint32_t* __restrict out) {
   }
 }
 
-template <int V, typename W>
+// Rows in vectors of 16, the last 1-8 in one of 8 (a ymm: twice the instructions a cycle, so
+// 24 rows cost about three quarters of 32).
+template <typename W>
 void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
            const std::vector<Tiled>& ws) {
   if (M == 0) return;
-  const int64_t P = (K + 1) / 2, ld = (M + V - 1) / V * V;
+  const int64_t P = (K + 1) / 2, ld = (M + 7) / 8 * 8;
   auto* xt = static_cast<uint32_t*>(scratch(0, P * ld * 4));
   pair_rows(x, M, K, P, ld, xt);
   int64_t tiles = 0;
@@ -146,9 +148,15 @@ void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
       } else {
         wt = static_cast<const uint32_t*>(w.w) + local * P * 16;
       }
-      for (int64_t r0 = 0; r0 < M; r0 += V)
-        tile_block<V>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, std::min<int64_t>(V, M - r0),
-                      std::min<int64_t>(16, w.N - n0));
+      const int64_t cols = std::min<int64_t>(16, w.N - n0);
+      for (int64_t r0 = 0; r0 < M;) {
+        const int64_t rows = std::min<int64_t>(16, M - r0);
+        if (rows > 8)
+          tile_block<16>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
+        else
+          tile_block<8>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
+        r0 += rows > 8 ? 16 : 8;
+      }
     }
   });
 }
@@ -179,11 +187,10 @@ ffi::Error GroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Remain
     ws.push_back({w->untyped_data(), yd[1], wd[0], (*y)->typed_data()});
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const bool i8 = type == ffi::S8;
-  if (M <= 8)
-    i8 ? group<8, int8_t>(pool, xp, M, K, ws) : group<8, uint16_t>(pool, xp, M, K, ws);
+  if (type == ffi::S8)
+    group<int8_t>(pool, xp, M, K, ws);
   else
-    i8 ? group<16, int8_t>(pool, xp, M, K, ws) : group<16, uint16_t>(pool, xp, M, K, ws);
+    group<uint16_t>(pool, xp, M, K, ws);
   return ffi::Error::Success();
 }
 

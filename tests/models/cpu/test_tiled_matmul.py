@@ -203,3 +203,18 @@ def test_decode_step_equals_xla(quantize, stacked):
   # q / k / v, o, gate / up, down per layer and the unembedding.
   assert hlo.count(TARGET) >= 4 * layers + 1
   assert _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32)) < 2 ** -5
+
+
+@needs_tiled
+def test_start_up_race_records_both_formats():
+  """``lowering_kernels.measure_tiled`` (small shapes): every row count raced for bf16 and int8,
+  ranges among the measured counts."""
+  from models.cpu import lowering_kernels
+  meas: dict = {}
+  rows = (1, 16)
+  got = lowering_kernels.measure_tiled(meas, 1, 64, 128, 4 * 64 * 128, "xw", 8, 16,
+                                       ((8, 32), (0, 0)), rows=rows)
+  assert {f"tiled_{w}_{m}rows" for w in ("bf16", "int8") for m in rows} == set(meas)
+  assert all(set(v) == {"tiled", "incumbent"} and min(v.values()) > 0 for v in meas.values())
+  for lo, hi in got:
+    assert (lo, hi) == (0, 0) or (lo in rows and hi in rows and lo <= hi)
