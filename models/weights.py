@@ -20,6 +20,7 @@ independent of depth, ``models.transformer``): ``layers`` one dict whose every l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -162,14 +163,21 @@ def tile_params(params: Params, cfg: ModelConfig) -> Params:
     if (not info.quantizable or isinstance(w, TiledArray)
         or (w.act_quant if isinstance(w, QuantArray) else w.dtype != jnp.bfloat16)):
       return w
-    tile = jax.jit(lambda a: tile_array(a, info.contract_axes))
-    return jax.vmap(tile)(w) if layered else tile(w)
+    return _tiler(info.contract_axes, layered)(w)
 
   out = {k: jax.tree.map(lambda i, w: one(i, w, False), infos[k], v, is_leaf=_is_info)
          for k, v in params.items() if k != "layers"}
   out["layers"] = jax.tree.map(lambda i, w: one(i, w, stacked), infos["layers"],
                                params["layers"], is_leaf=_is_info)
   return out
+
+
+@functools.cache
+def _tiler(contract_axes: tuple[int, ...], layered: bool):
+  """One jitted ``tile_array`` per contraction (compiled once per weight shape, not per weight;
+  ``layered``: over a leading ``[L]`` axis)."""
+  tile = functools.partial(tile_array, contract_axes=contract_axes)
+  return jax.jit(jax.vmap(tile) if layered else tile)
 
 
 def stack_layers(params: Params) -> Params:

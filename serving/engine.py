@@ -14,8 +14,8 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
   * ``packed``: where prefill attention is the native kernel on one kv shard, a step's chunks
     run end to end (a token a row, ``engine_calls.packed_call``), else as ``[R, T]`` rows padded
     to the longest chunk.
-  * Shapes are bucketed (powers of two; one shard's decode rows two sizes an octave past 16, a
-    packed prefill's tokens four; the cap where attention is the native kernel);
+  * Shapes are bucketed (powers of two; one shard's decode rows also 24, a packed prefill's
+    tokens four sizes an octave; the cap where attention is the native kernel);
     ``warmup()`` runs every bucket with all rows inactive, ``seal()`` closes the set
     (``serving.engine_shapes``). Host arrays go in with ``jax.device_put``. Letters:
     ``models/config.py``.

@@ -38,13 +38,12 @@ def packed(n: int) -> int:
 
 
 def decode_rows(n: int, cap: int) -> int:
-  """A decode call's row count for ``n`` rows, at most ``cap``: powers of two up to 16, then two
-  sizes an octave (24, 32, 48, 64, 96, ...): past 16 rows a step costs about its rows (the tiled
-  kernel's vectors are 16 rows and a last one of 8), so at most a third of them are padding."""
+  """A decode call's row count for ``n`` rows, at most ``cap``: a power of two, or 24 for 17-24
+  rows (the tiled kernel runs them as a 16-row vector and an 8-row one: about three quarters of
+  32 rows' time; the batches around capacity on 2 cores are 10-25 rows, so one more program
+  there, none past it, keeps the warm start under 20 s)."""
   b = bucket(n, minimum=1)
-  if b > 16 and n <= 3 * b // 4:
-    b = 3 * b // 4
-  return min(b, cap)
+  return min(24 if b == 32 and n <= 24 else b, cap)
 
 
 def packed_sizes(cap: int) -> list[int]:

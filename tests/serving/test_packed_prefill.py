@@ -136,12 +136,13 @@ def test_packed_sizes_waste_at_most_a_quarter():
   assert packed_sizes(100) == [16, 32, 48, 64, 80, 96, 112]  # the last covers 100
 
 
-def test_decode_rows_waste_at_most_a_third_past_sixteen():
-  assert sorted({decode_rows(n, 64) for n in range(1, 65)}) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+def test_decode_rows_are_powers_of_two_and_24():
+  assert sorted({decode_rows(n, 64) for n in range(1, 65)}) == [1, 2, 4, 8, 16, 24, 32, 64]
   for n in range(1, 300):
     r = decode_rows(n, 1024)
-    assert r >= n and (r <= 16 or (r - n) * 3 < r), n
+    assert r >= n and (r < 2 * n or r == 1), n
     assert decode_rows(r, 1024) == r  # a size is its own bucket
+  assert [decode_rows(n, 64) for n in (16, 17, 24, 25)] == [16, 24, 24, 32]
   assert decode_rows(50, 40) == 40  # never past the slots
 
 
