@@ -67,7 +67,8 @@ class TiledArray:
     return self.array.ndim
 
 
-Weight = jax.Array | QuantArray | TiledArray
+Stored = jax.Array | QuantArray  # a weight as stored (what every path but the tiled one reads)
+Weight = Stored | TiledArray
 
 
 def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int]) -> TiledArray:
@@ -80,7 +81,7 @@ def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int]) -> Tiled
   return TiledArray(array=w, tiles=cpu_kernels.tile_weight(w_KN))
 
 
-def stored(w: Weight) -> jax.Array | QuantArray:
+def stored(w: Weight) -> Stored:
   """The weight as stored (a ``TiledArray``'s ``array``)."""
   return w.array if isinstance(w, TiledArray) else w
 

@@ -99,7 +99,7 @@ def _weight_2d(mm: Matmul, w: jax.Array) -> jax.Array:
   return w.reshape((mm.k, mm.n) if mm.w_kn else (mm.n, mm.k))
 
 
-def _native_kernel(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> str | None:
+def _native_kernel(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> str | None:
   """Which ``models.cpu.kernels`` kernel computes this product on XLA:CPU under ``be``:
   ``amx`` / ``amx_nk`` (bf16 activations, see ``_amx_rows``), ``dpbf16`` / ``dpbf16_nk``
   (``_dpbf16_rows``), ``float`` / ``float_nk`` (float or weight-only int8 weights), ``w8a8`` /
@@ -128,7 +128,7 @@ def _native_kernel(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> str 
   return None
 
 
-def _amx_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+def _amx_rows(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> bool:
   """Whether the AMX kernel computes this product: bf16 activations, a ``[K, N]`` bf16 or
   weight-only int8 weight, and a row count in the policy's range for that weight. An ``[N, K]``
   weight (the tied unembedding) only when weight-only int8 and past the native kernel's rows,
@@ -145,7 +145,7 @@ def _amx_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
                               (p.amx_int8_min_rows, p.amx_int8_max_rows))
 
 
-def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> bool:
   """Whether the AVX512-BF16 kernel computes this product: bf16 activations, a bf16 or
   weight-only int8 weight (``[K, N]`` or ``[N, K]``), and a row count in the policy's range for
   that weight (the kernel's products are exact, so this is XLA's bf16 dot up to summation
@@ -156,7 +156,7 @@ def _dpbf16_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
                         (p.dpbf16_int8_min_rows, p.dpbf16_int8_max_rows)))
 
 
-def _in_range(mm: Matmul, w: quant.Weight, bf16_rows: tuple[int, int],
+def _in_range(mm: Matmul, w: quant.Stored, bf16_rows: tuple[int, int],
               int8_rows: tuple[int, int]) -> bool:
   """A bf16-activation kernel's rule: a bf16 weight with the rows in ``bf16_rows``, or a
   weight-only int8 one with the rows in ``int8_rows`` (``(min, max)``; max 0: never)."""
@@ -167,32 +167,32 @@ def _in_range(mm: Matmul, w: quant.Weight, bf16_rows: tuple[int, int],
   return ok and lo <= mm.m <= hi and hi > 0
 
 
-def _scaled(y2s: list[jax.Array], mms: Sequence[Matmul], ws: Sequence[quant.Weight]
+def _scaled(y2s: list[jax.Array], mms: Sequence[Matmul], ws: Sequence[quant.Stored]
             ) -> list[jax.Array]:
   """Weight-only int8 products times their per-column scales; float ones as they are."""
   return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, quant.QuantArray) else y2
           for y2, mm, w in zip(y2s, mms, ws)]
 
 
-def _raw(mm: Matmul, w: quant.Weight) -> jax.Array:
+def _raw(mm: Matmul, w: quant.Stored) -> jax.Array:
   """The stored weight (int8 values for weight-only int8) as ``[K, N]`` or ``[N, K]``."""
   return _weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
 
 
-def _amx_products(mms: Sequence[Matmul], ws: Sequence[quant.Weight]) -> list[jax.Array]:
+def _amx_products(mms: Sequence[Matmul], ws: Sequence[quant.Stored]) -> list[jax.Array]:
   """The f32 ``[M, N]`` products of one bf16 activation with ``[K, N]`` weights of one stored
   dtype, in one AMX call; weight-only int8 scaled after."""
   y2s = cpu_kernels.matmul_amx_group(mms[0].x2, [_raw(mm, w) for mm, w in zip(mms, ws)])
   return _scaled(y2s, mms, ws)
 
 
-def _dpbf16_products(mms: Sequence[Matmul], ws: Sequence[quant.Weight]) -> list[jax.Array]:
+def _dpbf16_products(mms: Sequence[Matmul], ws: Sequence[quant.Stored]) -> list[jax.Array]:
   """``_amx_products`` on AVX512-BF16 dot products."""
   y2s = cpu_kernels.matmul_dpbf16_group(mms[0].x2, [_raw(mm, w) for mm, w in zip(mms, ws)])
   return _scaled(y2s, mms, ws)
 
 
-def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) -> jax.Array:
+def _native_product(kernel: str, mm: Matmul, w: quant.Stored, be: CpuBackend) -> jax.Array:
   if kernel == "amx":
     return _amx_products([mm], [w])[0]
   if kernel == "dpbf16":
@@ -218,7 +218,7 @@ def _native_product(kernel: str, mm: Matmul, w: quant.Weight, be: CpuBackend) ->
   return cpu_kernels.matmul_w8a8_nk(x32, _weight_2d(mm, w.quant), w.scale.reshape(mm.n))
 
 
-def _xla_product(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> jax.Array:
+def _xla_product(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> jax.Array:
   """The product by XLA's own dot, lowered as the policy says on XLA:CPU."""
   x2 = mm.x2
   cpu = _on_cpu()
@@ -269,10 +269,10 @@ def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
 def matmul(mm: Matmul, x_dtype, w: quant.Weight, backend: CpuBackend) -> jax.Array:
   if _tiled_rows(mm, x_dtype, w, backend):
     return _tiled_products([mm], x_dtype, [w])[0]
-  w = quant.stored(w)
-  kernel = _native_kernel(mm, x_dtype, w, backend)
-  y2 = (_native_product(kernel, mm, w, backend) if kernel
-        else _xla_product(mm, x_dtype, w, backend))
+  sw = quant.stored(w)
+  kernel = _native_kernel(mm, x_dtype, sw, backend)
+  y2 = (_native_product(kernel, mm, sw, backend) if kernel
+        else _xla_product(mm, x_dtype, sw, backend))
   return _finish(mm, y2, x_dtype)
 
 
@@ -285,27 +285,27 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
                                        if isinstance(w, quant.TiledArray)}) == 1
       and all(_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))):
     return _tiled_products(mms, x_dtype, ws)
-  ws = [quant.stored(w) for w in ws]
-  kernels = {_native_kernel(mm, x_dtype, w, backend) for mm, w in zip(mms, ws)}
-  quantized = {isinstance(w, quant.QuantArray) for w in ws}
-  stored = {(w.quant if isinstance(w, quant.QuantArray) else w).dtype for w in ws}
-  if len(ws) < 2 or len(kernels) != 1 or len(quantized) != 1 or len(stored) != 1 or not same_x:
+  sws = [quant.stored(w) for w in ws]
+  kernels = {_native_kernel(mm, x_dtype, w, backend) for mm, w in zip(mms, sws)}
+  quantized = {isinstance(w, quant.QuantArray) for w in sws}
+  stored = {(w.quant if isinstance(w, quant.QuantArray) else w).dtype for w in sws}
+  if len(sws) < 2 or len(kernels) != 1 or len(quantized) != 1 or len(stored) != 1 or not same_x:
     return None
   kernel = kernels.pop()
   if kernel in ("amx", "dpbf16"):
     products = _amx_products if kernel == "amx" else _dpbf16_products
-    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, products(mms, ws))]
+    return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, products(mms, sws))]
   x32 = mms[0].x2.astype(jnp.float32)  # every einsum reads x's contracted axes alike
   if kernel == "float":
     y2s = cpu_kernels.matmul_float_group(
         x32, [_weight_2d(mm, w.quant if isinstance(w, quant.QuantArray) else w)
-              for mm, w in zip(mms, ws)])
+              for mm, w in zip(mms, sws)])
     if quantized.pop():
-      y2s = [y2 * w.scale.reshape(1, mm.n) for y2, mm, w in zip(y2s, mms, ws)
+      y2s = [y2 * w.scale.reshape(1, mm.n) for y2, mm, w in zip(y2s, mms, sws)
              if isinstance(w, quant.QuantArray)]
     return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
   if kernel == "w8a8":
-    qs = [w for w in ws if isinstance(w, quant.QuantArray)]  # all of them: W8A8 weights
+    qs = [w for w in sws if isinstance(w, quant.QuantArray)]  # all of them: W8A8 weights
     y2s = cpu_kernels.matmul_w8a8_group(
         x32, [_weight_2d(mm, q.quant) for mm, q in zip(mms, qs)],
         [q.scale.reshape(mm.n) for mm, q in zip(mms, qs)],
