@@ -14,7 +14,7 @@ are their own buffers and a Python loop over layers never slices a stacked array
 independent of depth, ``models.transformer``): ``layers`` one dict whose every leaf has a leading
 ``[L]`` axis (a ``QuantArray``'s values and scales alike); ``is_stacked`` tells them apart.
 ``tile_params(params, cfg)`` adds to each bf16 matmul weight its copy for the tiled decode kernel
-(and weight-only int8: ``models.quant.TiledArray``), in either layout.
+(and weight-only int8: ``models.quant.TiledArray``), in either layout; ``untile`` drops them.
 """
 
 from __future__ import annotations
@@ -170,6 +170,13 @@ def tile_params(params: Params, cfg: ModelConfig) -> Params:
   out["layers"] = jax.tree.map(lambda i, w: one(i, w, stacked), infos["layers"],
                                params["layers"], is_leaf=_is_info)
   return out
+
+
+def untile(params: Params) -> Params:
+  """``params`` with every ``TiledArray`` back to its stored weight (for a step that makes its
+  own copies, or none)."""
+  return jax.tree.map(lambda w: w.array if isinstance(w, TiledArray) else w, params,
+                      is_leaf=lambda w: isinstance(w, TiledArray))
 
 
 @functools.cache

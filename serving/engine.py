@@ -37,7 +37,7 @@ import numpy as np
 from models.paged_kv import PagedKV, ring_entries
 from models.step import PhaseDecode, Step, Transfer
 from models.transformer import bucket
-from models.weights import Params
+from models.weights import Params, untile
 from serving.engine_api import EngineApi
 from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_call,
                                   prefill_call, read_pages, sample_call, want_lp, write_pages)
@@ -102,9 +102,9 @@ class Engine(EngineApi):
     self.config = config
     self.host_store = host_store
     self.prefill_pool = Pool.create(step, params, config, config.sinks)
-    # The decode params are placed from the prefill ones: a no-op when the shardings are equal.
+    # Decode params placed from the prefill ones as stored (no-op for equal shardings).
     self.decode_pool = self.prefill_pool if decode is None else \
-        Pool.create(decode.step, self.prefill_pool.params, config)
+        Pool.create(decode.step, untile(self.prefill_pool.params), config)
     self.transfer: Transfer | None = None if decode is None else decode.transfer
     self.pools = [self.prefill_pool] + ([self.decode_pool] if decode is not None else [])
     if any(config.num_pages % p.shards for p in self.pools):

@@ -393,7 +393,8 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   tiled_bf16 = tiled_int8 = (0, 0)
   if native and tiled:
     tiled_bf16, tiled_int8 = lowering_kernels.measure_tiled(
-        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, (dp_bf16, dp_int8))
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, (dp_bf16, dp_int8),
+        (amx_bf16, amx_int8))
 
   policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
                      float_native_max_rows=float_max,

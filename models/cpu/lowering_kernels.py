@@ -79,16 +79,18 @@ def measure_kernel(name: str, kernel: Callable[[jax.Array, jax.Array], jax.Array
 def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
                    float_prefill: str, float_max: int, int8_max: int,
                    dp: tuple[tuple[int, int], tuple[int, int]],
+                   amx: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0)),
                    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
                    ) -> tuple[tuple[int, int], tuple[int, int]]:
   """The tiled kernel vs the incumbent at each of ``rows``, per weight format (bf16 / int8 raw
-  values): the AVX512-BF16 kernel in its range ``dp``, else the native float kernel up to
-  ``float_max`` / ``int8_max``, else XLA's dot (as ``models.quant`` lowers it). Returns the
-  (min, max) rows for bf16 and for int8 (``win_range``)."""
+  values), in the router's order: the AMX kernel in its range ``amx``, else the AVX512-BF16
+  kernel in its range ``dp``, else the native float kernel up to ``float_max`` / ``int8_max``,
+  else XLA's dot (as ``models.quant`` lowers it). Returns the (min, max) rows for bf16 and for
+  int8 (``win_range``)."""
   key = jax.random.key(0)
   out = []
-  for (wname, wdt, nat_max), (dlo, dhi) in zip(
-      (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)), dp):
+  for (wname, wdt, nat_max), (dlo, dhi), (alo, ahi) in zip(
+      (("bf16", jnp.bfloat16, float_max), ("int8", jnp.int8, int8_max)), dp, amx):
     if wdt == jnp.int8:
       ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
                         stream_bytes, k * n)
@@ -101,7 +103,9 @@ def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
     new, other = {}, {}
     for m in rows:
       xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-      if dlo <= m <= dhi and dhi:
+      if alo <= m <= ahi and ahi:
+        inc = lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]
+      elif dlo <= m <= dhi and dhi:
         inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]
       elif m <= nat_max:
         inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)

@@ -218,3 +218,12 @@ def test_start_up_race_records_both_formats():
   assert all(set(v) == {"tiled", "incumbent"} and min(v.values()) > 0 for v in meas.values())
   for lo, hi in got:
     assert (lo, hi) == (0, 0) or (lo in rows and hi in rows and lo <= hi)
+
+
+def test_untile_gives_back_the_stored_weights():
+  cfg = get_preset("tiny")
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights.init_params(cfg, jax.random.key(0)))
+  back = weights.untile(weights.tile_params(params, cfg))
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
