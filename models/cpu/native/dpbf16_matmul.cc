@@ -34,22 +34,8 @@ namespace {
 
 constexpr int kMaxRows = 12;  // rows of x per register block: 24 accumulators + 2 weight vectors
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
-// This thread's 64-byte aligned buffer `slot` (0: padded x, 1: the panel) of at least `bytes`,
-// kept across calls (a fresh allocation per call would page-fault its pages in every time).
-void* scratch(int slot, int64_t bytes) {
-  thread_local std::unique_ptr<void, FreeDeleter> buf[2];
-  thread_local int64_t size[2] = {0, 0};
-  if (size[slot] < bytes) {
-    const int64_t rounded = (bytes + 4095) / 4096 * 4096;
-    buf[slot].reset(std::aligned_alloc(64, rounded));
-    size[slot] = rounded;
-  }
-  return buf[slot].get();
-}
+// scratch slots (0: padded x, 1: the panel)
+#include "scratch.h"
 
 // 32 values of a weight row from p (the first lanes of mask m; zeros past them) as bf16 bits.
 inline __m512i row32(const uint16_t* p, __mmask32 m) { return _mm512_maskz_loadu_epi16(m, p); }

@@ -27,22 +27,8 @@ namespace {
 
 #include "run_parts.h"
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
-// The calling thread's 64-byte aligned buffer `slot` (0: x's pairs, 1: a widened int8 tile) of
-// at least `bytes`, kept across calls.
-void* scratch(int slot, int64_t bytes) {
-  thread_local std::unique_ptr<void, FreeDeleter> buf[2];
-  thread_local int64_t size[2] = {0, 0};
-  if (size[slot] < bytes) {
-    const int64_t rounded = (bytes + 4095) / 4096 * 4096;
-    buf[slot].reset(std::aligned_alloc(64, rounded));
-    size[slot] = rounded;
-  }
-  return buf[slot].get();
-}
+// scratch slots (0: x's pairs, 1: a widened int8 tile)
+#include "scratch.h"
 
 // xt[p * ld + m] = (x[m, 2p], x[m, 2p + 1]) for m < M (zeros for m in [M, ld) and past K).
 void pair_rows(const uint16_t* x, int64_t M, int64_t K, int64_t P, int64_t ld, uint32_t* xt) {
