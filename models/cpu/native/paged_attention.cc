@@ -336,8 +336,10 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
       pkeys = std::min<int64_t>({Z, int64_t(j.pos[nb]) + 1, j.max_keys});
     }
     const bool pf = pn >= 0 && pn < j.P && pkeys > 0;
-    // Its visible keys' K and V lines, spread over this page's groups of 16 keys (a short last
-    // page must still fetch the whole of the next item's first page).
+    // Its visible keys' K lines, spread over this page's groups of 16 keys, and its V lines over
+    // this page's value iterations (a short last page must still fetch the whole of the next
+    // item's first page), into L2: a page's K and V fill half of L1, so T0 evicted the lines in
+    // use, and a burst of the whole page's misses stalled the loop it sat in.
     const int64_t pf_bytes = pkeys * H * int64_t(sizeof(T));
     const int64_t groups = (nz + 15) / 16;
     const int64_t pf_step = (pf_bytes / 64 + groups - 1) / groups * 64;
@@ -347,10 +349,8 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
     for (int64_t z0 = 0; z0 < nz; z0 += 16) {
       if (pf) {
         const int64_t c0 = (z0 / 16) * pf_step;
-        for (int64_t c = c0; c < std::min(pf_bytes, c0 + pf_step); c += 64) {
-          _mm_prefetch(nk + c, _MM_HINT_T0);
-          _mm_prefetch(nv + c, _MM_HINT_T0);
-        }
+        for (int64_t c = c0; c < std::min(pf_bytes, c0 + pf_step); c += 64)
+          _mm_prefetch(nk + c, _MM_HINT_T1);
       }
       for (int64_t g = 0; g < G; ++g) {
         __m512 a[16];
@@ -385,6 +385,10 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
     }
     const int64_t npair = (nz + 1) / 2;  // an odd tail pairs with a zero probability
     const bool odd = nz & 1;
+    // The next page's V lines, spread over this page's value iterations.
+    const int64_t v_iters = npair * (H / 32);
+    const int64_t v_step = pf ? (pf_bytes / 64 + v_iters - 1) / v_iters * 64 : 0;
+    int64_t v_next = 0;
     for (int64_t h = 0; h < H; h += 32) {
       __m512 lo[G], hi[G];
       for (int64_t g = 0; g < G; ++g) {
@@ -392,6 +396,9 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
         hi[g] = _mm512_loadu_ps(acc + g * H + h + 16);
       }
       for (int64_t z2 = 0; z2 < npair; ++z2) {
+        for (int64_t c = v_next; c < std::min(pf_bytes, v_next + v_step); c += 64)
+          _mm_prefetch(nv + c, _MM_HINT_T1);
+        v_next += v_step;
         const __m512i v0 = _mm512_loadu_si512(vp + (2 * z2) * H + h);
         // the row after an odd tail may be unwritten (any bits): use zeros, never 0 * NaN
         const __m512i v1 = (odd && z2 == npair - 1) ? _mm512_setzero_si512()
