@@ -17,7 +17,9 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
   * Shapes are bucketed (powers of two; one shard's decode rows also 24, a packed prefill's
     tokens four sizes an octave; the cap where attention is the native kernel);
     ``warmup()`` runs every bucket with all rows inactive, ``seal()`` closes the set
-    (``serving.engine_shapes``). Host arrays go in with ``jax.device_put``. Letters:
+    (``serving.engine_shapes``). A step's small host arrays go to the jitted calls as numpy
+    (the warm-up passes numpy too: one signature; ``jax.device_put`` of a tuple costs ~0.15 ms
+    of Python, the C++ path of a numpy argument ~3 us). Letters:
     ``models/config.py``.
 """
 
@@ -191,11 +193,10 @@ class Engine(EngineApi):
     rows = [(c.request_id, i, self._samp_host[c.slot].logprobs)
             for c, i in zip(chunks, row_of) if c.sample]
     self.program_set.dispatch(("prefill", r, t, attend))
-    toks_RT, slots_R, start_R, lens_R, end_R, want_R, lp_on = jax.device_put(  # one transfer
-        (toks, slots, start, lens, start + lens, want, want_lp(rows)))
-    pool.kv, logits_RV = prefill_call(pool.params, pool.kv, toks_RT, slots_R, start_R, lens_R,
+    pool.kv, logits_RV = prefill_call(pool.params, pool.kv, toks, slots, start, lens,
                                       step=pool.step, attend_len=attend)
-    return self._sample_prefill(chunks, logits_RV, slots_R, end_R, want_R, lp_on, rows)
+    return self._sample_prefill(chunks, logits_RV, slots, start + lens, want, want_lp(rows),
+                                rows)
 
   def _prefill_packed(self, chunks: Sequence[PrefillChunk]) -> Part:
     """The chunks' tokens end to end in one row of ``N = packed(total)`` tokens (no padding to
@@ -209,15 +210,15 @@ class Engine(EngineApi):
     rows = [(c.request_id, j, self._samp_host[c.slot].logprobs)
             for j, c in enumerate(chunks) if c.sample]
     self.program_set.dispatch(("prefill", r, n, attend))
-    toks_N, slot_N, pos_N, slots_R, end_R, last_R, want_R, lp_on = jax.device_put(
-        (p.tokens_N, p.slot_N, p.pos_N, p.slots_R, p.end_R, p.last_R, p.want_R, want_lp(rows)))
-    pool.kv, logits_RV = packed_call(pool.params, pool.kv, toks_N, slot_N, pos_N, slots_R, end_R,
-                                     last_R, step=pool.step, attend_len=attend)
-    return self._sample_prefill(chunks, logits_RV, slots_R, end_R, want_R, lp_on, rows)
+    pool.kv, logits_RV = packed_call(pool.params, pool.kv, p.tokens_N, p.slot_N, p.pos_N,
+                                     p.slots_R, p.end_R, p.last_R, step=pool.step,
+                                     attend_len=attend)
+    return self._sample_prefill(chunks, logits_RV, p.slots_R, p.end_R, p.want_R,
+                                want_lp(rows), rows)
 
   def _sample_prefill(self, chunks: Sequence[PrefillChunk], logits_RV: jax.Array,
-                      slots_R: jax.Array, end_R: jax.Array, want_R: jax.Array,
-                      lp_on: jax.Array, rows: list) -> Part:
+                      slots_R: np.ndarray, end_R: np.ndarray, want_R: np.ndarray,
+                      lp_on: np.bool_, rows: list) -> Part:
     """Each chunk's next id (rows ``want_R``: a prompt's last chunk) from its logits."""
     pool = self.prefill_pool
     self.program_set.dispatch(("sample", end_R.shape[0], "prefill"))
@@ -265,12 +266,10 @@ class Engine(EngineApi):
                 for r, i in zip(rows, row_of)]
     self.program_set.dispatch(("decode", n, attend))
     self.program_set.dispatch(("sample", n, "decode"))
-    slots_R, pos_R, next_R, active_R, lp_on = jax.device_put(  # one transfer
-        (slots, pos, pos + 1, active, want_lp(out_rows)))
-    pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots_R, pos_R,
-                                     active_R, step=pool.step, n=n, attend_len=attend)
-    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots_R, next_R,
-                                         active_R, lp_on, valid_vocab=self.valid_vocab)
+    pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots, pos, active,
+                                     step=pool.step, n=n, attend_len=attend)
+    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots, pos + 1,
+                                         active, want_lp(out_rows), valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
 
   def _attend(self, end: int, phase: str) -> int:
@@ -321,17 +320,18 @@ class Engine(EngineApi):
     """The jitted call that runs ``bucket`` with every row inactive, on the current arrays:
     (function, args, kwargs, the pool whose state its outputs replace)."""
     phase, r, t, attend = bucket
-    none_R = jnp.full((r,), self.config.max_slots, jnp.int32)  # out of range: null pages
-    z_R = jax.device_put(np.zeros((r,), np.int32))
+    # Host arrays, as ``execute`` passes them (the same jit signature).
+    none_R = np.full((r,), self.config.max_slots, np.int32)  # out of range: null pages
+    z_R = np.zeros((r,), np.int32)
     if phase == "prefill" and self.packed:  # t tokens, every one padding
       pool = self.prefill_pool
-      none_N = jnp.full((t,), self.config.max_slots, jnp.int32)
-      args: tuple = (pool.params, pool.kv, jnp.zeros((t,), jnp.int32), none_N,
-                     jnp.full((t,), -1, jnp.int32), none_R, z_R, z_R)
+      none_N = np.full((t,), self.config.max_slots, np.int32)
+      args: tuple = (pool.params, pool.kv, np.zeros((t,), np.int32), none_N,
+                     np.full((t,), -1, np.int32), none_R, z_R, z_R)
       return packed_call, args, dict(step=pool.step, attend_len=attend), pool
     if phase == "prefill":
       pool = self.prefill_pool
-      args = (pool.params, pool.kv, jnp.zeros((r, t), jnp.int32), none_R, z_R, z_R)
+      args = (pool.params, pool.kv, np.zeros((r, t), np.int32), none_R, z_R, z_R)
       return prefill_call, args, dict(step=pool.step, attend_len=attend), pool
     if phase == "decode":
       pool = self.decode_pool
@@ -340,7 +340,7 @@ class Engine(EngineApi):
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
     args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, self._samp, none_R,
-            z_R, z_R.astype(bool), jax.device_put(want_lp([])))
+            z_R, z_R.astype(bool), want_lp([]))
     return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
@@ -427,10 +427,12 @@ class Engine(EngineApi):
     if not plan.empty:
       # Placed like the pool's own table (committed, same sharding): an uncommitted array would
       # be a different jit signature from the warm-up's and recompile every program once.
-      self._table_XM = np.asarray(plan.page_table, np.int32)
-      for pool in self.pools:
-        pool.kv = pool.kv.replace(
-            page_table=jax.device_put(self._table_XM, pool.kv.page_table.sharding))
+      table_XM = np.asarray(plan.page_table, np.int32)
+      if not np.array_equal(table_XM, self._table_XM):  # most decode steps allocate no page
+        self._table_XM = table_XM
+        for pool in self.pools:
+          pool.kv = pool.kv.replace(
+              page_table=jax.device_put(table_XM, pool.kv.page_table.sharding))
     if plan.decode:
       parts.append(self.generate(plan.decode))
     if plan.prefill:

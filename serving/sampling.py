@@ -81,12 +81,11 @@ class SamplingArrays:
   @staticmethod
   def from_params(rows: list[SamplingParams]) -> "SamplingArrays":
     seeds = [r.seed if r.seed is not None else (0 if r.greedy else fresh_seed()) for r in rows]
-    return SamplingArrays(
-        # device_put, not jnp.asarray: no staging program compiled per shape (serving.engine).
-        seed=jax.device_put(np.array(seeds, np.uint32)),
-        temperature=jax.device_put(np.array([r.temperature for r in rows], np.float32)),
-        top_k=jax.device_put(np.array([r.top_k for r in rows], np.int32)),
-        top_p=jax.device_put(np.array([r.top_p for r in rows], np.float32)))
+    # One device_put of the four (not jnp.asarray: no staging program compiled per shape).
+    return SamplingArrays(*jax.device_put((
+        np.array(seeds, np.uint32), np.array([r.temperature for r in rows], np.float32),
+        np.array([r.top_k for r in rows], np.int32),
+        np.array([r.top_p for r in rows], np.float32))))
 
 
 def argmax(logits_BV: jax.Array) -> jax.Array:
