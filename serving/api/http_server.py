@@ -10,7 +10,8 @@ by ``serving.api.http_api``; JSON, or server-sent events with ``stream: true``),
 shape (``http_api.ApiError``); an unexpected exception is a logged 500.
 ``Frontend.generate`` runs in a thread pool; streams hold no thread (the loop thread wakes the
 event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
-buffer). A client that closes the connection cancels every sample it still has running.
+buffer; one step's wake-ups are one ``serving.api.wakeups`` batch). A client that closes the
+connection cancels every sample it still has running.
 The route-by-route behaviour: docs/http_api.md and BUILD_NOTES "Design: The API".
 """
 
@@ -33,6 +34,7 @@ from serving.api import http_api
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
 from serving.api.frontend import Frontend
 from serving.api.stream import ServiceError, Status, Stream
+from serving.api.wakeups import Wakeups
 from serving.api.http_api import ApiError
 from serving.request import RequestOutput
 from serving.stop import FinishReason
@@ -78,6 +80,14 @@ class _Api:
     self.created = int(time.time())
     self.pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrent + 8,
                                                       thread_name_prefix="http")
+    self._wakeups_by_loop: dict[asyncio.AbstractEventLoop, Wakeups] = {}
+
+  def _wakeups(self, loop: asyncio.AbstractEventLoop) -> Wakeups:
+    """The loop's coalesced wake-ups: a step's outputs to many streams wake it once."""
+    w = self._wakeups_by_loop.get(loop)
+    if w is None:
+      w = self._wakeups_by_loop[loop] = Wakeups(loop)
+    return w
 
   # -- plumbing -------------------------------------------------------------------------------
 
@@ -152,10 +162,10 @@ class _Api:
   async def events(self, streams: Sequence[Stream]
                    ) -> AsyncGenerator[tuple[int, int, RequestOutput], None]:
     """(prompt, sample, output) from every stream as they come; ServiceError at a failure."""
-    loop = asyncio.get_running_loop()
     ready = asyncio.Event()
+    wakeups = self._wakeups(asyncio.get_running_loop())
     def wake() -> None:
-      loop.call_soon_threadsafe(ready.set)
+      wakeups.wake(ready)
     for s in streams:
       s.on_ready(wake)
     live = list(range(len(streams)))
