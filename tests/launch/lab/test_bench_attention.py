@@ -1,0 +1,42 @@
+"""launch.lab.bench_attention smoke test: the CLI runs on the tiny preset at minimal sizes and
+prints one JSON object with positive timings and the K / V bytes it read; a bad flag exits 2 with
+a one-line error."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models.cpu import paged_attention
+from tests import paths
+
+ROOT = str(paths.REPO)
+
+
+def _run(*args, timeout=60):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.run([sys.executable, "-m", "launch.lab.bench_attention", *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(not paged_attention.available(), reason="the native kernel needs AVX-512 F")
+def test_tiny_bench_json():
+  r = _run("--model", "tiny", "--rows", "2,3", "--context", "40", "--page_size", "16",
+           "--rounds", "1", "--noscatter", "--json")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert (out["model"], out["context"], out["page_size"], out["scatter"]) == ("tiny", 40, 16, False)
+  assert [e["rows"] for e in out["rows"]] == [2, 3]
+  for e in out["rows"]:
+    assert e["ms"] > 0 and 0 < e["best_ms"] <= e["ms"] and e["gb_s"] > 0
+  from models.config import get_preset
+  c = get_preset("tiny")  # K and V, every layer, bf16
+  assert out["rows"][0]["kv_bytes"] == 2 * c.num_layers * 2 * 40 * c.num_kv_heads * c.head_dim * 2
+
+
+def test_bad_page_size_is_a_one_line_error():
+  r = _run("--model", "tiny", "--page_size", "24")
+  assert r.returncode == 2
+  assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
