@@ -107,7 +107,8 @@ class KVCache:
       table_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
       return cpu_paged_attention.attend_paged(q_BTNH, self.k, self.v, table_B1, pos_BT, layer,
                                               min(attend_len, self.max_len),
-                                              self.backend.paged_bf16_dot)
+                                              self.backend.paged_bf16_dot,
+                                              self.backend.policy.attention_prefetch_l2)
     return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
 
 

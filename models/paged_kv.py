@@ -200,7 +200,8 @@ class PagedKV:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
                                               self.page_table, pos_BT, layer, attend_len,
-                                              self.backend.paged_bf16_dot)
+                                              self.backend.paged_bf16_dot,
+                                              self.backend.policy.attention_prefetch_l2)
     if self.sink_pool:
       out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys
@@ -208,7 +209,7 @@ class PagedKV:
         full_BTNH = cpu_paged_attention.attend_paged(
             q_BTNH, self.k_pages, self.v_pages, self.page_table,
             jnp.where(ring_B[:, None], -1, pos_BT), layer, self.max_len,  # -1: no work
-            self.backend.paged_bf16_dot)
+            self.backend.paged_bf16_dot, self.backend.policy.attention_prefetch_l2)
         out_BTNH = jnp.where(ring_B[:, None, None, None], out_BTNH, full_BTNH)
       return out_BTNH
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)

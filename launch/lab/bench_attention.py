@@ -7,15 +7,16 @@ One jitted call runs ``models.cpu.paged_attention.decode_attention`` once per la
 ``--model`` (its heads, kv heads and head size; random pages, not its weights) for ``--rows``
 rows that each see ``--context`` keys in pages of ``--page_size``, the rows' pages spread over
 the pool by a random permutation (as a long-running pool's free list gives; ``--noscatter``: in
-order, each row's pages adjacent, as a fresh pool gives). Per row count: a
-warm-up call, then ``--rounds`` calls; the figures are the median and the best call, and the K
-and V bytes a call reads over the best time. ``--json`` prints one JSON object {"model",
-"dtype", "context", "page_size", "scatter", "date", "machine", "rows": [{"rows", "ms", "best_ms",
+order, each row's pages adjacent, as a fresh pool gives; ``--noprefetch_l2``: the next page
+prefetched into L1, the other choice of the start-up race). Per row count: a warm-up call, then
+``--rounds`` calls; the figures are the median and the best call, and the K and V bytes a call
+reads over the best time. ``--json`` prints one JSON object {"model", "dtype", "context",
+"page_size", "scatter", "prefetch_l2", "date", "machine", "rows": [{"rows", "ms", "best_ms",
 "kv_bytes", "gb_s"}], "wall_s"}. The kernel must be available (AVX-512 F; bf16 pages take its
 AVX-512 BF16 loops where the CPU has them); otherwise the run is a one-line error (exit 2).
-``run(model, dtype_name, rows, context, page_size, rounds, scatter=True) -> dict`` is the
-library (a bad argument is a ``ValueError``); the flags exist only when run as a program
-(``_Flags``).
+``run(model, dtype_name, rows, context, page_size, rounds, scatter=True, prefetch_l2=True)``
+-> dict is the library (a bad argument is a ``ValueError``); the flags exist only when run as a
+program (``_Flags``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from launch.cli import CliError
 
 
 def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_size: int,
-        rounds: int, scatter: bool = True) -> dict:
+        rounds: int, scatter: bool = True, prefetch_l2: bool = True) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -67,7 +68,8 @@ def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_s
       acc_BNH = jnp.zeros(q_BNH.shape, jnp.float32)
       for layer in range(layers):
         acc_BNH += paged_attention.decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B,
-                                                    layer, m * page_size, bf16_dot)
+                                                    layer, m * page_size, bf16_dot,
+                                                    prefetch_l2)
       return acc_BNH
 
     args = (q_BNH, k_pages, v_pages, table_BM, pos_B)
@@ -81,7 +83,7 @@ def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_s
     out.append({"rows": b, "ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times),
                 "kv_bytes": kv_bytes, "gb_s": kv_bytes / min(times) / 1e9})
   return {"model": model, "dtype": dtype_name, "context": context, "page_size": page_size,
-          "scatter": scatter,
+          "scatter": scatter, "prefetch_l2": prefetch_l2,
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "machine": machine.describe(), "rows": out, "wall_s": time.perf_counter() - t0}
 
@@ -98,6 +100,8 @@ class _Flags:
     self.rounds = flags.DEFINE_integer("rounds", 20, "timed calls per row count", lower_bound=1)
     self.scatter = flags.DEFINE_bool("scatter", True, "rows' pages in a random order (else "
                                      "in order)")
+    self.prefetch_l2 = flags.DEFINE_bool("prefetch_l2", True, "prefetch the next page into L2 "
+                                         "(else L1)")
     self.json = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
 
@@ -111,7 +115,7 @@ def main(f: _Flags, argv: list[str]) -> None:
   try:
     rows = tuple(int(v) for v in f.rows.value if v.strip())
     r = run(f.model.value, f.dtype.value, rows, f.context.value, f.page_size.value,
-            f.rounds.value, f.scatter.value)
+            f.rounds.value, f.scatter.value, f.prefetch_l2.value)
   except ValueError as e:
     raise CliError(str(e))
   if f.json.value:

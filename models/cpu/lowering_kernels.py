@@ -5,7 +5,8 @@ format, at start-up only.
 Contract: ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
 stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
 (min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
-the shared race of a kernel given as ``(x, w) -> y``.
+the shared race of a kernel given as ``(x, w) -> y``; ``measure_attention(meas, rounds)`` -> the
+paged attention's prefetch target (True: L2).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models.cpu import kernels as cpu_kernels
-from models.cpu.lowering import chain, float_dot, race, weight_stack, win_range
+from models.cpu import kernels as cpu_kernels, paged_attention
+from models.cpu.lowering import DEFAULT, MARGIN, chain, float_dot, race, weight_stack, win_range
 
 
 def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
@@ -118,3 +119,37 @@ def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
     out.append(win_range(new, other))
     del ws, tiles
   return out[0], out[1]
+
+
+def measure_attention(meas: dict, rounds: int, rows: int = 16, keys: int = 200,
+                      layers: int = 8) -> bool:
+  """The native paged attention with the next page prefetched into L2 against L1, on decode
+  rows of SmolLM2's attention shape (9 heads on 3 kv heads, H 64, bf16 pages of 64 spread over
+  the pool) at ``keys`` keys a row, ``layers`` calls a timing. L1 replaces ``DEFAULT``'s L2 only
+  when faster by ``MARGIN``. Without the kernel: ``DEFAULT``'s choice, nothing timed."""
+  if not paged_attention.available():
+    return DEFAULT.attention_prefetch_l2
+  n, k, h, z = 9, 3, 64, 64
+  m = -(-keys // z)
+  key = jax.random.key(0)
+  shape = (layers, rows * m, k, z, h)
+  k_pages = jax.random.normal(key, shape, jnp.bfloat16)
+  v_pages = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+  table = jax.random.permutation(key, rows * m).reshape(rows, m).astype(jnp.int32)
+  pos = jnp.full((rows,), keys - 1, jnp.int32)
+  q = jax.random.normal(key, (rows, n, h), jnp.bfloat16) * h ** -0.5
+  dot = paged_attention.bf16_dot_supported()
+
+  def calls(l2: bool):
+    @jax.jit
+    def f(q, k_pages, v_pages):
+      out = jnp.zeros(q.shape, jnp.float32)
+      for layer in range(layers):
+        out += paged_attention.decode_attention(q, k_pages, v_pages, table, pos, layer, m * z,
+                                                dot, prefetch_l2=l2)
+      return out
+    return lambda: f(q, k_pages, v_pages)
+
+  r = race({"l2": calls(True), "l1": calls(False)}, 2 * rounds)  # a 10-70% effect
+  meas[f"attention_prefetch_{rows}rows_{keys}keys"] = r
+  return not r["l1"] * (1 + MARGIN) < r["l2"]

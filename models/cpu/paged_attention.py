@@ -6,12 +6,15 @@ Contract:
     AVX-512 BF16. Callers choose through ``models.cpu.backend.CpuBackend``.
   * ``supported(n_heads, kv_heads, head_dim, dtype)``: ``head_dim % 16 == 0``, at most 16 query
     heads per kv head, pages f32, bf16 or int8.
-  * ``decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B, layer, max_keys, bf16_dot)``
+  * ``decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B, layer, max_keys, bf16_dot,
+    prefetch_l2)``
     -> f32 ``[B, N, H]``: softmax attention of each (pre-scaled) query over keys
     ``s < min(pos_B[b] + 1, max_keys)`` of pool ``[L, P, K, Z, H]`` (int8 pools: ``QuantArray``
     with per-token scales), key ``s`` at page ``table_BM[b, s // Z]``; a table entry outside
     ``[0, P)`` reads as zeros; a row with no visible key gives zeros. ``layer`` may be traced.
   * ``attend_paged(q_BTNH, ...)``: the same, called as ``models.attention.attend`` is.
+  * ``prefetch_l2``: where the next page is prefetched (L2, else L1; the backend policy's
+    ``attention_prefetch_l2``, raced at start-up); the outputs do not depend on it.
   * Numerics: f32 products and sums, online softmax: the gather path up to summation order;
     ``bf16_dot`` (int8 pools, or bf16 pools with a bf16 query) rounds q and the probabilities
     to bf16 (relative error ~1e-3).
@@ -54,7 +57,7 @@ def supported(n_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
 
 def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
                      pos_B: jax.Array, layer: int | jax.Array, max_keys: int,
-                     bf16_dot: bool = False) -> jax.Array:
+                     bf16_dot: bool = False, prefetch_l2: bool = True) -> jax.Array:
   """See the module contract (call only when ``available()`` and ``supported(...)``)."""
   b, n, h = q_BNH.shape
   if isinstance(k_pages, QuantArray) and isinstance(v_pages, QuantArray):
@@ -74,12 +77,13 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
               v_scale.astype(jnp.float32), table_BM.astype(jnp.int32),
               pos_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
               max_keys=np.int64(max_keys),
-              bf16_dot=np.int32(1 if _dot_path(bf16_dot, q_BNH.dtype, k_arr.dtype) else 0))
+              bf16_dot=np.int32(1 if _dot_path(bf16_dot, q_BNH.dtype, k_arr.dtype) else 0),
+              prefetch_l2=np.int32(1 if prefetch_l2 else 0))
 
 
 def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
                  pos_BT: jax.Array, layer: int | jax.Array, max_keys: int,
-                 bf16_dot: bool = False) -> jax.Array:
+                 bf16_dot: bool = False, prefetch_l2: bool = True) -> jax.Array:
   """``models.attention.attend`` of every query of a chunk over a pool read through
   ``table_BM`` (``[B, T, N, H]`` in q's dtype; q scaled by ``H ** -0.5`` and rounded to its
   dtype as ``attend`` does): query t of row b is one row of ``decode_attention`` at position
@@ -91,7 +95,7 @@ def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: ja
   q_RNH = (q_BTNH.reshape(b * t, n, h).astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
   table_RM = table_BM if t == 1 else jnp.repeat(table_BM, t, axis=0)  # R = B * T rows
   out_RNH = decode_attention(q_RNH, k_pages, v_pages, table_RM, pos_BT.reshape(b * t), layer,
-                             max_keys, bf16_dot)
+                             max_keys, bf16_dot, prefetch_l2)
   return out_RNH.reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 

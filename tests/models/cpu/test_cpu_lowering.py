@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from models.cpu import backend as cpu_backend, cpuinfo, lowering as cpu_lowering
+from models.cpu import paged_attention as cpa
 from models import quant
 from models.quant import quantize_array
 from tests.cpu_policies import NATIVE
@@ -71,6 +72,10 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   if native:
     assert {"int8_kn_decode_1rows", "int8_nk_decode_8rows", "float_decode_bfloat16_8rows",
             "int8_kn_prefetch_l1_1rows"} <= set(r["measurements"])
+  if native and cpa.available():  # the paged attention's prefetch target, L2 vs L1
+    att = r["measurements"]["attention_prefetch_16rows_200keys"]
+    assert set(att) == {"l1", "l2"} and min(att.values()) > 0
+    assert p.attention_prefetch_l2 == (not att["l1"] * (1 + cpu_lowering.MARGIN) < att["l2"])
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
   amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
   if native and amx:

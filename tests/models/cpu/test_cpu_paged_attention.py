@@ -101,6 +101,20 @@ def test_kernel_equals_the_gather_path(b, n, kh, h, z, m, dtype, bf16_dot):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_the_prefetch_target_changes_no_output(dtype):
+  """The next page prefetched into L1 or L2 (the policy's ``attention_prefetch_l2``): the same
+  bits, over pages long and short (the prefetch runs ahead into the next row's first page)."""
+  rng = np.random.default_rng(11)
+  q, k, v, table, pos = _case(rng, 6, 9, 3, 64, 64, 4, jnp.dtype(dtype))
+  got = {l2: jax.jit(lambda q, l2=l2: cpa.decode_attention(
+      q[:, 0], k, v, table, pos, 1, 4 * 64, bf16_dot=True, prefetch_l2=l2))(q)
+         for l2 in (False, True)}
+  assert got[True].shape == (6, 9, 64)
+  np.testing.assert_array_equal(np.asarray(got[False]), np.asarray(got[True]))
+
+
+@needs_kernel
 def test_an_f32_query_over_bf16_pages_is_not_rounded():
   """f32 activations over a bf16 pool (``--kv_dtype bfloat16``): the stored K / V are exact in
   f32, so the kernel must equal the gather path to f32 accuracy (the BF16 dot-product loops,
