@@ -3,7 +3,8 @@
 Contract: a CLI raises ``CliError`` for bad input and calls ``run(main)`` under ``__main__``;
 bad flags (unknown flag, value out of range) and ``CliError`` both exit 2 with ``error: ...``.
 ``start(argv, required=())`` is a script's first line in ``main``: warnings-only logging, no
-positional arguments, the named flags set. ``positive_ints(name, values)`` parses a list flag.
+positional arguments, the named flags set. ``positive_ints(name, values)`` parses a list flag;
+``preset(value)`` checks a ``--model`` that must be a preset the CLI can instantiate.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def positive_ints(name: str, values: list[str]) -> tuple[int, ...]:
   if not out or min(out) < 1:
     raise CliError(f"--{name} must be positive integers, got {','.join(values)!r}")
   return out
+
+
+def preset(value: str) -> str:
+  """``value`` if it names a preset this process can build (not the paper's PaLM shapes)."""
+  from models.config import PRESET_NAMES
+  if value not in PRESET_NAMES or value.startswith("palm"):
+    raise CliError(f"--model must be an instantiable preset, got {value!r}")
+  return value
 
 
 def run(main: Callable[[list[str]], None]) -> None:

@@ -27,7 +27,7 @@ import json
 import statistics
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli, machine
 from launch.cli import CliError
@@ -106,15 +106,10 @@ class _Flags:
 
 
 def main(f: _Flags, argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from models.config import PRESET_NAMES
-  if f.model.value not in PRESET_NAMES or f.model.value.startswith("palm"):
-    raise CliError(f"--model must be an instantiable preset, got {f.model.value!r}")
+  cli.start(argv)
+  rows = cli.positive_ints("rows", f.rows.value)
   try:
-    rows = tuple(int(v) for v in f.rows.value if v.strip())
-    r = run(f.model.value, f.dtype.value, rows, f.context.value, f.page_size.value,
+    r = run(cli.preset(f.model.value), f.dtype.value, rows, f.context.value, f.page_size.value,
             f.rounds.value, f.scatter.value, f.prefetch_l2.value)
   except ValueError as e:
     raise CliError(str(e))

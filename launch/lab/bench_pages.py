@@ -155,9 +155,7 @@ def main(f: _Flags, argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   if len(argv) > 1:
     raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from models.config import PRESET_NAMES
-  if f.model.value not in PRESET_NAMES or f.model.value.startswith("palm"):
-    raise CliError(f"--model must be an instantiable preset, got {f.model.value!r}")
+  cli.preset(f.model.value)
   try:
     r = run(f.model.value, f.dtype.value, f.batch.value, f.context.value, _page_sizes(f),
             f.steps.value, f.repeats.value, f.kv_int8.value)

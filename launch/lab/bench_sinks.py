@@ -42,12 +42,11 @@ def run() -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from models.config import PRESET_NAMES, get_preset
+  from models.config import get_preset
   from launch.lab.streaming import Policy, recompute_logits, ring_pages, stream_nll
   from models.weights import init_params, quantize
 
-  if _MODEL.value not in PRESET_NAMES or _MODEL.value.startswith("palm"):
-    raise CliError(f"--model must be an instantiable preset, got {_MODEL.value!r}")
+  cli.preset(_MODEL.value)
   if _STREAM.value <= _WINDOW.value + _RECOMPUTE.value:
     raise CliError("--stream must exceed --window + --recompute_tokens")
   t0 = time.perf_counter()
