@@ -39,7 +39,7 @@ import numpy as np
 
 from launch.lab.loadgen_lib.report import percentile  # noqa: F401 (for soak_lib.report)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 READY_SERVICE = "phaseserve.v1.Generation"
 
 # report key -> Prometheus sample names (the first one registered wins; counters end in _total).
