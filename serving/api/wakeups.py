@@ -4,7 +4,9 @@ Contract: ``Wakeups(loop).wake(event)`` (any thread) sets the ``asyncio.Event`` 
 ``loop``. Calls made before the loop runs the pending batch join it: one
 ``call_soon_threadsafe`` (a self-pipe write and a thread wake-up) carries every event woken
 since the last batch ran, however many streams got an output in that step. An event is set
-at most once a batch; a wake after the batch ran schedules the next one, so none is lost.
+at most once a batch; a wake after the batch ran schedules the next one, so none is lost. On a
+closed loop ``wake`` raises ``RuntimeError`` (as ``call_soon_threadsafe`` does) and holds
+nothing; ``held`` counts the events waiting for the next batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ class Wakeups:
         return
       self._scheduled = True
       self.batches += 1
-    self.loop.call_soon_threadsafe(self._run)
+    try:
+      self.loop.call_soon_threadsafe(self._run)
+    except RuntimeError:  # the loop has closed: nothing will run the batch, hold nothing
+      with self._lock:
+        self._pending.clear()
+        self._scheduled = False
+      raise
+
+  @property
+  def held(self) -> int:
+    """Events waiting for the next batch."""
+    with self._lock:
+      return len(self._pending)
 
   def _run(self) -> None:
     with self._lock:

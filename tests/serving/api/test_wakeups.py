@@ -49,3 +49,17 @@ def test_many_threads_many_events():
       t.join()
     return w.batches
   assert 1 <= asyncio.run(main()) <= 64
+
+
+def test_a_closed_loop_holds_nothing():
+  loop = asyncio.new_event_loop()
+  w = Wakeups(loop)
+  loop.close()
+  e = asyncio.Event()
+  for _ in range(2):  # each wake tries again (the stream logs the failure), none is held
+    try:
+      w.wake(e)
+      raise AssertionError("a closed loop must refuse the batch")
+    except RuntimeError:
+      pass
+    assert w.held == 0
