@@ -73,8 +73,7 @@ def build_prompt(tokenizer: Tokenizer, *, prompt: str | None = None,
     return [int(i) for i in prompt_ids]
   if chat is not None:
     try:
-      return tokenizer.encode_chat([{"role": "user", "content": chat}],
-                                   add_generation_prompt=True)
+      return tokenizer.encode_chat([{"role": "user", "content": chat}])
     except ValueError as e:
       raise CliError(f"--chat: {e}")
   assert prompt is not None

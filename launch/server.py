@@ -48,6 +48,10 @@ _HTTP_PORT = flags.DEFINE_integer("http_port", None, "OpenAI-compatible HTTP por
                                   "port; default: no HTTP server)", lower_bound=0)
 _SERVED_MODEL = flags.DEFINE_string("served_model_name", None, "the model id of the HTTP API "
                                     "(default: the model's name)")
+_SPECIAL_IN_MESSAGES = flags.DEFINE_bool(
+    "special_tokens_in_messages", False, "chat message content may hold control tokens "
+    "(<|im_start|> ...) that become control ids, as vLLM and llama.cpp allow; off: content is "
+    "text, so no client can forge a system or assistant turn")
 _METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port "
                                      "(0: any free port)", lower_bound=0)
 _MAX_MESSAGE = flags.DEFINE_integer("max_message_bytes", 4 << 20, "largest request message",
@@ -145,6 +149,24 @@ def _exit_failed(frontend, running, http, term: threading.Event) -> None:
   os._exit(1)  # the loop thread may be stuck in the engine: do not wait for it
 
 
+def sampling_defaults(model: str):
+  """The HTTP API's sampling defaults: a checkpoint directory's ``generation_config.json``, else
+  OpenAI's (``serving.api.http_api.SamplingDefaults``)."""
+  import json
+  from serving.api import http_api
+  path = os.path.join(model, "generation_config.json")
+  if not os.path.isfile(path):
+    return http_api.SamplingDefaults()
+  try:
+    with open(path, encoding="utf-8") as f:
+      cfg = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CliError(f"cannot read {path}: {e}")
+  if not isinstance(cfg, dict):
+    raise CliError(f"{path} is not a JSON object")
+  return http_api.defaults_from_generation_config(cfg, path)
+
+
 def main(argv: list[str]) -> None:
   t_start = time.monotonic()
   logging.set_verbosity(logging.INFO)
@@ -206,7 +228,8 @@ def main(argv: list[str]) -> None:
                   default_max_tokens=_DEFAULT_MAX_TOKENS.value, max_n=_MAX_N.value,
                   slo_classes=tuple(c.name for c in classes),
                   default_slo_class=_DEFAULT_SLO.value,
-                  attention_sinks=capacity.attention_sinks, page_size=capacity.page_size)
+                  attention_sinks=capacity.attention_sinks, page_size=capacity.page_size,
+                  special_in_messages=_SPECIAL_IN_MESSAGES.value)
   frontend = Frontend(loop, tok, FrontendConfig(
       limits, classes, slo_scale=_SLO_SCALE.value, early_reject=_EARLY_REJECT.value,
       max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
@@ -227,10 +250,13 @@ def main(argv: list[str]) -> None:
   http = None
   if _HTTP_PORT.value is not None:
     from serving.api import http_server
+    defaults = sampling_defaults(ef.MODEL.value)
+    logging.info("HTTP sampling defaults (fields a request leaves out): %s", defaults)
     try:
       http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
           _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,
-          max_context=limits.max_context, tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value))
+          max_context=limits.max_context, defaults=defaults, version=version,
+          tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value))
     except OSError as e:
       running.server.stop(None)
       raise CliError(str(e))

@@ -80,6 +80,7 @@ class RequestOutput:
   message: str = ""
   usage: Usage | None = None
   logprobs: tuple[TokenLogprobs, ...] = ()  # one per id of token_ids, when asked for
+  stop_reason: str | int | None = None  # on a ``stop`` finish: the stop string or id, if asked
 
   @property
   def finished(self) -> bool:

@@ -351,7 +351,8 @@ class Scheduler:
     del self._seqs[seq.req.request_id]
     self._outputs.append(RequestOutput(
         seq.req.request_id, ids, text, reason, message,
-        Usage(len(seq.req.prompt_ids), seq.generated, seq.cached), lp))
+        Usage(len(seq.req.prompt_ids), seq.generated, seq.cached), lp,
+        seq.checker.stop_reason))
 
   def _apply_cancellations(self) -> None:
     with self._cancel_lock:

@@ -6,7 +6,9 @@ the sequence is finished, its ``FinishReason``:
   * ``stop``: a stop id (the tokenizer's end ids unless ``ignore_eos``, plus ``stop_ids``) or a
     stop string (matched on the detokenized text, across token boundaries);
   * ``length``: ``max_tokens`` generated.
-Stop ids and strings are ignored until ``min_tokens`` ids have been generated.
+Stop ids and strings are ignored until ``min_tokens`` ids have been generated. ``stop_reason``:
+the matched stop string or the asked-for stop id (``stop_ids``; not the tokenizer's own end
+ids), else None; ``include_stop_str`` keeps a matched stop string in the text.
 Output accounting (as JetStream and vLLM): ``token_ids`` include the id that ended the sequence
 (``all_ids``); the text excludes a stop id's text and everything from a matched stop string on.
 Text is released only once it can no longer be the start of a stop string, and never with a
@@ -38,6 +40,7 @@ class StopCriteria:
   stop_strings: tuple[str, ...] = ()
   min_tokens: int = 0
   ignore_eos: bool = False
+  include_stop_str: bool = False  # the text keeps a matched stop string (vLLM's option)
 
   def __post_init__(self):
     if self.max_tokens < 1:
@@ -72,10 +75,12 @@ class StopChecker:
     self.criteria = criteria
     ends = () if criteria.ignore_eos else tuple(tokenizer.eos_ids)
     self._stop_ids = frozenset(ends + tuple(criteria.stop_ids))
+    self._asked_ids = frozenset(criteria.stop_ids)
     self._decoder = StreamDecoder(tokenizer)
     self._pending = ""  # decoded text not yet released (may start a stop string)
     self.all_ids: list[int] = []
     self.finish: FinishReason | None = None
+    self.stop_reason: str | int | None = None  # the stop string or asked-for stop id that ended it
 
   def push(self, token_id: int) -> StopStep:
     if self.finish is not None:
@@ -84,6 +89,8 @@ class StopChecker:
     n = len(self.all_ids)
     armed = n > self.criteria.min_tokens
     if armed and int(token_id) in self._stop_ids:
+      if int(token_id) in self._asked_ids:
+        self.stop_reason = int(token_id)
       return self._flush_end(FinishReason.STOP, armed)
     self._pending += self._decoder.push(token_id)
     cut = self._stop_at(self._pending) if armed else -1
@@ -97,9 +104,14 @@ class StopChecker:
     return StopStep(out)
 
   def _stop_at(self, text: str) -> int:
-    """Where the first stop string in ``text`` begins, else -1."""
-    return min((i for i in (text.find(s) for s in self.criteria.stop_strings) if i >= 0),
-               default=-1)
+    """Where the text ends at the first stop string in ``text`` (its start, or its end with
+    ``include_stop_str``), else -1; sets ``stop_reason`` to it."""
+    found = min(((i, s) for s in self.criteria.stop_strings if (i := text.find(s)) >= 0),
+                default=None, key=lambda f: f[0])
+    if found is None:
+      return -1
+    self.stop_reason = found[1]
+    return found[0] + (len(found[1]) if self.criteria.include_stop_str else 0)
 
   def _flush_end(self, reason: FinishReason, armed: bool) -> StopStep:
     """Ends with the text the decoder still holds (a partial UTF-8 character's prefix), which

@@ -2,10 +2,11 @@
 
 Contract:
   * ``render_chat_template(template, messages, *, add_generation_prompt=True, bos_token=None,
-    eos_token=None) -> str`` renders the way transformers' ``apply_chat_template`` does, in
+    eos_token=None, template_vars=None) -> str`` renders the way transformers' ``apply_chat_template`` does, in
     Jinja2's ``ImmutableSandboxedEnvironment`` (with transformers' globals and filters).
-  * ``messages`` must be a non-empty list of mappings with exactly the keys ``role`` and
-    ``content``, both ``str`` (``validate_messages``); the template sees fresh plain dicts.
+  * ``messages`` must be a non-empty list of mappings with the keys ``role`` and ``content``
+    and optionally ``name``, all ``str`` (``validate_messages``); the template sees fresh plain
+    dicts. ``template_vars`` adds variables (not the four above).
   * The sandbox is strict: an unsafe attribute raises at once.
   * Every failure is a ``ValueError`` with the reason (invalid messages, syntax error, sandbox
     violation, a render error, the template's own ``raise_exception(message)`` verbatim).
@@ -20,7 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Any, Mapping, Sequence, TypedDict
+from typing import Any, Mapping, NotRequired, Sequence, TypedDict
 
 import jinja2
 import jinja2.ext
@@ -39,6 +40,7 @@ DEFAULT_CHAT_TEMPLATE = (
 class ChatMessage(TypedDict):
   role: str
   content: str
+  name: NotRequired[str]  # OpenAI's participant name, passed to the template
 
 
 class _RaisedByTemplate(jinja2.TemplateError):
@@ -127,6 +129,10 @@ def _compile(template: str) -> jinja2.Template:
     raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
 
 
+_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_RESERVED_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def validate_messages(messages: object) -> list[ChatMessage]:
   """``messages`` as fresh plain dicts, or a ValueError saying what is wrong."""
   if not isinstance(messages, (list, tuple)) or not messages:
@@ -137,29 +143,40 @@ def validate_messages(messages: object) -> list[ChatMessage]:
       raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got "
                        f"{type(message).__name__}")
     keys = set(message)
-    if keys != {"role", "content"}:
-      missing, extra = {"role", "content"} - keys, keys - {"role", "content"}
-      raise ValueError(f"chat message {i} must have exactly the keys 'role' and 'content' "
-                       f"(missing: {sorted(missing)}, unexpected: {sorted(map(str, extra))})")
+    if not {"role", "content"} <= keys <= _MESSAGE_KEYS:
+      missing, extra = {"role", "content"} - keys, keys - _MESSAGE_KEYS
+      raise ValueError(f"chat message {i} must have the keys 'role' and 'content' and may have "
+                       f"'name' (missing: {sorted(missing)}, unexpected: "
+                       f"{sorted(map(str, extra))})")
     role, content = message["role"], message["content"]
     if not isinstance(role, str) or not role:
       raise ValueError(f"chat message {i}: 'role' must be a non-empty str, got {role!r}")
     if not isinstance(content, str):
       raise ValueError(f"chat message {i}: 'content' must be a str, got "
                        f"{type(content).__name__}")
-    out.append({"role": str.__str__(role), "content": str.__str__(content)})
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+      raise ValueError(f"chat message {i}: 'name' must be a str, got {type(name).__name__}")
+    plain: ChatMessage = {"role": str.__str__(role), "content": str.__str__(content)}
+    if name is not None:
+      plain["name"] = str.__str__(name)
+    out.append(plain)
   return out
 
 
 def render_chat_template(template: str, messages: Sequence[ChatMessage], *,
                          add_generation_prompt: bool = True, bos_token: str | None = None,
-                         eos_token: str | None = None) -> str:
+                         eos_token: str | None = None,
+                         template_vars: Mapping[str, object] | None = None) -> str:
   """Renders ``template`` for ``messages``; see the module contract."""
   if not isinstance(template, str):
     raise ValueError(f"a chat template must be a str, got {type(template).__name__}")
   chat = validate_messages(messages)
   compiled = _compile(template)
-  variables: dict[str, object] = {"messages": chat,
+  clash = sorted(_RESERVED_VARS & set(template_vars or {}))
+  if clash:
+    raise ValueError(f"template variables cannot set {clash[0]!r}")
+  variables: dict[str, object] = {**(template_vars or {}), "messages": chat,
                                   "add_generation_prompt": bool(add_generation_prompt)}
   for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
     if token is not None:

@@ -5,7 +5,10 @@ Contract:
     when not None); ``decode(ids)`` drops special and unknown ids and never raises on invalid
     UTF-8; ``vocab_size``, ``bos_id``, ``eos_id`` / ``eos_ids``, ``token_bytes(id)``;
     ``chat_template``, ``apply_chat_template(messages)`` and ``encode_chat`` (no BOS prepended:
-    the template writes its special tokens); a tokenizer without a template is a ``ValueError``.
+    the template writes its special tokens; message content never becomes control ids unless
+    ``ChatOptions.special_in_content``: ``models.text.chat_encode``); a tokenizer without a
+    template is a ``ValueError``. ``control_texts`` / ``encode_plain(text)``: the special tokens'
+    texts, and ``text`` encoded with those split as plain text.
   * Implementations: ``ByteTokenizer`` (the random presets: bytes 0..255, BOS 256, EOS 257, PAD
     258), ``TokenizersTokenizer`` (an in-memory ``tokenizers.Tokenizer``, used for GGUF files),
     ``HFTokenizer`` (a Hugging Face ``tokenizer.json`` with its config files).
@@ -26,6 +29,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import tokenizers
 
+from models.text.chat_encode import ChatOptions, encode_chat
 from models.text.chat_template import DEFAULT_CHAT_TEMPLATE, ChatMessage, render_chat_template
 from models.config import PRESET_NAMES, get_preset
 
@@ -82,19 +86,31 @@ class Tokenizer(abc.ABC):
   def eos_token(self) -> str | None:
     return None
 
+  @property
+  def control_texts(self) -> tuple[str, ...]:
+    """The texts ``encode`` turns into control (special) ids wherever they occur."""
+    return ()
+
+  def encode_plain(self, text: str) -> list[int]:
+    """``text`` as text: a control token's text in it is split like any other text."""
+    return self.encode(text)
+
   def apply_chat_template(self, messages: Sequence[ChatMessage],
-                          add_generation_prompt: bool = True) -> str:
+                          add_generation_prompt: bool = True,
+                          template_vars: Mapping[str, object] | None = None) -> str:
     """``messages`` rendered with this tokenizer's chat template; ValueError without one."""
     template = self.chat_template
     if template is None:
       raise ValueError(f"{self!r} has no chat template")
     return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                bos_token=self.bos_token, eos_token=self.eos_token)
+                                bos_token=self.bos_token, eos_token=self.eos_token,
+                                template_vars=template_vars)
 
   def encode_chat(self, messages: Sequence[ChatMessage],
-                  add_generation_prompt: bool = True) -> list[int]:
-    """The ids of ``apply_chat_template(...)``; ``bos_id`` is not prepended."""
-    return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+                  options: ChatOptions = ChatOptions()) -> list[int]:
+    """The chat's ids, control ids only from the template (``models.text.chat_encode``);
+    ``bos_id`` is not prepended."""
+    return encode_chat(self, messages, options)
 
 
 class ByteTokenizer(Tokenizer):
@@ -193,6 +209,21 @@ class TokenizersTokenizer(Tokenizer):
 
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  @functools.cached_property
+  def control_texts(self) -> tuple[str, ...]:
+    added = self._tok.get_added_tokens_decoder().values()
+    return tuple(sorted({t.content for t in added if t.special}, key=len, reverse=True))
+
+  @functools.cached_property
+  def _plain(self) -> tokenizers.Tokenizer:
+    """A copy that splits special tokens' texts like other text (never mutates ``_tok``)."""
+    tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+    tok.encode_special_tokens = True
+    return tok
+
+  def encode_plain(self, text: str) -> list[int]:
+    return list(self._plain.encode(text, add_special_tokens=False).ids)
 
   def decode(self, ids: Iterable[int]) -> str:
     size = self.vocab_size

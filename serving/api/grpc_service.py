@@ -28,6 +28,7 @@ from serving.api.stream import ServiceError, Status, Stream
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.request import RequestOutput
 from serving.stop import FinishReason
+from models.text.chat_encode import ChatOptions
 from serving.api.validation import GenerateArgs, InvalidArgument, chat_messages
 from serving.api.wire_utf8 import bad_utf8_field
 
@@ -174,8 +175,9 @@ class GenerationServicer:
     kind = request.WhichOneof("input")
     if kind == "messages":
       try:
-        ids = tok.encode_chat(chat_messages([(m.role, m.content)
-                                             for m in request.messages.messages]))
+        ids = tok.encode_chat(
+            chat_messages([(m.role, m.content) for m in request.messages.messages]),
+            ChatOptions(special_in_content=self.frontend.config.limits.special_in_messages))
       except InvalidArgument as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
       except ValueError as e:

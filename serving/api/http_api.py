@@ -1,158 +1,100 @@
-"""OpenAI's HTTP API as protocol logic: JSON bodies in, JSON bodies out; no I/O, no aiohttp.
+"""OpenAI's HTTP requests as protocol logic: a JSON body in, one ``GenerateArgs`` per prompt out.
 
-Contract (``serving.api.http_server`` is the wiring; every guarantee lives in ``serving.api.frontend``):
-  * ``decode_body(bytes)``: the JSON body (invalid JSON or UTF-8: a 400 naming the field).
-  * ``parse_completion(body, model)`` / ``parse_chat(body, model) -> Parsed``: one
+Contract (``serving.api.http_server`` is the wiring; every guarantee lives in ``serving.api.frontend``;
+errors and body decoding: ``serving.api.http_errors``; responses: ``serving.api.http_response``):
+  * ``parse_completion(body, served)`` / ``parse_chat(body, served) -> Parsed``: one
     ``serving.api.validation.GenerateArgs`` per prompt plus the field-name map, so every value
-    check is the gRPC service's with messages naming the HTTP field. ``ApiError``: an unserved
-    ``model`` is 404; an unimplemented field not at its no-op default (``NOOP_DEFAULTS``), an
-    unknown field or a wrong JSON type is a 400 naming it. Nothing is silently ignored.
-  * Defaults (docs/ lists them): greedy ``temperature`` 0, ``n`` 1, a fresh ``seed``, the
-    server's ``--default_max_tokens`` and ``--default_slo_class``; a text prompt gets BOS.
-    ``prompt``: string(s) or token ids (at most ``MAX_PROMPTS``); choice ``p * n + i``.
-  * ``api_error(ServiceError) -> ApiError``: the HTTP status and OpenAI error (``STATUS``).
-  * ``Response`` shapes chunks, the usage chunk and the non-streaming body; ``usage`` counts
-    each prompt once and every sample's completion; ``finish_reason`` adds ``cancelled``,
-    ``rejected``, ``error`` to OpenAI's set.
+    check is the gRPC service's with messages naming the HTTP field.
+  * Fields, as vLLM's OpenAI server takes them: the accepted ones are honoured; a field that
+    would change the output a client relies on (format, tools, beam search, ...) and is not
+    implemented is a 400 naming it unless it holds its no-op value (``UNIMPLEMENTED``); any other
+    field is accepted and ignored: ``Parsed.ignored`` names it (logged once per name, and sent
+    back in the ``X-Ignored-Fields`` response header). A wrong JSON type is a 400 naming the field.
+  * ``model`` may be absent (the served model); another id is 404 ``model_not_found``.
+  * Sampling defaults are ``Served.defaults``: OpenAI's (temperature 1, top_p 1) or the model's
+    ``generation_config.json`` (as vLLM reads it); ``n`` 1, a fresh ``seed``; the server's
+    ``--default_max_tokens`` and ``--default_slo_class``; a text prompt gets BOS.
+  * ``seed``: any 64-bit integer (OpenAI's and vLLM's range); one in [0, 2**32) is the engine's
+    seed as is, any other is mixed into 32 bits (deterministic).
+  * ``prompt``: string(s) or token ids (at most ``MAX_PROMPTS``); choice ``p * n + i``.
+  * Chat ``messages``: roles system / user / assistant / tool, ``developer`` (= system) and any
+    other identifier (passed to the template, as vLLM does); content a string, text parts or null;
+    ``name`` passed to the template. Message content is never tokenized into control ids
+    (``models.text.chat_encode``) unless the server allows it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import time
-from typing import Any, Mapping, Sequence
+import logging
+import re
+import threading
+from typing import Any, Mapping
 
-from models.text.tokenizer import Tokenizer
-from serving.api.stream import ServiceError, Status, Stream
-from serving.request import RequestOutput
-from serving.stop import FinishReason
+from models.text.chat_encode import ChatOptions
+from serving.api.http_errors import ApiError, bad
 from serving.api.validation import GenerateArgs
+
+_log = logging.getLogger(__name__)
 
 MAX_PROMPTS = 32  # prompts of one /v1/completions request
 MAX_USER_CHARS = 256
 
-# Fields phaseserve does not implement: accepted only when they hold the no-op value.
-NOOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
+# Not implemented, and ignoring them would change what the client gets: accepted only at their
+# no-op value (absent or null always is).
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
     "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "min_p": (0,), "store": (False,), "metadata": ({},), "modalities": (["text"],),
-    "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (),
-    "service_tier": ("auto", "default"), "logprobs_mode": (), "use_beam_search": (False,),
-    "length_penalty": (1,), "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "suffix": ("",), "min_p": (0,), "audio": (), "use_beam_search": (False,),
+    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "allowed_token_ids": (),
+    "bad_words": ([],), "chat_template": (), "documents": ([],), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "add_special_tokens": (False,),  # chat only
+    "echo": (False,),  # chat only (completions implement it)
 }
 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "user",
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
-           "ignore_eos", "stop_token_ids", "attention_sinks")
-_COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens"))
+           "ignore_eos", "stop_token_ids", "attention_sinks", "include_stop_str_in_output",
+           "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of")
+_COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens", "echo"))
 _CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs",
-                                    "top_logprobs"))
+                                    "top_logprobs", "add_generation_prompt",
+                                    "continue_final_message", "chat_template_kwargs",
+                                    "parallel_tool_calls"))
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
-
-FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-          FinishReason.CANCELLED: "cancelled", FinishReason.REJECTED: "rejected",
-          FinishReason.ERROR: "error"}
-
-
-class ApiError(Exception):
-  """An answer in OpenAI's error shape: ``{"error": {message, type, param, code}}``."""
-
-  def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None,
-               headers: Mapping[str, str] | None = None):
-    super().__init__(message)
-    self.status = status
-    self.message = message
-    self.type = type_
-    self.param = param
-    self.code = code
-    self.headers = dict(headers or {})
-
-  def body(self) -> dict[str, Any]:
-    return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                      "code": self.code}}
+_ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
+_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")  # OpenAI's participant names
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_PART_TYPES = {"text"}
 
 
-def bad(field: str, message: str) -> ApiError:
-  return ApiError(400, f"{field}: {message}", param=field)
+@dataclasses.dataclass(frozen=True)
+class SamplingDefaults:
+  """What a request that leaves a sampling field out gets."""
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  source: str = "OpenAI's defaults"
 
 
-# (HTTP status, OpenAI error type) per Frontend status.
-STATUS: dict[Status, tuple[int, str]] = {
-    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    Status.REJECTED: (429, "rate_limit_error"),
-    Status.SLOW_CONSUMER: (408, "timeout_error"),
-    Status.CANCELLED: (499, "cancelled"),
-    Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    Status.ERROR: (500, "server_error"),
-    Status.UNAVAILABLE: (503, "service_unavailable"),
-}
-# Retry-After (seconds) of a 429 by refusal reason: a quota's window is 60 s, so the requests it
-# holds now have all left it after 60 s; the queue and the SLO predictor change step by step.
-RETRY_AFTER = {"quota": 60, "queue_full": 1, "slo": 1}
-UNAVAILABLE_RETRY_AFTER = 5
+def defaults_from_generation_config(cfg: Mapping[str, Any], source: str) -> SamplingDefaults:
+  """The sampling defaults a model's ``generation_config.json`` sets (vLLM reads temperature,
+  top_p and top_k from it); OpenAI's for the rest."""
+  base = SamplingDefaults()
+  t, p, k = cfg.get("temperature"), cfg.get("top_p"), cfg.get("top_k")
+  if not any(_is_num(v) for v in (t, p, k)):
+    return base
+  return SamplingDefaults(float(t) if isinstance(t, (int, float)) else base.temperature,
+                          float(p) if isinstance(p, (int, float)) else base.top_p,
+                          k if isinstance(k, int) and k > 0 else base.top_k, source)
 
 
-def api_error(e: ServiceError) -> ApiError:
-  status, type_ = STATUS[e.status]
-  headers = {}
-  if e.status is Status.REJECTED:
-    headers["Retry-After"] = str(RETRY_AFTER.get(e.reason, 1))
-  elif e.status is Status.UNAVAILABLE:
-    headers["Retry-After"] = str(UNAVAILABLE_RETRY_AFTER)
-  param = None
-  if e.status is Status.INVALID_ARGUMENT:
-    head = e.message.split(":", 1)[0]
-    param = head if head and " " not in head else None
-  return ApiError(status, e.message, type_, param, e.reason or e.status.value, headers)
-
-
-# -- requests -----------------------------------------------------------------------------------
-
-
-def _bad_text(v: Any, path: str) -> str | None:
-  """The path of the first string under ``v`` that is not valid Unicode (a surrogate: invalid
-  UTF-8 bytes decoded with surrogateescape, or a lone ``\\ud800`` escape), else None."""
-  if isinstance(v, str):
-    return path if any("\ud800" <= ch <= "\udfff" for ch in v) else None
-  if isinstance(v, list):
-    for i, x in enumerate(v):
-      found = _bad_text(x, f"{path}[{i}]")
-      if found:
-        return found
-  if isinstance(v, dict):
-    for k, x in v.items():
-      if _bad_text(k, "") is not None:
-        return ""  # a field name
-      found = _bad_text(x, f"{path}.{k}" if path else k)
-      if found:
-        return found
-  return None
-
-
-def decode_body(data: bytes) -> Any:
-  """The JSON request body; a string that is not valid UTF-8 is a 400 naming its field, as the
-  gRPC service names a proto field."""
-  try:
-    text = data.decode("utf-8")
-  except UnicodeDecodeError:
-    text = data.decode("utf-8", "surrogateescape")  # located below, by field
-  try:
-    body = json.loads(text)
-    field = _bad_text(body, "")
-  except json.JSONDecodeError as e:
-    raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-  except RecursionError:
-    raise ApiError(400, "the request body is nested too deeply") from None
-  if field == "":
-    raise ApiError(400, "the request body is not valid UTF-8 (in a field name)")
-  if field is not None:
-    raise bad(field, "invalid UTF-8")
-  return body
+@dataclasses.dataclass(frozen=True)
+class Served:
+  model: str  # the served model's id
+  defaults: SamplingDefaults = SamplingDefaults()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +107,22 @@ class Parsed:
   include_usage: bool
   top_logprobs: int | None  # None: no logprobs asked for; else top entries per token
   user: str
+  continuous_usage: bool = False  # a running usage object in every chunk
+  echo: bool = False  # completions: the prompt's text before each choice's
+  tokens_as_ids: bool = False  # logprobs spell tokens "token_id:<id>"
+  ignored: tuple[str, ...] = ()  # fields accepted and ignored
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_ignored(names: list[str]) -> None:
+  with _warned_lock:
+    new = [n for n in names if n not in _warned]
+    _warned.update(new)
+  if new:
+    _log.warning("request fields ignored (logged once per name): %s", ", ".join(new))
 
 
 def _is_int(v: object) -> bool:
@@ -175,12 +133,16 @@ def _is_num(v: object) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _get(body: Mapping[str, Any], name: str, check, what: str):
+def _is_bool(v: object) -> bool:
+  return isinstance(v, bool)
+
+
+def _get(body: Mapping[str, Any], name: str, check, what: str, path: str = ""):
   v = body.get(name)
   if v is None:
     return None
   if not check(v):
-    raise bad(name, f"must be {what}, got {type(v).__name__} {_short(v)}")
+    raise bad(path + name, f"must be {what}, got {type(v).__name__} {_short(v)}")
   return v
 
 
@@ -193,27 +155,56 @@ def _int_list(v: object) -> bool:
   return isinstance(v, list) and all(_is_int(t) for t in v)
 
 
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], model: str) -> None:
+def _noop(value: Any, defaults: tuple[Any, ...]) -> bool:
+  return value is None or any(value == d and type(value) is type(d) or
+                              (_is_num(value) and _is_num(d) and value == d) for d in defaults)
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], served: Served) -> list[str]:
+  """The names of the fields to ignore; a 400 for an unimplemented field that is not a no-op,
+  404 for another model."""
+  ignored = []
   for name, value in body.items():
     if name in allowed:
       continue
-    if name in NOOP_DEFAULTS:
-      if value is None or any(value == d and type(value) is type(d) or
-                              (_is_num(value) and _is_num(d) and value == d)
-                              for d in NOOP_DEFAULTS[name]):
+    if name in UNIMPLEMENTED:
+      if _noop(value, UNIMPLEMENTED[name]):
         continue
       raise bad(name, "not implemented by phaseserve (only its no-op default is accepted)")
-    raise bad(name, "unknown field")
+    ignored.append(name)
+  check_model(body, served)
+  return ignored
+
+
+def check_model(body: Mapping[str, Any], served: Served) -> None:
+  """``model`` absent, null, empty or the served id; another id is a 404."""
   got = body.get("model")
-  if not isinstance(got, str) or not got:
-    raise bad("model", "required: the served model's id (GET /v1/models)")
-  if got != model:
-    raise ApiError(404, f"The model {got!r} does not exist; this server serves {model!r}",
+  if got is not None and not isinstance(got, str):
+    raise bad("model", f"must be a string, got {type(got).__name__}")
+  if got and got != served.model:
+    raise ApiError(404, f"The model {got!r} does not exist; this server serves {served.model!r}",
                    param="model", code="model_not_found")
 
 
-def _common(body: Mapping[str, Any]) -> dict[str, Any]:
+def get_bool(body: Mapping[str, Any], name: str) -> bool | None:
+  return _get(body, name, _is_bool, "a boolean")
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+  seed = _get(body, "seed", _is_int, "an integer")
+  if seed is None or 0 <= seed < 2**32:
+    return seed
+  if not -2**63 <= seed < 2**64:
+    raise bad("seed", f"must be a 64-bit integer, got {_short(seed)}")
+  x = seed % 2**64  # splitmix64's finalizer: every 64-bit seed its own 32-bit engine seed
+  x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+  x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+  return (x ^ (x >> 31)) >> 32
+
+
+def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
   """The sampling, stop and extension fields both endpoints share, as GenerateArgs keywords."""
+  d = served.defaults
   top_k = _get(body, "top_k", _is_int, "an integer")
   stop = body.get("stop")
   if stop is None:
@@ -234,34 +225,47 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     window, k = sinks.get("window"), sinks.get("sinks")
     if not _is_int(window) or (k is not None and not _is_int(k)):
       raise bad("attention_sinks", "window (and sinks, if given) must be integers")
+  temperature = _get(body, "temperature", _is_num, "a number")
+  top_p = _get(body, "top_p", _is_num, "a number")
+  n = _get(body, "n", _is_int, "an integer")
+  best_of = _get(body, "best_of", _is_int, "an integer")
+  if best_of is not None and best_of != (n or 1):
+    raise bad("best_of", "not implemented by phaseserve (only best_of = n is accepted)")
+  truncate = _get(body, "truncate_prompt_tokens", _is_int, "an integer")
+  if truncate is not None and truncate < 1:
+    raise bad("truncate_prompt_tokens", f"must be >= 1, got {truncate}")
   return dict(
       sinks_window=window, sinks=k,
-      temperature=_get(body, "temperature", _is_num, "a number"),
-      top_p=_get(body, "top_p", _is_num, "a number"),
-      top_k=0 if top_k == -1 else top_k,  # vLLM: -1 (or 0) means no top-k filter
-      seed=_get(body, "seed", _is_int, "an integer"), stop=stops,
+      temperature=d.temperature if temperature is None else temperature,
+      top_p=d.top_p if top_p is None else top_p,
+      top_k=d.top_k if top_k is None else 0 if top_k == -1 else top_k,  # vLLM: -1 is no top-k
+      seed=_seed(body), stop=stops,
       stop_token_ids=_get(body, "stop_token_ids", _int_list, "a list of token ids") or [],
       min_tokens=_get(body, "min_tokens", _is_int, "an integer"),
-      ignore_eos=bool(_get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean")),
-      n=_get(body, "n", _is_int, "an integer"),
+      ignore_eos=bool(_get(body, "ignore_eos", _is_bool, "a boolean")),
+      include_stop_str=bool(_get(body, "include_stop_str_in_output", _is_bool, "a boolean")),
+      truncate_prompt_tokens=truncate, n=n,
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),
       session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "")
 
 
-def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
-  stream = bool(_get(body, "stream", lambda v: isinstance(v, bool), "a boolean"))
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+  """(stream, include_usage, continuous_usage): vLLM sends a running usage in every chunk only
+  when both stream options are on."""
+  stream = bool(_get(body, "stream", _is_bool, "a boolean"))
   opts = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-  include_usage = False
-  if opts is not None:
-    if not stream:
-      raise bad("stream_options", "only allowed with stream: true")
-    extra = set(opts) - {"include_usage"}
-    if extra:
-      raise bad(f"stream_options.{sorted(extra)[0]}", "unknown field")
-    include_usage = bool(_get(opts, "include_usage", lambda v: isinstance(v, bool),
-                              "a boolean"))
-  return stream, include_usage
+  if opts is None:
+    return stream, False, False
+  if not stream:
+    raise bad("stream_options", "only allowed with stream: true")
+  extra = set(opts) - {"include_usage", "continuous_usage_stats"}
+  if extra:
+    raise bad(f"stream_options.{sorted(extra)[0]}", "unknown field")
+  path = "stream_options."
+  include = bool(_get(opts, "include_usage", _is_bool, "a boolean", path))
+  continuous = bool(_get(opts, "continuous_usage_stats", _is_bool, "a boolean", path))
+  return stream, include, include and continuous
 
 
 def _user(body: Mapping[str, Any]) -> str:
@@ -277,9 +281,14 @@ def _object(body: object) -> Mapping[str, Any]:
   return body
 
 
-def parse_completion(body: object, model: str) -> Parsed:
+def _logprobs_n(top: int | None) -> int | None:
+  """The engine's top-n for a request's logprobs (at least 1: the chosen token's)."""
+  return None if top is None else max(top, 1) if top >= 0 else top
+
+
+def parse_completion(body: object, served: Served) -> Parsed:
   body = _object(body)
-  _check_fields(body, _COMPLETION_FIELDS, model)
+  ignored = _check_fields(body, _COMPLETION_FIELDS, served)
   prompt = body.get("prompt")
   if prompt is None:
     raise bad("prompt", "required")
@@ -300,186 +309,105 @@ def parse_completion(body: object, model: str) -> Parsed:
   if len(forms) > MAX_PROMPTS:
     raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(forms)}")
   logprobs = _get(body, "logprobs", _is_int, "an integer")
-  add_bos = _get(body, "add_special_tokens", lambda v: isinstance(v, bool), "a boolean")
-  common = _common(body)
-  stream, include_usage = _stream_flags(body)
+  add_bos = _get(body, "add_special_tokens", _is_bool, "a boolean")
+  echo = bool(_get(body, "echo", _is_bool, "a boolean"))
+  if echo and logprobs is not None:
+    raise bad("echo", "echo with logprobs (the prompt's logprobs) is not implemented by "
+              "phaseserve")
+  common = _common(body, served)
+  stream, include_usage, continuous = _stream_flags(body)
   args = tuple(GenerateArgs(
-      **form, add_bos=add_bos is not False, max_tokens=_get(body, "max_tokens", _is_int,
-                                                            "an integer"),
-      logprobs=None if logprobs is None else max(logprobs, 1) if logprobs >= 0 else logprobs,
-      **common) for form in forms)
+      **form, add_bos=add_bos is not False,
+      max_tokens=_get(body, "max_tokens", _is_int, "an integer"),
+      logprobs=_logprobs_n(logprobs), **common) for form in forms)
   names = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt"}
-  return Parsed(False, args, names, common["n"] or 1, stream, include_usage, logprobs,
-                _user(body))
+  return _parsed(False, args, names, common, stream, include_usage, logprobs, body, ignored,
+                 continuous, echo)
+
+
+def _parsed(chat: bool, args: tuple[GenerateArgs, ...], names: dict[str, str],
+            common: dict[str, Any], stream: bool, include_usage: bool, top: int | None,
+            body: Mapping[str, Any], ignored: list[str], continuous: bool,
+            echo: bool = False) -> Parsed:
+  _warn_ignored(ignored)
+  as_ids = bool(_get(body, "return_tokens_as_token_ids", _is_bool, "a boolean"))
+  return Parsed(chat, args, names, common["n"] or 1, stream, include_usage, top, _user(body),
+                continuous, echo, as_ids, tuple(ignored))
 
 
 def _content(i: int, content: object) -> str:
+  if content is None:
+    return ""
   if isinstance(content, str):
     return content
   if isinstance(content, list):
     parts = []
     for j, part in enumerate(content):
-      if not (isinstance(part, dict) and part.get("type") == "text" and
-              isinstance(part.get("text"), str) and set(part) == {"type", "text"}):
-        raise bad(f"messages[{i}].content[{j}]",
-                  "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+      where = f"messages[{i}].content[{j}]"
+      if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise bad(where, "must be an object with a type")
+      if part["type"] not in _PART_TYPES:
+        raise bad(where, f"content parts of type {part['type']!r} are not supported (text only)")
+      if not isinstance(part.get("text"), str):
+        raise bad(f"{where}.text", "required: a string")
       parts.append(part["text"])
     return "".join(parts)
-  raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+  raise bad(f"messages[{i}].content", "must be a string, a list of text parts or null")
 
 
-def parse_chat(body: object, model: str) -> Parsed:
+def message(i: int, m: object, ignored: list[str]) -> tuple[str, str] | tuple[str, str, str]:
+  if not isinstance(m, dict):
+    raise bad(f"messages[{i}]", "must be an object with role and content")
+  role = m.get("role")
+  if not isinstance(role, str) or not _ROLE.fullmatch(role):
+    raise bad(f"messages[{i}].role", "required: a role name (letters, digits, _ . -; at most "
+              f"64 characters), got {_short(role)}")
+  if m.get("tool_calls"):
+    raise bad(f"messages[{i}].tool_calls", "not implemented by phaseserve")
+  ignored += [f"messages[{i}].{k}" for k in sorted(set(m) - _MESSAGE_FIELDS)]
+  name = _get(m, "name", lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
+              "a name of 1-64 letters, digits, _ or -", f"messages[{i}].")
+  content = _content(i, m.get("content"))
+  role = _ROLE_ALIASES.get(role, role)
+  return (role, content) if name is None else (role, content, name)
+
+
+def chat_options(body: Mapping[str, Any]) -> ChatOptions:
+  gen = _get(body, "add_generation_prompt", _is_bool, "a boolean")
+  cont = bool(_get(body, "continue_final_message", _is_bool, "a boolean"))
+  if cont and gen:
+    raise bad("continue_final_message", "cannot be combined with add_generation_prompt: true")
+  kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+  return ChatOptions(add_generation_prompt=gen is not False, continue_final=cont,
+                     template_vars=kwargs or None)
+
+
+def parse_chat(body: object, served: Served) -> Parsed:
   body = _object(body)
-  _check_fields(body, _CHAT_FIELDS, model)
+  ignored = _check_fields(body, _CHAT_FIELDS, served)
   messages = body.get("messages")
   if not isinstance(messages, list):
     raise bad("messages", "required: a list of {role, content}")
-  chat: list[tuple[str, str]] = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict):
-      raise bad(f"messages[{i}]", "must be an object with role and content")
-    extra = sorted(set(m) - {"role", "content"})
-    if extra:
-      raise bad(f"messages[{i}].{extra[0]}", "not implemented by phaseserve")
-    role = m.get("role")
-    if not isinstance(role, str):
-      raise bad(f"messages[{i}].role", "required: a string")
-    chat.append((_ROLE_ALIASES.get(role, role), _content(i, m.get("content"))))
+  chat = [message(i, m, ignored) for i, m in enumerate(messages)]
   max_tokens = _get(body, "max_tokens", _is_int, "an integer")
   max_completion = _get(body, "max_completion_tokens", _is_int, "an integer")
   if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
     raise bad("max_completion_tokens", "give max_completion_tokens or max_tokens (deprecated), "
               "not two different values")
-  want_logprobs = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean")
+  _get(body, "parallel_tool_calls", _is_bool, "a boolean")  # without tools: nothing to do
+  want_logprobs = _get(body, "logprobs", _is_bool, "a boolean")
   top = _get(body, "top_logprobs", _is_int, "an integer")
   if top is not None and not want_logprobs:
     raise bad("top_logprobs", "requires logprobs: true")
   top_logprobs = (top or 0) if want_logprobs else None
-  common = _common(body)
-  stream, include_usage = _stream_flags(body)
+  common = _common(body, served)
+  stream, include_usage, continuous = _stream_flags(body)
   args = GenerateArgs(
-      messages=chat, max_tokens=max_completion if max_completion is not None else max_tokens,
-      logprobs=None if top_logprobs is None else max(top_logprobs, 1) if top_logprobs >= 0
-      else top_logprobs, **common)
+      messages=chat, chat_options=chat_options(body),
+      max_tokens=max_completion if max_completion is not None else max_tokens,
+      logprobs=_logprobs_n(top_logprobs), **common)
   names = {"text": "messages", "token_ids": "messages", "prompt": "messages",
            "max_tokens": "max_completion_tokens" if max_completion is not None else "max_tokens",
            "logprobs": "top_logprobs"}
-  return Parsed(True, (args,), names, common["n"] or 1, stream, include_usage, top_logprobs,
-                _user(body))
-
-
-# -- responses ----------------------------------------------------------------------------------
-
-
-def usage(streams: Sequence[Stream]) -> dict[str, Any]:
-  """OpenAI's usage: the sum over the prompts of each one's ``Stream.usage()`` (its prompt
-  counted once, not per sample; its cached tokens its first sample's)."""
-  each = [s.usage() for s in streams]
-  prompt = sum(u.prompt_tokens for u in each)
-  completion = sum(u.completion_tokens for u in each)
-  cached = sum(u.cached_tokens for u in each)
-  return {"prompt_tokens": prompt, "completion_tokens": completion,
-          "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class Response:
-  """The objects of one request's answer; ``choice`` = prompt * n + sample."""
-
-  def __init__(self, parsed: Parsed, model: str, request_id: str, tokenizer: Tokenizer):
-    self.parsed = parsed
-    self.model = model
-    self.tok = tokenizer
-    self.created = int(time.time())
-    self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + request_id
-    choices = len(parsed.prompts) * parsed.n
-    self.text = [""] * choices
-    self.finish: list[str | None] = [None] * choices
-    self.logprobs: list[list[Any]] = [[] for _ in range(choices)]
-    self.offset = [0] * choices  # completions' text_offset
-
-  def _head(self, chunk: bool) -> dict[str, Any]:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.parsed.chat else \
-        "text_completion"
-    return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-  def _token(self, tid: int) -> str:
-    return self.tok.decode([tid])
-
-  def _logprobs(self, choice: int, out: RequestOutput) -> Any:
-    k = self.parsed.top_logprobs
-    if k is None:
-      return None
-    if self.parsed.chat:
-      entry = lambda t, lp: {"token": self._token(t), "logprob": lp,
-                             "bytes": list(self.tok.token_bytes(t))}
-      return {"content": [dict(entry(lp.token_id, lp.logprob),
-                               top_logprobs=[entry(t, p) for t, p in lp.top[:k]])
-                          for lp in out.logprobs]}
-    tokens, offsets = [], []
-    for lp in out.logprobs:
-      tokens.append(self._token(lp.token_id))
-      offsets.append(self.offset[choice])
-      self.offset[choice] += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in out.logprobs],
-            "top_logprobs": [{self._token(t): p for t, p in lp.top[:k]} for lp in out.logprobs],
-            "text_offset": offsets}
-
-  def choice(self, prompt: int, sample: int) -> int:
-    return prompt * self.parsed.n + sample
-
-  def chunk(self, choice: int, out: RequestOutput) -> dict[str, Any] | None:
-    """One streamed output as an event object (None: nothing to send)."""
-    finish = (FINISH.get(out.finish_reason)
-              if out.finished and out.finish_reason is not None else None)
-    if not (out.text or finish or (out.logprobs and self.parsed.top_logprobs is not None)):
-      return None
-    lp = self._logprobs(choice, out)
-    if self.parsed.chat:
-      c = {"index": choice, "delta": {"content": out.text} if out.text else {},
-           "logprobs": lp, "finish_reason": finish}
-    else:
-      c = {"index": choice, "text": out.text, "logprobs": lp, "finish_reason": finish}
-    obj = dict(self._head(True), choices=[c])
-    if self.parsed.include_usage:
-      obj["usage"] = None
-    return obj
-
-  def role_chunk(self, choice: int) -> dict[str, Any]:
-    obj = dict(self._head(True), choices=[{"index": choice, "delta": {"role": "assistant",
-                                                                       "content": ""},
-                                           "logprobs": None, "finish_reason": None}])
-    if self.parsed.include_usage:
-      obj["usage"] = None
-    return obj
-
-  def usage_chunk(self, streams: Sequence[Stream]) -> dict[str, Any]:
-    return dict(self._head(True), choices=[], usage=usage(streams))
-
-  def add(self, choice: int, out: RequestOutput) -> None:
-    self.text[choice] += out.text
-    if out.finished:
-      self.finish[choice] = (FINISH.get(out.finish_reason)
-                             if out.finish_reason is not None else None)
-    if self.parsed.top_logprobs is not None and out.logprobs:
-      self.logprobs[choice].append(self._logprobs(choice, out))
-
-  def _merged_logprobs(self, choice: int) -> Any:
-    if self.parsed.top_logprobs is None:
-      return None
-    parts = self.logprobs[choice]
-    if self.parsed.chat:
-      return {"content": [e for p in parts for e in p["content"]]}
-    return {k: [e for p in parts for e in p[k]]
-            for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-  def body(self, streams: Sequence[Stream]) -> dict[str, Any]:
-    choices = []
-    for c in range(len(self.text)):
-      lp = self._merged_logprobs(c)
-      if self.parsed.chat:
-        choices.append({"index": c, "message": {"role": "assistant", "content": self.text[c]},
-                        "logprobs": lp, "finish_reason": self.finish[c]})
-      else:
-        choices.append({"index": c, "text": self.text[c], "logprobs": lp,
-                        "finish_reason": self.finish[c]})
-    return dict(self._head(False), choices=choices, usage=usage(streams))
+  return _parsed(True, (args,), names, common, stream, include_usage, top_logprobs, body,
+                 ignored, continuous)

@@ -5,9 +5,12 @@ Contract: ``serve(frontend, keys, registry, HttpOptions) -> RunningHttp`` binds 
 and serves over the same ``serving.api.frontend.Frontend`` as the gRPC service (same validation,
 quotas, early rejection, drain, usage and metrics); ``RunningHttp.stop(timeout)`` closes it.
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (Bearer key, bounded body, parsed
-by ``serving.api.http_api``; JSON, or server-sent events with ``stream: true``), ``GET
-/v1/models``, ``/health`` (liveness), ``/ready`` (readiness), ``/metrics``. Errors are OpenAI's JSON
-shape (``http_api.ApiError``); an unexpected exception is a logged 500.
+by ``serving.api.http_api``, shaped by ``serving.api.http_response``; JSON, or server-sent events
+with ``stream: true``; the ``X-Ignored-Fields`` header names fields accepted and ignored), ``GET
+/v1/models`` (each also without ``/v1``), ``POST /tokenize`` and ``/detokenize``
+(``serving.api.http_tokens``), ``GET /version``, ``/health`` (liveness), ``/ready`` (readiness),
+``/metrics``. Errors are OpenAI's JSON shape (``http_errors.ApiError``); an unexpected exception
+is a logged 500.
 ``Frontend.generate`` runs in a thread pool; streams hold no thread (the loop thread wakes the
 event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
 buffer; one step's wake-ups are one ``serving.api.wakeups`` batch). A client that closes the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import ssl
@@ -30,12 +34,14 @@ from typing import Any, AsyncGenerator, Sequence
 import prometheus_client as prom
 from aiohttp import web
 
-from serving.api import http_api
+from serving.api import http_api, http_errors, http_response, http_tokens
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
+from models.text.tokenizer import Tokenizer
 from serving.api.frontend import Frontend
+from serving.api.validation import GenerateArgs
 from serving.api.stream import ServiceError, Status, Stream
 from serving.api.wakeups import Wakeups
-from serving.api.http_api import ApiError
+from serving.api.http_errors import ApiError
 from serving.request import RequestOutput
 from serving.stop import FinishReason
 
@@ -52,9 +58,18 @@ class HttpOptions:
   max_body_bytes: int = 4 << 20
   max_concurrent: int = 512  # threads for Frontend.generate calls (admission; streams hold none)
   max_context: int = 0  # reported by /v1/models
+  defaults: http_api.SamplingDefaults = http_api.SamplingDefaults()  # for fields left out
+  version: str = "dev"  # /version and the responses' system_fingerprint
   shutdown_s: float = 2.0
   tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
   tls_key: str | None = None
+
+
+def _echo_text(args: GenerateArgs, stream: Stream, tok: Tokenizer) -> str:
+  """The prompt as ``echo`` repeats it: the text given, else the prompt's ids decoded."""
+  if isinstance(args.text, str) and args.truncate_prompt_tokens is None:
+    return args.text
+  return tok.decode(stream.validated.prompt_ids)
 
 
 def _cancel_admitted(fut: asyncio.Future) -> None:
@@ -81,6 +96,9 @@ class _Api:
     self.pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrent + 8,
                                                       thread_name_prefix="http")
     self._wakeups_by_loop: dict[asyncio.AbstractEventLoop, Wakeups] = {}
+    self.served = http_api.Served(options.model, options.defaults)
+    self.fingerprint = "fp_" + hashlib.sha256(
+        f"{options.model}/{options.version}".encode()).hexdigest()[:10]
 
   def _wakeups(self, loop: asyncio.AbstractEventLoop) -> Wakeups:
     """The loop's coalesced wake-ups: a step's outputs to many streams wake it once."""
@@ -128,7 +146,7 @@ class _Api:
     if request.content_length is not None and request.content_length > limit:
       raise ApiError(413, f"the request body is larger than {limit} bytes")
     data = await request.read()  # aiohttp refuses more than client_max_size (413 above)
-    return http_api.decode_body(data)
+    return http_errors.decode_body(data)
 
   async def call(self, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -152,7 +170,7 @@ class _Api:
     except ServiceError as e:
       for s in streams:  # one prompt of a batch was refused: so is the whole request
         s.cancel(Status.CANCELLED, "another prompt of the request was refused")
-      raise http_api.api_error(e) from None
+      raise http_errors.api_error(e) from None
     except BaseException:
       for s in streams:
         s.cancel(Status.CANCELLED, "cancelled by the client")
@@ -189,19 +207,25 @@ class _Api:
   async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
     key = self.authenticate(request)
     body = await self.body(request)
-    model = self.options.model
-    parsed = http_api.parse_chat(body, model) if chat else http_api.parse_completion(body, model)
+    served = self.served
+    parsed = http_api.parse_chat(body, served) if chat else \
+        http_api.parse_completion(body, served)
     streams = await self.admit(parsed, key, request)
-    shape = http_api.Response(parsed, model, streams[0].request_id, self.frontend.tokenizer)
+    tok = self.frontend.tokenizer
+    shape = http_response.Response(parsed, served.model, streams[0].request_id, tok, [
+        http_response.PromptInfo(len(s.validated.prompt_ids), _echo_text(a, s, tok)
+                                 if parsed.echo else "")
+        for a, s in zip(parsed.prompts, streams)], self.fingerprint)
+    headers = {"X-Ignored-Fields": ", ".join(parsed.ignored)} if parsed.ignored else {}
     try:
       if parsed.stream:
-        return await self._stream(request, parsed, shape, streams)
+        return await self._stream(request, parsed, shape, streams, headers)
       try:
         async for p, i, out in self.events(streams):
           shape.add(shape.choice(p, i), out)
       except ServiceError as e:
-        raise http_api.api_error(e) from None
-      return web.json_response(shape.body(streams), dumps=lambda o: json.dumps(
+        raise http_errors.api_error(e) from None
+      return web.json_response(shape.body(streams), headers=headers, dumps=lambda o: json.dumps(
           o, ensure_ascii=False))
     finally:
       for s in streams:  # the client went away (handler cancelled, reset on write)
@@ -209,14 +233,15 @@ class _Api:
           s.cancel(Status.CANCELLED, "the client closed the connection")
 
   async def _stream(self, request: web.Request, parsed: http_api.Parsed,
-                    shape: http_api.Response, streams: list[Stream]) -> web.StreamResponse:
+                    shape: http_response.Response, streams: list[Stream],
+                    headers: dict[str, str]) -> web.StreamResponse:
     events = self.events(streams)
     resp: web.StreamResponse | None = None
     held: list[dict[str, Any]] = []  # empty endings other than stop / length, before any event
 
     async def start() -> web.StreamResponse:
       r = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                      "Cache-Control": "no-cache"})
+                                      "Cache-Control": "no-cache", **headers})
       await r.prepare(request)
       if parsed.chat:
         for choice in range(len(streams) * parsed.n):
@@ -236,7 +261,7 @@ class _Api:
           resp = await start()
         await resp.write(_sse(obj))
     except ServiceError as e:
-      err = http_api.api_error(e)
+      err = http_errors.api_error(e)
       if resp is None:
         raise err from None
       await resp.write(_sse(err.body()))
@@ -287,6 +312,22 @@ class _Api:
     state = self.frontend.state
     return web.json_response({"status": state}, status=200 if state == "serving" else 503)
 
+  async def tokenize(self, request: web.Request) -> web.Response:
+    self.authenticate(request)
+    body = await self.body(request)
+    return web.json_response(await self.call(
+        http_tokens.tokenize, body, self.served, self.frontend.tokenizer,
+        self.frontend.config.limits))
+
+  async def detokenize(self, request: web.Request) -> web.Response:
+    self.authenticate(request)
+    body = await self.body(request)
+    return web.json_response(http_tokens.detokenize(body, self.served, self.frontend.tokenizer),
+                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+  async def version(self, request: web.Request) -> web.Response:
+    return web.json_response({"version": self.options.version})
+
   async def metrics(self, request: web.Request) -> web.Response:
     data = await self.call(prom.generate_latest, self.registry)
     return web.Response(body=data, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
@@ -294,10 +335,13 @@ class _Api:
   def app(self) -> web.Application:
     app = web.Application(middlewares=[self.errors],
                           client_max_size=self.options.max_body_bytes)
-    app.add_routes([web.post("/v1/completions", self.completions),
-                    web.post("/v1/chat/completions", self.chat_completions),
-                    web.get("/v1/models", self.models),
-                    web.get("/v1/models/{name:.+}", self.model),  # ids may hold "/"
+    for prefix in ("/v1", ""):  # llama.cpp's server (and some clients) leave out /v1
+      app.add_routes([web.post(f"{prefix}/completions", self.completions),
+                      web.post(f"{prefix}/chat/completions", self.chat_completions),
+                      web.get(f"{prefix}/models", self.models),
+                      web.get(prefix + "/models/{name:.+}", self.model)])  # ids may hold "/"
+    app.add_routes([web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                    web.get("/version", self.version),
                     web.get("/health", self.health), web.get("/ready", self.ready),
                     web.get("/metrics", self.metrics)])
     return app

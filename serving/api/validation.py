@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Mapping, Sequence
 
+from models.text.chat_encode import ChatOptions
 from models.text.chat_template import ChatMessage
 from models.text.tokenizer import Tokenizer
 from serving.request import MAX_STREAM_TOKENS, Sinks
@@ -45,6 +46,11 @@ class Limits:
   default_slo_class: str = "server"
   attention_sinks: bool = False  # the engine runs a sink pool (serving.request.Sinks)
   page_size: int = 16  # the KV page size (sinks live in the first page)
+  special_in_messages: bool = False  # message content may hold control tokens (chat_encode)
+
+
+# A chat message: (role, content) or (role, content, name); bytes content: not yet checked UTF-8.
+Message = tuple[str, str | bytes] | tuple[str, str | bytes, str | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +58,8 @@ class GenerateArgs:
   """What the client sent, as plain values; ``None`` = absent (use the default)."""
   text: str | bytes | None = None  # bytes: not yet checked as UTF-8
   token_ids: Sequence[int] | None = None
-  messages: Sequence[tuple[str, str | bytes]] | None = None
+  messages: Sequence[Message] | None = None
+  chat_options: ChatOptions = ChatOptions()
   add_bos: bool = True  # text prompts: prepend the tokenizer's BOS (when it has one)
   max_tokens: int | None = None
   temperature: float | None = None
@@ -63,6 +70,8 @@ class GenerateArgs:
   stop_token_ids: Sequence[int] = ()
   min_tokens: int | None = None
   ignore_eos: bool = False
+  include_stop_str: bool = False  # the text keeps a matched stop string
+  truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
   logprobs: int | None = None
   n: int | None = None
   priority: int = 0
@@ -84,7 +93,7 @@ class Validated:
   sinks: Sinks | None = None
 
 
-_ROLES = ("system", "user", "assistant", "tool")
+_ROLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
 def _text(field: str, value: str | bytes) -> str:
@@ -96,18 +105,24 @@ def _text(field: str, value: str | bytes) -> str:
   return value
 
 
-def chat_messages(messages: Sequence[tuple[str, str | bytes]]) -> list[ChatMessage]:
-  """``(role, content)`` pairs as chat messages: at least one, known roles, valid UTF-8
-  (``InvalidArgument`` on ``messages`` otherwise); what Generate and Tokenize both accept."""
+def chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
+  """``(role, content[, name])`` tuples as chat messages: at least one, role names of at most 64
+  letters, digits, ``_ . -`` (system, user, assistant, tool, or any other the template takes),
+  valid UTF-8 (``InvalidArgument`` on ``messages`` otherwise); what Generate and Tokenize both
+  accept."""
   msgs = list(messages)
   if not msgs:
     raise InvalidArgument("messages", "no messages")
   chat: list[ChatMessage] = []
-  for i, (role, content) in enumerate(msgs):
-    if role not in _ROLES:
-      raise InvalidArgument("messages", f"message {i}: role must be one of "
-                            f"{', '.join(_ROLES)}, got {role!r}")
-    chat.append({"role": role, "content": _text("messages", content)})
+  for i, m in enumerate(msgs):
+    role = m[0]
+    if not 0 < len(role) <= 64 or not set(role) <= _ROLE_CHARS:
+      raise InvalidArgument("messages", f"message {i}: role must be a name of 1-64 letters, "
+                            f"digits, _ . - (system, user, assistant, tool, ...), got {role!r}")
+    msg: ChatMessage = {"role": role, "content": _text("messages", m[1])}
+    if len(m) > 2 and m[2] is not None:
+      msg["name"] = m[2]
+    chat.append(msg)
   return chat
 
 
@@ -142,12 +157,19 @@ def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
       chat = chat_messages(args.messages or ())
     except InvalidArgument as e:
       raise bad("messages", e.message) from None
+    options = args.chat_options
+    if limits.special_in_messages:
+      options = dataclasses.replace(options, special_in_content=True)
     try:
-      ids = tokenizer.encode_chat(chat)
+      ids = tokenizer.encode_chat(chat, options)
     except ValueError as e:
       raise bad("messages", f"the chat template failed: {e}") from None
     if not ids:
       raise bad("messages", "the rendered prompt is empty")
+  if args.truncate_prompt_tokens is not None:
+    if args.truncate_prompt_tokens < 1:
+      raise bad("truncate_prompt_tokens", f"must be >= 1, got {args.truncate_prompt_tokens}")
+    ids = ids[-args.truncate_prompt_tokens:]
   if args.sinks_window is not None:
     return _with_sinks(args, ids, limits, bad, vocab)
   ctx = limits.max_context
@@ -235,6 +257,8 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
   if slo not in limits.slo_classes:
     raise bad("slo_class", f"unknown SLO class {slo!r}; the server has "
               f"{', '.join(limits.slo_classes)}")
+  if not -2**63 <= args.priority < 2**63:
+    raise bad("priority", f"must be a 64-bit integer, got {args.priority}")
   if len(args.session_id) > 128:
     raise bad("session_id", f"at most 128 characters, got {len(args.session_id)}")
   seed = fresh_seed() if args.seed is None else int(args.seed)
@@ -243,5 +267,5 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
   sampling = SamplingParams(temperature, top_k, top_p, seed, logprobs)
   stop = StopCriteria(max_tokens=max_tokens, stop_ids=tuple(args.stop_token_ids),
                       stop_strings=tuple(stops), min_tokens=min_tokens,
-                      ignore_eos=args.ignore_eos)
+                      ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str)
   return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo, args.session_id)

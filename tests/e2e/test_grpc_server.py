@@ -184,7 +184,7 @@ def test_tokenize_detokenize_server_info(stub):
   # Tokenize accepts the chats Generate accepts, and refuses the same ones the same way.
   chat = pb.Messages(messages=[pb.ChatMessage(role="user", content="hi")])
   assert list(stub.Tokenize(pb.TokenizeRequest(messages=chat), timeout=10).token_ids)
-  robot = pb.Messages(messages=[pb.ChatMessage(role="robot", content="hi")])
+  robot = pb.Messages(messages=[pb.ChatMessage(role="no role", content="hi")])
   with pytest.raises(grpc.RpcError) as e:
     stub.Tokenize(pb.TokenizeRequest(messages=robot), timeout=10)
   assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in e.value.details()
@@ -229,7 +229,7 @@ def _bad_requests():
       (P(n=9, **ok), "n"),
       (P(slo_class="gold", **ok), "slo_class"),
       (P(logprobs=50, **ok), "logprobs"),
-      (P(messages=pb.Messages(messages=[pb.ChatMessage(role="wizard", content="hi")]),
+      (P(messages=pb.Messages(messages=[pb.ChatMessage(role="no role", content="hi")]),
          max_tokens=4), "messages"),
       (P(messages=pb.Messages(messages=[]), max_tokens=4), "messages"),
   ]

@@ -20,71 +20,27 @@ import threading
 import time
 
 import grpc
-import jax
 import openai
 import pytest
 
-from models.config import get_preset
-from models.text.tokenizer import bytes_to_unicode
-from models.weights import init_params
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import refenv
+from tests.e2e import http_harness as harness
 from tests.grpc_harness import ServerProc
 
 pytestmark = pytest.mark.timeout(240)
 
-MODEL = "tiny-chat"
-KEY, LIMITED = "sk-test", "sk-limited"
-VOCAB = 259
-# Exercises what transformers' environment does: trim_blocks / lstrip_blocks on a multi-line
-# template, bos_token / eos_token, filters, loop variables, namespace, raise_exception.
-TEMPLATE = """{{ bos_token }}
-{%- set ns = namespace(turns=0) %}
-{% if messages[0]['role'] != 'system' %}
-<|im_start|>system
-You are a test model.<|im_end|>
-{% endif %}
-{% for message in messages %}
-    {% if message['role'] not in ['system', 'user', 'assistant'] %}
-        {{ raise_exception('unknown role ' + message['role']) }}
-    {% endif %}
-    {% if message['role'] == 'user' %}{% set ns.turns = ns.turns + 1 %}{% endif %}
-<|im_start|>{{ message['role'] }}
-{{ message['content'] | trim }}
-{%- if loop.last and message['role'] == 'assistant' %}{{ eos_token }}{% endif %}<|im_end|>
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant (turn {{ ns.turns }})
-{% endif %}"""
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 256, 257, 258
-
-
-def _write_model(directory) -> None:
-  """The tiny preset (param seed 0) as a checkpoint, with a byte-level BPE tokenizer (id = byte,
-  no merges, three special tokens: 259 ids, the preset's vocab) and a chat template."""
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers
-  from models.io.checkpoint import save_params
-  cfg = get_preset("tiny")
-  save_params(str(directory), init_params(cfg, jax.random.key(0)), cfg.replace(name=MODEL))
-  chars = bytes_to_unicode()
-  tok = tokenizers.Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.add_special_tokens(SPECIALS)
-  assert tok.get_vocab_size() == VOCAB
-  tok.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps({
-      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-      "eos_token": "<|im_end|>", "add_bos_token": False, "model_max_length": 128,
-      "chat_template": TEMPLATE}))
+MODEL, KEY = harness.MODEL, harness.KEY
+LIMITED = "sk-limited"
+VOCAB, TEMPLATE = harness.VOCAB, harness.TEMPLATE
+_request, _sse, _is_error = harness.request, harness.sse, harness.is_error
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("model") / "ckpt"
-  _write_model(d)
+  harness.write_model(d)
   return d
 
 
@@ -123,55 +79,6 @@ def _while_loading(s: ServerProc, timeout: float = 200.0) -> list[tuple[int, dic
   raise TimeoutError(f"never ready: {s.log()}")
 
 
-def _request(s: ServerProc, method: str, path: str, body=None, key: str | None = KEY,
-             raw: bytes | None = None, headers: dict | None = None):
-  """(status, headers, JSON body or text) of one plain HTTP request."""
-  conn = http.client.HTTPConnection("127.0.0.1", s.http_port, timeout=60)
-  try:
-    h = dict(headers or {})
-    if key:
-      h["Authorization"] = f"Bearer {key}"
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    if data is not None:
-      h["Content-Type"] = "application/json"
-    conn.request(method, path, body=data, headers=h)
-    r = conn.getresponse()
-    text = r.read().decode()
-    try:
-      out = json.loads(text)
-    except json.JSONDecodeError:
-      out = text
-    return r.status, dict(r.getheaders()), out
-  finally:
-    conn.close()
-
-
-def _sse(s: ServerProc, path: str, body: dict, headers: dict | None = None):
-  """(status, [event objects], done) of a streamed request read to its end."""
-  conn = http.client.HTTPConnection("127.0.0.1", s.http_port, timeout=60)
-  try:
-    conn.request("POST", path, body=json.dumps(dict(body, stream=True)).encode(),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
-                          **(headers or {})})
-    r = conn.getresponse()
-    if r.status != 200:
-      return r.status, [json.loads(r.read())], False
-    assert r.getheader("Content-Type").startswith("text/event-stream")
-    events, done = [], False
-    for line in r:
-      line = line.decode().rstrip("\n")
-      if not line:
-        continue
-      assert line.startswith("data: ") and not done, line
-      if line == "data: [DONE]":
-        done = True
-      else:
-        events.append(json.loads(line[6:]))
-    return r.status, events, done
-  finally:
-    conn.close()
-
-
 @pytest.fixture(scope="module")
 def client(server):
   return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY,
@@ -194,10 +101,6 @@ def _grpc(stub, req: pb.GenerateRequest) -> tuple[str, list[int], pb.Final]:
   return text, ids, final
 
 
-def _is_error(body, status_type: str | None = None) -> bool:
-  e = body.get("error") if isinstance(body, dict) else None
-  return (isinstance(e, dict) and set(e) == {"message", "type", "param", "code"} and
-          isinstance(e["message"], str) and (status_type is None or e["type"] == status_type))
 
 
 def test_loading_is_503_then_ready(server):
@@ -223,7 +126,7 @@ def test_openai_client_streams_a_completion_equal_to_grpc(client, stub):
                                                     ignore_eos=True))
   assert len(ids) == 12 and final.usage.prompt_tokens == 5
   assert text == want and len(chunks) > 2  # streamed in pieces, not one body
-  plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12,
+  plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
   assert plain.choices[0].text == want and plain.choices[0].finish_reason == "length"
   assert plain.id.startswith("cmpl-") and plain.object == "text_completion"
@@ -245,7 +148,7 @@ def test_openai_client_streams_a_chat_equal_to_grpc(client, stub):
       max_tokens=10, ignore_eos=True))
   assert len(ids) == 10 and text == want
   plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                         extra_body={"ignore_eos": True})
+                                         temperature=0, extra_body={"ignore_eos": True})
   assert plain.choices[0].message.content == want and plain.choices[0].message.role == "assistant"
   assert plain.usage.prompt_tokens == final.usage.prompt_tokens
   # The same rendered prompt again: its whole pages of 16 come from the prefix cache.
@@ -281,9 +184,9 @@ def test_chat_template_is_applied_exactly_as_transformers(server, model_dir, cli
     # Over HTTP: the chat's prompt is transformers' ids, and its greedy answer is that of a
     # completion on those very ids.
     got = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6,
-                                         extra_body={"ignore_eos": True})
+                                         temperature=0, extra_body={"ignore_eos": True})
     same = client.completions.create(model=MODEL, prompt=want["ids"], max_tokens=6,
-                                     extra_body={"ignore_eos": True})
+                                     temperature=0, extra_body={"ignore_eos": True})
     assert got.usage.prompt_tokens == len(want["ids"]) == same.usage.prompt_tokens
     assert got.choices[0].message.content == same.choices[0].text
   assert "unknown role tool" in ref[-1]["error"]
@@ -307,14 +210,16 @@ def test_n_samples_batch_prompts_and_logprobs(server, client):
                                         extra_body={"ignore_eos": True})
       assert r.choices[2 * p + i].text == alone.choices[0].text
   lp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, logprobs=3,
-                                 extra_body={"ignore_eos": True}).choices[0].logprobs
+                                 temperature=0, extra_body={"ignore_eos": True}
+                                 ).choices[0].logprobs
   assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
   for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
     # (greedy: the chosen id is the best; two ids may decode to one string, so <=, not ==)
     assert 1 <= len(top) <= 3 and p <= 0 and max(top.values()) <= p + 1e-6
   assert lp.text_offset[0] == 0
   status, events, done = _sse(server, "/v1/completions", {  # the same, streamed
-      "model": MODEL, "prompt": "Hello", "max_tokens": 5, "logprobs": 3, "ignore_eos": True})
+      "model": MODEL, "prompt": "Hello", "max_tokens": 5, "logprobs": 3, "ignore_eos": True,
+      "temperature": 0})
   assert status == 200 and done and events[-1]["choices"][0]["finish_reason"] == "length"
   assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
   assert [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]] == lp.tokens
@@ -322,19 +227,24 @@ def test_n_samples_batch_prompts_and_logprobs(server, client):
       lp.token_logprobs
   chat = client.chat.completions.create(
       model=MODEL, messages=CHATS[0], max_tokens=4, logprobs=True, top_logprobs=2,
-      extra_body={"ignore_eos": True}).choices[0].logprobs.content
+      temperature=0, extra_body={"ignore_eos": True}).choices[0].logprobs.content
   assert len(chat) == 4
   for e in chat:
     assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
     assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
   # A stop string ends the text before it, finish_reason "stop".
-  full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12,
+  full = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text
   needle = full[3:5]
   if needle.isprintable() and "\ufffd" not in needle and full.index(needle) == 3:
     cut = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, stop=[needle],
-                                    extra_body={"ignore_eos": True}).choices[0]
+                                    temperature=0, extra_body={"ignore_eos": True}).choices[0]
     assert cut.text == full[:3] and cut.finish_reason == "stop"
+    assert cut.model_extra["stop_reason"] == needle
+    kept = client.completions.create(  # vLLM's include_stop_str_in_output
+        model=MODEL, prompt="Hello", max_tokens=12, stop=[needle], temperature=0,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == full[:5] and kept.finish_reason == "stop"
   # priority, slo_class, session_id and user are accepted; user lands in the usage record.
   r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="alice-7",
                                 extra_body={"priority": 1, "slo_class": "interactive",
@@ -378,7 +288,7 @@ def _bad_inputs():
       (C, dict(ok, n=9), 400, "n"),
       (C, dict(ok, slo_class="gold"), 400, "slo_class"),
       (C, dict(ok, logprobs=50), 400, "logprobs"),
-      (C, dict(ok, seed=2**32), 400, "seed"),
+      (C, dict(ok, seed=2**64), 400, "seed"),
       (C, dict(ok, session_id="s" * 129), 400, "session_id"),
       (C, dict(ok, min_tokens=5), 400, "min_tokens"),
       (C, dict(ok, stop_token_ids=[VOCAB]), 400, "stop_token_ids"),
@@ -397,21 +307,20 @@ def _bad_inputs():
       (C, dict(ok, frequency_penalty=0.5), 400, "frequency_penalty"),
       (C, dict(ok, presence_penalty=1), 400, "presence_penalty"),
       (C, dict(ok, logit_bias={"5": 100}), 400, "logit_bias"),
-      (C, dict(ok, echo=True), 400, "echo"),
+      (C, dict(ok, echo=True, logprobs=1), 400, "echo"),
       (C, dict(ok, best_of=3), 400, "best_of"),
       (C, dict(ok, stream_options={"include_usage": True}), 400, "stream_options"),
-      (C, dict(ok, bogus=1), 400, "bogus"),
       (C, dict(ok, user=7), 400, "user"),
       (T, dict(chat, response_format={"type": "json_object"}), 400, "response_format"),
       (T, dict(chat, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
       (T, dict(chat, top_logprobs=2), 400, "top_logprobs"),
       (T, dict(chat, max_tokens=4, max_completion_tokens=5), 400, "max_completion_tokens"),
-      (T, dict(chat, messages=[{"role": "user", "content": "hi", "name": "bob"}]), 400,
+      (T, dict(chat, messages=[{"role": "user", "content": "hi", "name": "a b"}]), 400,
        "messages[0].name"),
       (T, dict(chat, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
        "messages[0].content[0]"),
       (T, dict(chat, messages="hi"), 400, "messages"),
-      (C, dict(ok, model=None), 400, "model"),
+      (C, dict(ok, model=3), 400, "model"),
       (C, dict(ok, model="gpt-4"), 404, "The model 'gpt-4' does not exist"),
       (T, dict(chat, model="gpt-4"), 404, "The model 'gpt-4' does not exist"),
   ]
@@ -585,7 +494,8 @@ def test_load_96_requests_with_disconnects_and_bad_ones(server):
   the good answers equal the same request alone, then nothing is left running."""
   rng = random.Random(0)
   prompts = [f"prompt {k}" for k in range(4)]
-  body = lambda k: {"model": MODEL, "prompt": prompts[k], "max_tokens": 10, "ignore_eos": True}
+  body = lambda k: {"model": MODEL, "prompt": prompts[k], "max_tokens": 10, "ignore_eos": True,
+                    "temperature": 0}
   alone = {k: _request(server, "POST", "/v1/completions", body(k))[2]["choices"][0]["text"]
            for k in range(len(prompts))}
   kinds = [rng.choice(["stream"] * 3 + ["plain"] * 3 + ["gone"] * 2 + ["bad"] * 2)

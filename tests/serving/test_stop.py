@@ -119,3 +119,21 @@ def test_text_held_with_a_partial_character_is_checked_at_the_end(tail, max_toke
   # Without the stop string the held text is released at the end, partial byte and all.
   chk = StopChecker(tok, StopCriteria(max_tokens=6))
   assert "".join(chk.push(i).text for i in list(b"User:") + [tok.SPACE_LEAD]) == "User: \ufffd"
+
+
+def test_include_stop_str_and_stop_reason():
+  ids = list(b"say END now")
+  crit = StopCriteria(max_tokens=100, stop_strings=("XYZ", "END"), include_stop_str=True)
+  chk = StopChecker(TOK, crit)
+  text = "".join(chk.push(i).text for i in ids[:len("say END")])
+  assert text == "say END" and chk.finish is FinishReason.STOP and chk.stop_reason == "END"
+  text, finish, _, _ = _run(ids, StopCriteria(max_tokens=100, stop_strings=("END",)))
+  assert text == "say "
+  # An asked-for stop id is the reason; the tokenizer's own end id is not.
+  chk = StopChecker(TOK, StopCriteria(max_tokens=9, stop_ids=(ord("!"),)))
+  for i in b"ok!":
+    chk.push(i)
+  assert chk.stop_reason == ord("!")
+  chk = StopChecker(TOK, StopCriteria(max_tokens=9))
+  chk.push(ord("a"))
+  assert chk.push(TOK.EOS).finish is FinishReason.STOP and chk.stop_reason is None

@@ -107,7 +107,7 @@ BAD = [
     (dict(text="a", min_tokens=9, max_tokens=8), "min_tokens"),
     (dict(text="a", slo_class="gold"), "slo_class"),
     (dict(messages=[("user", b"\xfe")]), "messages"),
-    (dict(messages=[("robot", "hi")]), "messages"),
+    (dict(messages=[("a role", "hi")]), "messages"),
     (dict(text="a", seed=2**32), "seed"),
 ]
 

@@ -1,36 +1,48 @@
-"""serving.api.http_api without a server: request parsing into GenerateArgs (forms, defaults, field
-names, no-op defaults of unimplemented fields), the status mapping, and response shaping."""
+"""serving.api.http_api, http_errors and http_response without a server: request parsing into
+GenerateArgs (forms, defaults, field names, no-op defaults of unimplemented fields, ignored
+fields, seeds, roles), the status mapping, body decoding and response shaping."""
 
 from __future__ import annotations
 
 import pytest
 
 from models.text.tokenizer import ByteTokenizer
-from serving.api import http_api
+from serving.api import http_api, http_errors, http_response
 from serving.api.stream import ServiceError, Status, Stream
-from serving.api.http_api import ApiError, parse_chat, parse_completion
+from serving.api.http_api import Served, parse_chat as _chat, parse_completion as _completion
+from serving.api.http_errors import ApiError
 from serving.request import RequestOutput, TokenLogprobs, Usage
 from serving.stop import FinishReason
 
 M = "m"
+SERVED = Served(M)
+
+
+def parse_completion(body, served=SERVED):
+  return _completion(body, served)
+
+
+def parse_chat(body, served=SERVED):
+  return _chat(body, served)
 
 
 def test_prompt_forms_and_defaults():
-  p = parse_completion({"model": M, "prompt": "hi"}, M)
+  p = parse_completion({"model": M, "prompt": "hi"})
   (a,) = p.prompts
   assert a.text == "hi" and a.token_ids is None and a.add_bos
-  assert (a.max_tokens, a.temperature, a.top_p, a.top_k, a.seed, a.n, a.logprobs) == (None,) * 7
+  assert (a.max_tokens, a.seed, a.n, a.logprobs) == (None,) * 4
+  assert (a.temperature, a.top_p, a.top_k) == (1.0, 1.0, 0)  # OpenAI's defaults
   assert (a.priority, a.slo_class, a.session_id, list(a.stop)) == (0, None, "", [])
   assert not p.stream and not p.include_usage and p.top_logprobs is None and p.n == 1
-  assert parse_completion({"model": M, "prompt": [1, 2]}, M).prompts[0].token_ids == [1, 2]
-  batch = parse_completion({"model": M, "prompt": [[1], [2, 3]], "n": 2}, M)
+  assert parse_completion({"model": M, "prompt": [1, 2]}).prompts[0].token_ids == [1, 2]
+  batch = parse_completion({"model": M, "prompt": [[1], [2, 3]], "n": 2})
   assert [x.token_ids for x in batch.prompts] == [[1], [2, 3]] and batch.n == 2
-  texts = parse_completion({"model": M, "prompt": ["a", "b"], "add_special_tokens": False}, M)
+  texts = parse_completion({"model": M, "prompt": ["a", "b"], "add_special_tokens": False})
   assert [x.text for x in texts.prompts] == ["a", "b"] and not texts.prompts[0].add_bos
   # null is absent; top_k -1 is off (0); a single stop string is a list of one.
   a = parse_completion({"model": M, "prompt": "x", "temperature": None, "top_k": -1,
-                        "stop": "\n", "logprobs": 0}, M).prompts[0]
-  assert a.temperature is None and a.top_k == 0 and list(a.stop) == ["\n"]
+                        "stop": "\n", "logprobs": 0}).prompts[0]
+  assert a.temperature == 1.0 and a.top_k == 0 and list(a.stop) == ["\n"]
   assert a.logprobs == 1  # logprobs 0: the chosen token's logprob, no alternatives
 
 
@@ -39,19 +51,23 @@ def test_chat_fields_and_names():
       {"role": "developer", "content": "s"},
       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
       "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 0, "stream": True,
-      "stream_options": {"include_usage": True}}, M)
+      "stream_options": {"include_usage": True}})
   (a,) = p.prompts
   assert list(a.messages) == [("system", "s"), ("user", "ab")] and a.max_tokens == 7
   assert p.field_names["max_tokens"] == "max_completion_tokens"
   assert p.field_names["logprobs"] == "top_logprobs" and p.field_names["prompt"] == "messages"
   assert p.top_logprobs == 0 and a.logprobs == 1 and p.stream and p.include_usage
   p = parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}],
-                  "max_tokens": 3}, M)
+                  "max_tokens": 3})
   assert p.prompts[0].max_tokens == 3 and p.field_names["max_tokens"] == "max_tokens"
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x"}, "model"),
+    ({"prompt": "x", "model": 3}, "model"),
+    ({"model": M, "prompt": "x", "seed": 2**64}, "seed"),
+    ({"model": M, "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": M, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"model": M, "prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"model": M}, "prompt"),
     ({"model": M, "prompt": {"a": 1}}, "prompt"),
     ({"model": M, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
@@ -64,7 +80,7 @@ def test_chat_fields_and_names():
 ])
 def test_bad_bodies_name_the_field(body, param):
   with pytest.raises(ApiError) as e:
-    parse_completion(body, M)
+    parse_completion(body)
   assert e.value.status == 400 and e.value.param == param
   assert e.value.message.startswith(param) and e.value.body()["error"]["param"] == param
 
@@ -73,33 +89,99 @@ def test_noop_defaults_are_accepted_and_anything_else_refused():
   ok = {"model": M, "prompt": "x", "frequency_penalty": 0.0, "presence_penalty": 0,
         "logit_bias": {}, "echo": False, "best_of": 1, "min_p": 0, "service_tier": "auto",
         "response_format": None}
-  parse_completion(ok, M)
-  for field, value in (("echo", 0), ("best_of", 2), ("logit_bias", {"1": 1}),
+  assert parse_completion(ok).ignored == ("service_tier",)
+  for field, value in (("suffix", "x"), ("min_p", 0.1), ("use_beam_search", True),
                        ("frequency_penalty", True)):
     with pytest.raises(ApiError) as e:
-      parse_completion(dict(ok, **{field: value}), M)
+      parse_completion(dict(ok, **{field: value}))
     assert e.value.param == field and "not implemented" in e.value.message
   with pytest.raises(ApiError) as e:
-    parse_chat({"model": M, "messages": [], "tools": [{"type": "function"}]}, M)
+    parse_chat({"model": M, "messages": [], "tools": [{"type": "function"}]})
   assert e.value.param == "tools"
   with pytest.raises(ApiError) as e:
-    parse_chat({"model": "other", "messages": []}, M)
+    parse_chat({"model": "other", "messages": []})
   assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+def test_unknown_fields_are_ignored_and_named():
+  p = parse_chat({"messages": [{"role": "user", "content": "x", "id_slot": 1}], "model": "",
+                  "cache_prompt": True, "store": True, "metadata": {"a": "b"}})
+  assert set(p.ignored) == {"messages[0].id_slot", "cache_prompt", "store", "metadata"}
+  assert parse_completion({"prompt": "x"}).ignored == ()  # model may be left out
+
+
+def test_seeds_take_any_64_bit_integer():
+  seed = lambda v: parse_completion({"prompt": "x", "seed": v}).prompts[0].seed
+  assert seed(7) == 7 and seed(2**32 - 1) == 2**32 - 1
+  mixed = [seed(v) for v in (-1, -2, 2**32, 2**63, 2**64 - 3, -2**63 + 1)]  # distinct bits
+  assert all(0 <= s < 2**32 for s in mixed) and len(set(mixed)) == len(mixed)
+  assert seed(-1) == seed(-1)  # deterministic
+
+
+def test_generation_config_defaults():
+  d = http_api.defaults_from_generation_config({"temperature": 0.6, "top_p": 0.9,
+                                                "top_k": 50}, "gc.json")
+  a = parse_completion({"prompt": "x"}, Served(M, d)).prompts[0]
+  assert (a.temperature, a.top_p, a.top_k) == (0.6, 0.9, 50)
+  a = parse_completion({"prompt": "x", "temperature": 0, "top_k": -1}, Served(M, d)).prompts[0]
+  assert (a.temperature, a.top_k) == (0, 0)
+  assert http_api.defaults_from_generation_config({"bos_token_id": 1}, "g") == \
+      http_api.SamplingDefaults()
+
+
+def test_chat_messages_roles_names_and_options():
+  p = parse_chat({"messages": [
+      {"role": "ipython", "content": None}, {"role": "user", "content": "a", "name": "bob"},
+      {"role": "assistant", "content": [{"type": "text", "text": "b"}]}],
+      "continue_final_message": True, "add_generation_prompt": False,
+      "chat_template_kwargs": {"enable_thinking": False}})
+  (a,) = p.prompts
+  assert list(a.messages) == [("ipython", ""), ("user", "a", "bob"), ("assistant", "b")]
+  assert a.chat_options.continue_final and not a.chat_options.add_generation_prompt
+  assert a.chat_options.template_vars == {"enable_thinking": False}
+  for body, param in (
+      ({"messages": [{"role": "a b", "content": "x"}]}, "messages[0].role"),
+      ({"messages": [{"role": "user", "content": "x", "name": "a b"}]}, "messages[0].name"),
+      ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+       "messages[0].content[0]"),
+      ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
+       "messages[0].tool_calls"),
+      ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+        "add_generation_prompt": True}, "continue_final_message")):
+    with pytest.raises(ApiError) as e:
+      parse_chat(body)
+    assert e.value.param == param, e.value.message
+
+
+def test_huge_integers_are_a_400_naming_the_field():
+  with pytest.raises(ApiError) as e:
+    http_errors.decode_body(b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}")
+  assert e.value.status == 400 and e.value.param == "max_tokens"
+  assert "5000 digits" in e.value.message
+
+
+def test_stream_options_continuous_usage():
+  p = parse_completion({"prompt": "x", "stream": True, "stream_options": {
+      "include_usage": True, "continuous_usage_stats": True}})
+  assert p.include_usage and p.continuous_usage
+  p = parse_completion({"prompt": "x", "stream": True, "stream_options": {
+      "continuous_usage_stats": True}})
+  assert not p.continuous_usage  # vLLM: only together with include_usage
 
 
 def test_status_mapping():
   want = {Status.INVALID_ARGUMENT: 400, Status.REJECTED: 429, Status.UNAVAILABLE: 503,
           Status.ERROR: 500, Status.SLOW_CONSUMER: 408, Status.DEADLINE_EXCEEDED: 504,
           Status.CANCELLED: 499}
-  assert {s: http_api.STATUS[s][0] for s in Status if s is not Status.OK} == want
-  e = http_api.api_error(ServiceError(Status.INVALID_ARGUMENT, "top_p: must be in (0, 1]"))
+  assert {s: http_errors.STATUS[s][0] for s in Status if s is not Status.OK} == want
+  e = http_errors.api_error(ServiceError(Status.INVALID_ARGUMENT, "top_p: must be in (0, 1]"))
   assert (e.status, e.param, e.type) == (400, "top_p", "invalid_request_error")
-  e = http_api.api_error(ServiceError(Status.INVALID_ARGUMENT, "the prompt: x"))
+  e = http_errors.api_error(ServiceError(Status.INVALID_ARGUMENT, "the prompt: x"))
   assert e.param is None
   for reason, after in (("quota", "60"), ("queue_full", "1"), ("slo", "1")):
-    e = http_api.api_error(ServiceError(Status.REJECTED, "no", reason))
+    e = http_errors.api_error(ServiceError(Status.REJECTED, "no", reason))
     assert e.status == 429 and e.headers == {"Retry-After": after} and e.code == reason
-  e = http_api.api_error(ServiceError(Status.UNAVAILABLE, "the server is shutting down"))
+  e = http_errors.api_error(ServiceError(Status.UNAVAILABLE, "the server is shutting down"))
   assert e.status == 503 and e.headers["Retry-After"] == "5"
 
 
@@ -118,13 +200,14 @@ def test_response_shapes():
   tok = ByteTokenizer()
   p = parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}], "n": 2,
                   "logprobs": True, "top_logprobs": 1, "stream": True,
-                  "stream_options": {"include_usage": True}}, M)
-  r = http_api.Response(p, M, "req-1", tok)
+                  "stream_options": {"include_usage": True}})
+  r = http_response.Response(p, M, "req-1", tok, [http_response.PromptInfo(3)], "fp_x")
   assert r.id == "chatcmpl-req-1"
   out = RequestOutput("r", (104,), "h", logprobs=(TokenLogprobs(104, -0.5, ((104, -0.5),
                                                                              (105, -1.0))),))
   c = r.chunk(1, out)
   assert c["object"] == "chat.completion.chunk" and c["usage"] is None
+  assert c["system_fingerprint"] == "fp_x"
   (choice,) = c["choices"]
   assert choice["index"] == 1 and choice["delta"] == {"content": "h"}
   assert choice["logprobs"]["content"] == [{"token": "h", "logprob": -0.5, "bytes": [104],
@@ -142,8 +225,8 @@ def test_response_shapes():
   assert r.usage_chunk(streams)["usage"] == {
       "prompt_tokens": 23, "completion_tokens": 7, "total_tokens": 30,
       "prompt_tokens_details": {"cached_tokens": 16}}
-  comp = http_api.Response(parse_completion({"model": M, "prompt": "ab", "logprobs": 1}, M),
-                           M, "req-2", tok)
+  comp = http_response.Response(parse_completion({"model": M, "prompt": "ab", "logprobs": 1}),
+                                M, "req-2", tok, [http_response.PromptInfo(2)])
   comp.add(0, RequestOutput("r", (104, 105), "hi", logprobs=(
       TokenLogprobs(104, -0.1, ((104, -0.1),)), TokenLogprobs(105, -0.2, ((105, -0.2),)))))
   comp.add(0, RequestOutput("r", (33,), "!", FinishReason.LENGTH,
@@ -155,8 +238,31 @@ def test_response_shapes():
   assert choice["logprobs"] == {"tokens": ["h", "i", "!"], "token_logprobs": [-0.1, -0.2, -0.3],
                                 "top_logprobs": [{"h": -0.1}, {"i": -0.2}, {"!": -0.3}],
                                 "text_offset": [0, 1, 2]}
-  assert [http_api.FINISH[f] for f in FinishReason] == ["stop", "length", "cancelled",
-                                                        "rejected", "error"]
+  assert choice["stop_reason"] is None and choice["prompt_logprobs"] is None
+  assert [http_response.FINISH[f] for f in FinishReason] == ["stop", "length", "cancelled",
+                                                             "rejected", "error"]
+
+
+def test_completion_extras_logprobs_0_echo_token_ids_and_running_usage():
+  tok = ByteTokenizer()
+  p = parse_completion({"prompt": "ab", "logprobs": 0, "echo": False, "stream": True,
+                        "return_tokens_as_token_ids": True, "stream_options": {
+                            "include_usage": True, "continuous_usage_stats": True}})
+  r = http_response.Response(p, M, "q", tok, [http_response.PromptInfo(3)])
+  c = r.chunk(0, RequestOutput("r", (104,), "h", logprobs=(
+      TokenLogprobs(104, -0.5, ((105, -0.1),)),)))
+  # logprobs 0: the sampled token alone (its alternatives are not asked for).
+  assert c["choices"][0]["logprobs"]["top_logprobs"] == [{"token_id:104": -0.5}]
+  assert c["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+  c = r.chunk(0, RequestOutput("r", (33, 34), "!\"", FinishReason.STOP, stop_reason="\""))
+  assert c["usage"]["completion_tokens"] == 3 and c["choices"][0]["stop_reason"] == "\""
+  echo = parse_completion({"prompt": "ab", "echo": True, "n": 2})
+  r = http_response.Response(echo, M, "q", tok, [http_response.PromptInfo(3, "ab")])
+  for i in range(2):
+    r.add(i, RequestOutput("r", (99,), "c"))
+    r.add(i, RequestOutput("r", (100,), "d", FinishReason.LENGTH))
+  assert [c["text"] for c in r.body([_FakeStream([1, 2, 3], [2, 2], 0)])["choices"]] == \
+      ["abcd", "abcd"]
 
 
 @pytest.mark.parametrize("raw,param", [
@@ -170,7 +276,7 @@ def test_response_shapes():
 ])
 def test_invalid_utf8_and_json_are_400_naming_the_field(raw, param):
   with pytest.raises(ApiError) as e:
-    http_api.decode_body(raw)
+    http_errors.decode_body(raw)
   assert e.value.status == 400 and e.value.param == param
   assert e.value.message == (f"{param}: invalid UTF-8" if param else e.value.message)
-  assert http_api.decode_body('{"prompt": "hé"}'.encode()) == {"prompt": "hé"}
+  assert http_errors.decode_body('{"prompt": "hé"}'.encode()) == {"prompt": "hé"}
