@@ -10,7 +10,8 @@ Shape letters (array-name suffixes, documented once, here):
   G query heads per kv head (N = K * G), H head dim, F mlp hidden, V vocab;
   paged KV: L layers, P pages in a pool, Z positions per page, M pages per sequence (a
   page-table row), C pages moved by one call; the engine (``serving/``): X slots (per-slot
-  state), R rows of one engine call (prefill chunks or decode rows, padded to a bucket).
+  state), R rows of one engine call (prefill chunks or decode rows, padded to a bucket), W int32
+  words of an allowed-token bitmask (W = ceil(V / 32); ``serving/token_mask.py``).
 """
 
 from __future__ import annotations
