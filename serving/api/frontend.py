@@ -43,6 +43,7 @@ from serving.api.service_metrics import LiveGauges, ServiceMetrics
 from serving.api.stream import ServiceError, Status, Stream, StreamOwner
 from serving.api.usage import UsageLog
 from serving.api.validation import GenerateArgs, InvalidArgument, Limits, validate
+from serving.grammar import GrammarCompiler
 
 _log = logging.getLogger(__name__)
 
@@ -62,8 +63,9 @@ class FrontendConfig:
 class Frontend(StreamOwner):
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
                registry: prom.CollectorRegistry, usage: UsageLog | None = None, *,
-               faults: FaultInjector | None = None):
+               faults: FaultInjector | None = None, grammars: GrammarCompiler | None = None):
     self.loop = loop
+    self.grammars = grammars  # structured outputs (None: refused with a 400)
     self.tokenizer = tokenizer
     self.config = config
     self.usage = usage or UsageLog(None)
@@ -137,7 +139,7 @@ class Frontend(StreamOwner):
              "draining": "the server is shutting down"}.get(self.state, "the engine is down")
       refuse(Status.UNAVAILABLE, "unavailable", why, key, client_request_id, api)
     try:
-      v = validate(args, self.tokenizer, self.config.limits, field_names)
+      v = validate(args, self.tokenizer, self.config.limits, field_names, self.grammars)
     except InvalidArgument as e:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
     prompt = len(v.prompt_ids)

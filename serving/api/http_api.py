@@ -10,6 +10,10 @@ errors and body decoding: ``serving.api.http_errors``; responses: ``serving.api.
     implemented is a 400 naming it unless it holds its no-op value (``UNIMPLEMENTED``); any other
     field is accepted and ignored: ``Parsed.ignored`` names it (logged once per name, and sent
     back in the ``X-Ignored-Fields`` response header). A wrong JSON type is a 400 naming the field.
+  * Structured outputs: ``response_format`` (``json_object``, ``json_schema``), vLLM's
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
+    ``structured_outputs`` become one ``serving.grammar_spec.Grammar`` (a malformed one: a 400
+    naming the field; compiled by the Frontend's grammar compiler).
   * ``model`` may be absent (the served model); another id is 404 ``model_not_found``.
   * Sampling defaults are ``Served.defaults``: OpenAI's (temperature 1, top_p 1) or the model's
     ``generation_config.json`` (as vLLM reads it); ``n`` 1, a fresh ``seed``; the server's
@@ -34,6 +38,7 @@ from typing import Any, Mapping
 from models.text.chat_encode import ChatOptions
 from serving.api.http_errors import ApiError, bad
 from serving.api.validation import GenerateArgs
+from serving.grammar_spec import GUIDED_FIELDS, GrammarSpecError, grammar_from_request
 
 _log = logging.getLogger(__name__)
 
@@ -44,11 +49,10 @@ MAX_USER_CHARS = 256
 # no-op value (absent or null always is).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+    "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "suffix": ("",), "min_p": (0,), "audio": (), "use_beam_search": (False,),
-    "prompt_logprobs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (), "allowed_token_ids": (),
+    "prompt_logprobs": (), "allowed_token_ids": (),
     "bad_words": ([],), "chat_template": (), "documents": ([],), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "add_special_tokens": (False,),  # chat only
     "echo": (False,),  # chat only (completions implement it)
@@ -57,7 +61,9 @@ UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "user",
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
            "ignore_eos", "stop_token_ids", "attention_sinks", "include_stop_str_in_output",
-           "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of")
+           "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of",
+           "response_format", "structured_outputs", "guided_whitespace_pattern",
+           *GUIDED_FIELDS)
 _COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens", "echo"))
 _CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs",
                                     "top_logprobs", "add_generation_prompt",
@@ -231,6 +237,10 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
   best_of = _get(body, "best_of", _is_int, "an integer")
   if best_of is not None and best_of != (n or 1):
     raise bad("best_of", "not implemented by phaseserve (only best_of = n is accepted)")
+  try:
+    grammar = grammar_from_request(body)
+  except GrammarSpecError as e:
+    raise bad(e.field, str(e)[len(e.field) + 2:]) from None
   truncate = _get(body, "truncate_prompt_tokens", _is_int, "an integer")
   if truncate is not None and truncate < 1:
     raise bad("truncate_prompt_tokens", f"must be >= 1, got {truncate}")
@@ -244,7 +254,7 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
       min_tokens=_get(body, "min_tokens", _is_int, "an integer"),
       ignore_eos=bool(_get(body, "ignore_eos", _is_bool, "a boolean")),
       include_stop_str=bool(_get(body, "include_stop_str_in_output", _is_bool, "a boolean")),
-      truncate_prompt_tokens=truncate, n=n,
+      truncate_prompt_tokens=truncate, n=n, grammar=grammar,
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),
       session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "")

@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 from models.text.chat_encode import ChatOptions
 from models.text.chat_template import ChatMessage
 from models.text.tokenizer import Tokenizer
+from serving.grammar import GrammarCompiler
+from serving.grammar_spec import Grammar, GrammarSpecError
 from serving.request import MAX_STREAM_TOKENS, Sinks
 from serving.sampling import LOGPROBS_MAX, SamplingParams, fresh_seed
 from serving.stop import StopCriteria
@@ -79,6 +81,7 @@ class GenerateArgs:
   session_id: str = ""
   sinks_window: int | None = None  # attention sinks: the window (None: the whole context)
   sinks: int | None = None  # attention sinks: the sink tokens (default 4)
+  grammar: Grammar | None = None  # structured output: the constraint (serving.grammar_spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +130,23 @@ def chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
 
 
 def validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
-             field_names: Mapping[str, str] | None = None) -> Validated:
-  names = field_names or {}
+             field_names: Mapping[str, str] | None = None,
+             grammars: GrammarCompiler | None = None) -> Validated:
+  v = _validate(args, tokenizer, limits, field_names or {})
+  if args.grammar is None:
+    return v
+  field = (field_names or {}).get(args.grammar.field, args.grammar.field)
+  if grammars is None:
+    raise InvalidArgument(field, "structured outputs are not enabled on this server")
+  try:
+    compiled = grammars.compile(args.grammar)
+  except GrammarSpecError as e:
+    raise InvalidArgument(field, str(e)[len(e.field) + 2:]) from None
+  return dataclasses.replace(v, sampling=dataclasses.replace(v.sampling, grammar=compiled))
+
+
+def _validate(args: GenerateArgs, tokenizer: Tokenizer, limits: Limits,
+              names: Mapping[str, str]) -> Validated:
 
   def bad(field: str, message: str) -> InvalidArgument:
     return InvalidArgument(names.get(field, field), message)
