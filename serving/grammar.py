@@ -69,6 +69,12 @@ class CompiledGrammar:
   grammar: str  # llguidance's serialized grammar
   compile_s: float
   template: llguidance.LLMatcher
+  vocab_size: int
+  eos_ids: tuple[int, ...]
+
+  def matcher(self) -> Matcher:
+    """A fresh matcher at the grammar's start (a copy of the template: microseconds)."""
+    return Matcher(self.template.deep_copy(), self.vocab_size, self.eos_ids)
 
 
 def _serialize(spec: Grammar) -> str:
@@ -139,7 +145,8 @@ class GrammarCompiler:
                                     limits=self._limits)
     if template.is_error():
       raise GrammarSpecError(field, f"invalid {spec.kind}: {template.get_error()}")
-    compiled = CompiledGrammar(spec, grammar, time.perf_counter() - start, template)
+    compiled = CompiledGrammar(spec, grammar, time.perf_counter() - start, template,
+                               self.vocab_size, self.eos_ids)
     with self._lock:
       compiled = self._cache.setdefault(spec, compiled)  # a racing compile of it: keep the first
       self._cache.move_to_end(spec)
@@ -155,7 +162,7 @@ class GrammarCompiler:
   def matcher(self, spec: Grammar | CompiledGrammar) -> Matcher:
     """A fresh matcher at the grammar's start (compiling ``spec`` if needed)."""
     compiled = spec if isinstance(spec, CompiledGrammar) else self.compile(spec)
-    return Matcher(compiled.template.deep_copy(), self.vocab_size, self.eos_ids)
+    return compiled.matcher()
 
   def fill_rows(self, mask_RW: np.ndarray, rows: Sequence[tuple[int, Matcher]]) -> None:
     """Fills row ``r`` of ``mask_RW`` from ``m`` for each ``(r, m)`` in one parallel call."""
