@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from typing import Any, Mapping, Sequence
 
@@ -34,8 +35,7 @@ MAX_USER_CHARS = 256
 
 # Fields phaseserve does not implement: accepted only when they hold the no-op value.
 NOOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],),
+    "response_format": ({"type": "text"},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (), "echo": (False,), "suffix": ("",), "best_of": (1,),
     "min_p": (0,), "store": (False,), "metadata": ({},), "modalities": (["text"],),
@@ -47,7 +47,8 @@ NOOP_DEFAULTS: dict[str, tuple[Any, ...]] = {
 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "user",
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
-           "ignore_eos", "stop_token_ids", "attention_sinks")
+           "ignore_eos", "stop_token_ids", "attention_sinks", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "logit_bias")
 _COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens"))
 _CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs",
                                     "top_logprobs"))
@@ -235,7 +236,10 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     if not _is_int(window) or (k is not None and not _is_int(k)):
       raise bad("attention_sinks", "window (and sinks, if given) must be integers")
   return dict(
-      sinks_window=window, sinks=k,
+      sinks_window=window, sinks=k, logit_bias=_logit_bias(body),
+      presence_penalty=_get(body, "presence_penalty", _is_num, "a number"),
+      frequency_penalty=_get(body, "frequency_penalty", _is_num, "a number"),
+      repetition_penalty=_get(body, "repetition_penalty", _is_num, "a number"),
       temperature=_get(body, "temperature", _is_num, "a number"),
       top_p=_get(body, "top_p", _is_num, "a number"),
       top_k=0 if top_k == -1 else top_k,  # vLLM: -1 (or 0) means no top-k filter
@@ -247,6 +251,26 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),
       session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+  """OpenAI's ``logit_bias``: token ids as strings of integers -> numbers (validation checks
+  the ids against the vocabulary and the ranges)."""
+  bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+  if bias is None:
+    return None
+  out = {}
+  for key, value in bias.items():
+    if not re.fullmatch(r"-?[0-9]{1,10}", key):
+      raise bad("logit_bias", f"keys must be token ids (strings of integers), got "
+                f"{_short(key)}")
+    t = int(key)
+    if t in out:
+      raise bad("logit_bias", f"token id {t} is given twice")
+    if not _is_num(value):
+      raise bad("logit_bias", f"token {key}: the bias must be a number, got {_short(value)}")
+    out[t] = value
+  return out
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
