@@ -122,8 +122,8 @@ def sample_call(logits_RV: jax.Array, last_X: jax.Array, pen: PenaltyState,
   logits_RV = logits_RV[:, :valid_vocab]
   keep_R = rows(last_X, slots_R, 0)
   s_R = _sampling_rows(samp, slots_R)
-  tok_R = jnp.where(take_R, sample(apply_if(logits_RV, pen, slots_R, s_R), pos_R, s_R,
-                                   greedy_only=False), keep_R)
+  pick = lambda x_RV: sample(x_RV, pos_R, s_R, greedy_only=False)
+  tok_R = jnp.where(take_R, apply_if(logits_RV, pen, slots_R, s_R, pick), keep_R)
   return (last_X.at[slots_R].set(tok_R, mode="drop"), count(pen, slots_R, tok_R, take_R, s_R),
           tok_R, logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
 

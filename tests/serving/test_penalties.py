@@ -58,9 +58,9 @@ def test_apply_matches_numpy_and_leaves_plain_rows_alone():
   state = P.PenaltyState(jnp.asarray(counts), jnp.asarray(prompt))
   slots = jnp.arange(rows)
   off = SamplingArrays.from_params([SamplingParams()] * rows)
-  assert np.array_equal(np.asarray(P.apply_if(logits, state, slots, off)), logits)
+  assert np.array_equal(np.asarray(P.apply_if(logits, state, slots, off, lambda x: x)), logits)
   one = SamplingArrays.from_params([SamplingParams()] * 5 + [params[3]])
-  mixed = np.asarray(P.apply_if(logits, state, slots, one))
+  mixed = np.asarray(P.apply_if(logits, state, slots, one, lambda x: x))
   assert np.array_equal(mixed[:5], logits[:5]) and not np.array_equal(mixed[5], logits[5])
   # Counting: only taken rows whose penalties read the ids; padding slots write nothing.
   sp = SamplingArrays.from_params([params[1], params[0], params[1], params[4]])
