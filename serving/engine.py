@@ -46,6 +46,7 @@ from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_
 from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
                                    powers)
 from serving.host_tier import HostStore
+from serving.penalties import PenaltyState, count_first, fill_slot, warm_penalties
 from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
@@ -70,12 +71,14 @@ class EngineConfig:
 
 @dataclasses.dataclass
 class Pool:
-  """One KV pool and what runs on it: the step, its params, the paged KV and each slot's last
-  sampled id ``last_X`` (on the pool's devices)."""
+  """One KV pool and what runs on it: the step, its params, the paged KV, each slot's last
+  sampled id ``last_X`` and penalty state ``pen`` (``serving.penalties``; on the pool's
+  devices)."""
   step: Step
   params: Params
   kv: PagedKV
   last_X: jax.Array
+  pen: PenaltyState
 
   @property
   def shards(self) -> int:
@@ -91,7 +94,9 @@ class Pool:
     # would otherwise compile for uncommitted inputs and the first real step compile it again.
     kv = jax.tree.map(lambda a: jax.device_put(a, a.sharding), kv)
     last_X = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32), kv.lengths.sharding)
-    return cls(step, step.place_params(params), kv, last_X)
+    vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
+    pen = PenaltyState.create(config.max_slots, vocab, kv.lengths.sharding)
+    return cls(step, step.place_params(params), kv, last_X, pen)
 
 
 class Engine(EngineApi):
@@ -222,8 +227,9 @@ class Engine(EngineApi):
     """Each chunk's next id (rows ``want_R``: a prompt's last chunk) from its logits."""
     pool = self.prefill_pool
     self.program_set.dispatch(("sample", end_R.shape[0], "prefill"))
-    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots_R, end_R,
-                                         want_R, lp_on, valid_vocab=self.valid_vocab)
+    pool.last_X, pool.pen, tok_R, lp = sample_call(
+        logits_RV, pool.last_X, pool.pen, self._samp, slots_R, end_R, want_R, lp_on,
+        valid_vocab=self.valid_vocab)
     self.insert(chunks)
     return Part(tok_R, rows, lp)
 
@@ -244,6 +250,9 @@ class Engine(EngineApi):
       sharding = dst.kv.lengths.sharding  # per-slot state on the decode chips
       dst.last_X = jnp.where(jax.device_put(mask_X, sharding),
                              jax.device_put(src.last_X, sharding), dst.last_X)
+      mask_X &= np.array([p.penalized for p in self._samp_host])  # its first id counted
+      if mask_X.any():
+        dst.pen = count_first(dst.pen, mask_X, dst.last_X)
 
   def generate(self, rows: Sequence[DecodeRow]) -> Part:
     pool = self.decode_pool
@@ -268,8 +277,9 @@ class Engine(EngineApi):
     self.program_set.dispatch(("sample", n, "decode"))
     pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots, pos, active,
                                      step=pool.step, n=n, attend_len=attend)
-    pool.last_X, tok_R, lp = sample_call(logits_RV, pool.last_X, self._samp, slots, pos + 1,
-                                         active, want_lp(out_rows), valid_vocab=self.valid_vocab)
+    pool.last_X, pool.pen, tok_R, lp = sample_call(
+        logits_RV, pool.last_X, pool.pen, self._samp, slots, pos + 1, active, want_lp(out_rows),
+        valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
 
   def _attend(self, end: int, phase: str) -> int:
@@ -339,8 +349,8 @@ class Engine(EngineApi):
       return decode_call, args, dict(step=pool.step, n=r, attend_len=attend), pool
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
-    args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, self._samp, none_R,
-            z_R, z_R.astype(bool), want_lp([]))
+    args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, pool.pen, self._samp,
+            none_R, z_R, z_R.astype(bool), want_lp([]))
     return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
@@ -371,9 +381,12 @@ class Engine(EngineApi):
       if phase in ("prefill", "decode"):
         pool.kv, self._warm_logits[(phase, r)] = out
       else:
-        pool.last_X = out[0]
+        pool.last_X, pool.pen = out[:2]
     self._warm_logits = {}
     extra = self._warm_host_tier() if self.host_store is not None else 0
+    for pool in self.pools:  # the penalty state's programs (a second pool's: count_first too)
+      pool.pen = warm_penalties(pool.pen, pool.last_X if pool is not self.prefill_pool else None)
+    extra += len(self.pools) + (self.transfer is not None)
     if max(p.shards for p in self.pools) > 1:  # prefix pages copied across sub-pools
       n = 1
       while n <= self._tier_cap:
@@ -405,6 +418,8 @@ class Engine(EngineApi):
     if plan.setups:
       for s in plan.setups:
         self.setup(s.slot, s.sampling, s.sinks)
+        for pool in self.pools if s.sampling.penalized else ():
+          pool.pen = fill_slot(pool.pen, s.slot, s.prompt_ids, s.output_ids)
       self._samp = SamplingArrays.from_params(self._samp_host)
       if self.config.sinks:
         self._push_policy()

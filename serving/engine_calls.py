@@ -3,11 +3,12 @@
 Contract: the model programs (``prefill_call``, ``decode_call``) run a ``models.step.Step`` on
 the rows ``R`` of one call, gathered from the pool's per-slot state (``X`` slots) by
 ``slots_R`` (padding rows name slot ``X``: the null page, inactive), and return logits;
-sampling is a program of its own per row count (``sample_call``: greedy-or-sampled and
-logprobs-or-not are run-time switches, not program variants). ``read_pages`` / ``write_pages``
-/ ``copy_call`` move pages ``C`` of the pool (the host tier, prefix copies). ``Pending`` holds
-one step's sampled ids in flight; ``result()`` reads them on the host (``to_host``: a local
-copy, or a replicate-then-read under several processes). Letters: ``models/config.py``.
+sampling is a program of its own per row count (``sample_call``: greedy-or-sampled,
+penalties-or-not and logprobs-or-not are run-time switches, not program variants).
+``read_pages`` / ``write_pages`` / ``copy_call`` move pages ``C`` of the pool (the host tier,
+prefix copies). ``Pending`` holds one step's sampled ids in flight; ``result()`` reads them on
+the host (``to_host``: a local copy, or a replicate-then-read under several processes).
+Letters: ``models/config.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from models.paged_kv import PagedKV, Pages, copy_pages
 from models.step import Step
 from models.weights import Params
+from serving.penalties import PenaltyState, apply_if, count
 from serving.request import TokenLogprobs
 from serving.sampling import LOGPROBS_MAX, SamplingArrays, logprobs_if, sample
 from serving.scheduler import StepResult
@@ -109,19 +111,21 @@ def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Arr
   return kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=lengths), logits_RV
 
 
-@functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_X",))
-def sample_call(logits_RV: jax.Array, last_X: jax.Array, samp: SamplingArrays,
-                slots_R: jax.Array, pos_R: jax.Array, take_R: jax.Array, want_lp: jax.Array, *,
-                valid_vocab: int):
-  """Row r's next id from its logits (its slot's sampling, key position ``pos_R``); rows with
-  ``take_R`` write it into their slot's last id, the others keep theirs (and return it);
-  logprobs under the run-time switch ``want_lp``."""
+@functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_X", "pen"))
+def sample_call(logits_RV: jax.Array, last_X: jax.Array, pen: PenaltyState,
+                samp: SamplingArrays, slots_R: jax.Array, pos_R: jax.Array, take_R: jax.Array,
+                want_lp: jax.Array, *, valid_vocab: int):
+  """Row r's next id from its logits, penalised and biased (``serving.penalties``, a run-time
+  switch) and sampled with its slot's parameters at key position ``pos_R``; rows with
+  ``take_R`` write it into their slot's last id and penalty counts, the others keep theirs
+  (and return it); logprobs (of the raw logits) under the run-time switch ``want_lp``."""
   logits_RV = logits_RV[:, :valid_vocab]
   keep_R = rows(last_X, slots_R, 0)
-  tok_R = jnp.where(take_R, sample(logits_RV, pos_R, _sampling_rows(samp, slots_R),
-                                   greedy_only=False), keep_R)
-  return (last_X.at[slots_R].set(tok_R, mode="drop"), tok_R,
-          logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
+  s_R = _sampling_rows(samp, slots_R)
+  pick = lambda x_RV: sample(x_RV, pos_R, s_R, greedy_only=False)
+  tok_R = jnp.where(take_R, apply_if(logits_RV, pen, slots_R, s_R, pick), keep_R)
+  return (last_X.at[slots_R].set(tok_R, mode="drop"), count(pen, slots_R, tok_R, take_R, s_R),
+          tok_R, logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
 
 
 def to_host(a: jax.Array) -> np.ndarray:

@@ -5,7 +5,8 @@ numpy int32 array with the next token of every prompt (``-1`` once a row has sto
 ``max_tokens`` or at a stop id. Shapes are padded to power-of-two buckets (prompt chunk length,
 attention length) so a new request length reuses compiled code. Decoding runs ``steps_per_call``
 steps inside one jitted ``fori_loop`` (tokens reach the host in small bursts). This is not the
-continuous-batching engine (``serving/engine.py``): a batch here starts and ends together.
+continuous-batching engine (``serving/engine.py``): a batch here starts and ends together, and
+penalties / logit bias (``serving.penalties``, the engine's) are refused.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class Generator:
     rows = [sampling] * n_rows if isinstance(sampling, SamplingParams) else list(sampling)
     if len(rows) != n_rows:
       raise ValueError(f"{len(rows)} sampling params for {n_rows} prompts")
+    if any(r.penalized or r.logit_bias for r in rows):
+      raise ValueError("penalties and logit_bias are applied by the serving engine only")
     longest = max(len(p) for p in prompts)
     for p in prompts:
       self.check_lengths(len(p), max_tokens)

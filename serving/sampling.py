@@ -14,6 +14,9 @@ Contract:
     ``log_softmax`` of the raw logits; ``logprobs_if(want, ...)`` under a traced bool.
   * Seeds: a request without one gets ``fresh_seed()`` when created (``serving.request``);
     ``SamplingArrays.from_params`` draws one for any sampled row still without a seed.
+  * Penalties and logit bias (``SamplingParams.presence_penalty`` ... ``logit_bias``) are carried
+    here per row (``SamplingArrays``: ``[B]`` factors, ``[B, LOGIT_BIAS_MAX]`` bias ids / values)
+    but applied by ``serving.penalties`` before ``sample``; ``sample`` itself ignores them.
 How it avoids a full sort, and its timings: BUILD_NOTES "Design: Serving core".
 """
 
@@ -33,6 +36,9 @@ from serving.grammar import CompiledGrammar
 # covers the usual top_k (20-50) and most real nuclei; anything wider takes the exact slow path.
 K_MAX = 64
 LOGPROBS_MAX = 20  # the largest top-n logprobs a request may ask for (OpenAI's and vLLM's limit)
+LOGIT_BIAS_MAX = 300  # logit_bias entries per request (OpenAI's cap; a fixed [B, 300] array)
+PENALTY_MAX = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
+BIAS_MAX = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 _SEARCH_STEPS = 32  # bisection steps over uint32: exact
 _BLOCK = 256  # ids per block of the full-vocabulary draw's two-level cumulative mass
 
@@ -49,6 +55,10 @@ class SamplingParams:
   top_p: float = 1.0
   seed: int | None = None  # None: a fresh random seed (see the module contract)
   logprobs: int = 0  # top-n logprobs to return with each token (0: only if the engine asks)
+  presence_penalty: float = 0.0  # minus p once for every id generated so far
+  frequency_penalty: float = 0.0  # minus f per time an id was generated so far
+  repetition_penalty: float = 1.0  # ids of the prompt or output: logit / r if > 0, else * r
+  logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs, ids distinct
   grammar: CompiledGrammar | None = None  # structured output: allowed tokens per step
 
   def __post_init__(self):
@@ -62,10 +72,32 @@ class SamplingParams:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
     if not 0 <= self.logprobs <= LOGPROBS_MAX:
       raise ValueError(f"logprobs must be in [0, {LOGPROBS_MAX}], got {self.logprobs}")
+    for name, value in (("presence_penalty", self.presence_penalty),
+                        ("frequency_penalty", self.frequency_penalty)):
+      if not -PENALTY_MAX <= value <= PENALTY_MAX:  # also rejects NaN
+        raise ValueError(f"{name} must be in [-2, 2], got {value}")
+    if not 0.0 < self.repetition_penalty < float("inf"):
+      raise ValueError(f"repetition_penalty must be finite and > 0, got "
+                       f"{self.repetition_penalty}")
+    if len(self.logit_bias) > LOGIT_BIAS_MAX:
+      raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                       f"{LOGIT_BIAS_MAX}")
+    if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+      raise ValueError("logit_bias names a token id twice")
+    for t, b in self.logit_bias:
+      if t < 0 or not -BIAS_MAX <= b <= BIAS_MAX:
+        raise ValueError(f"logit_bias entries need an id >= 0 and a bias in [-100, 100], "
+                         f"got {t}: {b}")
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def penalized(self) -> bool:
+    """Penalties that read the sequence's ids (``serving.penalties`` keeps them per slot)."""
+    return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0)
 
   def resolved(self) -> "SamplingParams":
     """These parameters with a seed: ``self`` if it has one, else a fresh random one."""
@@ -80,15 +112,29 @@ class SamplingArrays:
   temperature: jax.Array  # [B] f32
   top_k: jax.Array  # [B] int32
   top_p: jax.Array  # [B] f32
+  presence: jax.Array  # [B] f32 (serving.penalties)
+  frequency: jax.Array  # [B] f32
+  repetition: jax.Array  # [B] f32 (1: off)
+  bias_ids: jax.Array  # [B, LOGIT_BIAS_MAX] int32 (unused entries: id 0, bias 0)
+  bias: jax.Array  # [B, LOGIT_BIAS_MAX] f32
 
   @staticmethod
   def from_params(rows: list[SamplingParams]) -> "SamplingArrays":
     seeds = [r.seed if r.seed is not None else (0 if r.greedy else fresh_seed()) for r in rows]
-    # One device_put of the four (not jnp.asarray: no staging program compiled per shape).
+    f32 = lambda values: np.array(list(values), np.float32)
+    bias_ids = np.zeros((len(rows), LOGIT_BIAS_MAX), np.int32)
+    bias = np.zeros((len(rows), LOGIT_BIAS_MAX), np.float32)
+    for i, r in enumerate(rows):
+      if r.logit_bias:
+        ids, values = zip(*r.logit_bias)
+        bias_ids[i, :len(ids)] = ids
+        bias[i, :len(ids)] = values
+    # One device_put of them all (not jnp.asarray: no staging program compiled per shape).
     return SamplingArrays(*jax.device_put((
-        np.array(seeds, np.uint32), np.array([r.temperature for r in rows], np.float32),
-        np.array([r.top_k for r in rows], np.int32),
-        np.array([r.top_p for r in rows], np.float32))))
+        np.array(seeds, np.uint32), f32(r.temperature for r in rows),
+        np.array([r.top_k for r in rows], np.int32), f32(r.top_p for r in rows),
+        f32(r.presence_penalty for r in rows), f32(r.frequency_penalty for r in rows),
+        f32(r.repetition_penalty for r in rows), bias_ids, bias)))
 
 
 def argmax(logits_BV: jax.Array) -> jax.Array:

@@ -236,7 +236,7 @@ class Scheduler:
       seq.slot = heapq.heappop(self._free_slots)
       seq.state = _State.RUNNING
       self._running.append(seq)
-      setups.append(SlotSetup(seq.slot, rid, seq.req.sampling, seq.req.sinks))
+      setups.append(self._setup(seq))
       if seq.preemptions:
         seq.trace.record("resumed")
       if got.paused_at is not None:  # a session's next turn: its path is locked by seq now
@@ -251,6 +251,15 @@ class Scheduler:
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
                     self.kv.page_table(seqs), moves.copies, spills=moves.spills,
                     forget=moves.forget, loads=moves.loads)
+
+  def _setup(self, seq: _Seq) -> SlotSetup:
+    """The slot's setup; a penalised request's carries its ids (its penalty counts' start)."""
+    req = seq.req
+    if not req.sampling.penalized:
+      return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks)
+    n = len(req.prompt_ids)
+    return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks, req.prompt_ids,
+                     tuple(seq.tokens[n:]))
 
   def _plan_chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk],
                   reserved: bool = False) -> int:

@@ -1,9 +1,9 @@
 """The per-step plan the scheduler hands the engine, and the result the engine hands back.
 
 Contract: a ``StepPlan`` is plain data (no JAX): the ``prefill`` chunks and ``decode`` rows of
-one step, the ``setups`` of slots (re)assigned in it, the device ``page_table`` of every slot
-(``[max_slots, max_pages_per_seq]``; free slots hold the null page), and the page work to run
-before the step, in this order: ``copies`` (prefix pages copied across sub-pools), ``spills``
+one step, the ``setups`` of slots (re)assigned in it (a penalised request's with its ids), the
+device ``page_table`` of every slot (``[max_slots, max_pages_per_seq]``; free slots hold the
+null page), and the page work to run before the step, in this order: ``copies`` (prefix pages copied across sub-pools), ``spills``
 (device pages copied to the host tier), ``forget`` (host entries dropped) and ``loads`` (host
 entries back onto device pages). A ``StepResult`` maps request ids to the id each sampled
 (with logprobs when asked). ``serving.plan_codec`` is its wire form.
@@ -43,6 +43,10 @@ class SlotSetup:
   request_id: str
   sampling: SamplingParams
   sinks: Sinks | None = None  # the slot's cache policy (a sink pool's per-row sinks/window)
+  # Only where ``sampling.penalized``: the ids the slot's penalty counts start from (the
+  # prompt, and the ids generated before a preemption), whatever the prefix cache reuses.
+  prompt_ids: tuple[int, ...] = ()
+  output_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,9 +48,7 @@ MAX_USER_CHARS = 256
 # Not implemented, and ignoring them would change what the client gets: accepted only at their
 # no-op value (absent or null always is).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "suffix": ("",), "min_p": (0,), "audio": (), "use_beam_search": (False,),
     "prompt_logprobs": (), "allowed_token_ids": (),
     "bad_words": ([],), "chat_template": (), "documents": ([],), "skip_special_tokens": (True,),
@@ -62,6 +60,7 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
            "ignore_eos", "stop_token_ids", "attention_sinks", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
            "response_format", "structured_outputs", "guided_whitespace_pattern",
            *GUIDED_FIELDS)
 _COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens", "echo"))
@@ -245,7 +244,10 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
   if truncate is not None and truncate < 1:
     raise bad("truncate_prompt_tokens", f"must be >= 1, got {truncate}")
   return dict(
-      sinks_window=window, sinks=k,
+      sinks_window=window, sinks=k, logit_bias=_logit_bias(body),
+      presence_penalty=_get(body, "presence_penalty", _is_num, "a number"),
+      frequency_penalty=_get(body, "frequency_penalty", _is_num, "a number"),
+      repetition_penalty=_get(body, "repetition_penalty", _is_num, "a number"),
       temperature=d.temperature if temperature is None else temperature,
       top_p=d.top_p if top_p is None else top_p,
       top_k=d.top_k if top_k is None else 0 if top_k == -1 else top_k,  # vLLM: -1 is no top-k
@@ -258,6 +260,26 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),
       session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+  """OpenAI's ``logit_bias``: token ids as strings of integers -> numbers (validation checks
+  the ids against the vocabulary and the ranges)."""
+  bias = _get(body, "logit_bias", lambda v: isinstance(v, dict), "an object")
+  if bias is None:
+    return None
+  out = {}
+  for key, value in bias.items():
+    if not re.fullmatch(r"-?[0-9]{1,10}", key):
+      raise bad("logit_bias", f"keys must be token ids (strings of integers), got "
+                f"{_short(key)}")
+    t = int(key)
+    if t in out:
+      raise bad("logit_bias", f"token id {t} is given twice")
+    if not _is_num(value):
+      raise bad("logit_bias", f"token {key}: the bias must be a number, got {_short(value)}")
+    out[t] = value
+  return out
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:

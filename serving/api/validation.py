@@ -6,8 +6,8 @@ client sent (``None`` where a field was absent, so an unset field is never read 
 message)``; ``field`` is the API's own field name (``field_names`` maps this module's names to
 another API's, e.g. JetStream's ``max_tokens`` or OpenAI's ``max_completion_tokens``). It checks
 the prompt (one form, non-empty, valid UTF-8 or ids in vocab, a chat template that renders), the
-lengths (prompt + max_tokens within the context: never truncated), each sampling and stop
-parameter's range, ``n`` against ``max_n``, the SLO class, the session id, and attention sinks
+lengths (prompt + max_tokens within the context: never truncated), each sampling (penalties and
+``logit_bias`` included: ids in vocab) and stop parameter's range, ``n`` against ``max_n``, the SLO class, the session id, and attention sinks
 (a fixed-size ring: ``max_tokens`` may then pass the context, up to ``MAX_STREAM_TOKENS``).
 Nothing here touches the engine. The full list: BUILD_NOTES "Design: The API".
 """
@@ -24,7 +24,8 @@ from models.text.tokenizer import Tokenizer
 from serving.grammar import GrammarCompiler
 from serving.grammar_spec import Grammar, GrammarSpecError
 from serving.request import MAX_STREAM_TOKENS, Sinks
-from serving.sampling import LOGPROBS_MAX, SamplingParams, fresh_seed
+from serving.sampling import (BIAS_MAX, LOGIT_BIAS_MAX, LOGPROBS_MAX, PENALTY_MAX, SamplingParams,
+                              fresh_seed)
 from serving.stop import StopCriteria
 
 
@@ -82,6 +83,10 @@ class GenerateArgs:
   sinks_window: int | None = None  # attention sinks: the window (None: the whole context)
   sinks: int | None = None  # attention sinks: the sink tokens (default 4)
   grammar: Grammar | None = None  # structured output: the constraint (serving.grammar_spec)
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  repetition_penalty: float | None = None
+  logit_bias: Mapping[int, float] | None = None  # token id -> bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +244,39 @@ def _float(value: float, field: str, bad) -> float:
     raise bad(field, "must be a finite number, got an integer out of range") from None
 
 
+def _penalties(args: GenerateArgs, bad) -> tuple[float, float, float]:
+  """(presence, frequency, repetition): OpenAI's ranges, vLLM's repetition (> 0, 1 = off)."""
+  out = []
+  for field, value, default in (("presence_penalty", args.presence_penalty, 0.0),
+                                ("frequency_penalty", args.frequency_penalty, 0.0)):
+    v = default if value is None else _float(value, field, bad)
+    if not -PENALTY_MAX <= v <= PENALTY_MAX:  # also rejects NaN
+      raise bad(field, f"must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}], got {v}")
+    out.append(v)
+  r = 1.0 if args.repetition_penalty is None else _float(args.repetition_penalty,
+                                                         "repetition_penalty", bad)
+  if not (math.isfinite(r) and r > 0):
+    raise bad("repetition_penalty", f"must be finite and > 0 (1 = off), got {r}")
+  return out[0], out[1], r
+
+
+def _logit_bias(args: GenerateArgs, bad, vocab: int) -> tuple[tuple[int, float], ...]:
+  """Sorted (id, bias) pairs: at most LOGIT_BIAS_MAX, ids in the vocabulary, biases in range."""
+  bias = args.logit_bias or {}
+  if len(bias) > LOGIT_BIAS_MAX:
+    raise bad("logit_bias", f"at most {LOGIT_BIAS_MAX} entries, got {len(bias)}")
+  out = []
+  for t, b in sorted(bias.items()):
+    if not 0 <= t < vocab:
+      raise bad("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+    v = _float(b, "logit_bias", bad)
+    if not -BIAS_MAX <= v <= BIAS_MAX:  # also rejects NaN
+      raise bad("logit_bias", f"token {t}: the bias must be in [-{BIAS_MAX:g}, {BIAS_MAX:g}], "
+                f"got {v}")
+    out.append((int(t), v))
+  return tuple(out)
+
+
 def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, bad,
           vocab: int) -> Validated:
   temperature = 0.0 if args.temperature is None else _float(args.temperature, "temperature", bad)
@@ -282,7 +320,8 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
   seed = fresh_seed() if args.seed is None else int(args.seed)
   if not 0 <= seed < 2**32:
     raise bad("seed", f"must be in [0, 2**32), got {seed}")
-  sampling = SamplingParams(temperature, top_k, top_p, seed, logprobs)
+  sampling = SamplingParams(temperature, top_k, top_p, seed, logprobs,
+                            *_penalties(args, bad), logit_bias=_logit_bias(args, bad, vocab))
   stop = StopCriteria(max_tokens=max_tokens, stop_ids=tuple(args.stop_token_ids),
                       stop_strings=tuple(stops), min_tokens=min_tokens,
                       ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str)

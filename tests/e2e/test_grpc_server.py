@@ -17,6 +17,7 @@ import time
 import grpc
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -25,12 +26,14 @@ from launch import defaults
 from models.config import get_preset
 from models.cpu import cpuinfo
 from models.text.tokenizer import ByteTokenizer
+from models.transformer import forward
 from models.weights import init_params
 from serving.generator import Generator
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
 from serving.sampling import SamplingParams
 from tests.grpc_harness import TINY, ServerProc
+from tests.penalty_ref import check_greedy
 from tests.refenv import REPO
 
 TOK = ByteTokenizer()
@@ -128,6 +131,28 @@ def test_logprobs_and_stops_over_the_wire(stub):
     _, out, finals = _run(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                                    max_tokens=12, stop=[needle]))
     assert finals[0].finish_reason == pb.STOP and out[0] == text[:text.index(needle)]
+
+
+def test_penalties_and_logit_bias_over_the_wire(stub):
+  """A greedy request with every penalty and a logit bias follows the numpy reference over the
+  model's own logits; a bias of +100 forces an id; -100 bans the plain run's first id."""
+  prompt = [TOK.bos_id] + TOK.encode("Hello")
+  plain = _greedy_reference(prompt, 12)
+  sampling = pb.Sampling(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.5,
+                         logit_bias={plain[0]: -100.0, 65: 2.0})
+  ids, _, _ = _run(stub, pb.GenerateRequest(text="Hello", max_tokens=12, ignore_eos=True,
+                                            sampling=sampling))
+  got = ids[0]
+  assert plain[0] not in got and got != plain
+  cfg = get_preset("tiny")
+  params = init_params(cfg, jax.random.key(0), jnp.float32)  # launch.server --param_seed 0
+  logits = np.asarray(forward(params, jnp.asarray([prompt + got[:-1]]), cfg=cfg)[0])
+  want = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.5,
+                        logit_bias=((65, 2.0), (plain[0], -100.0)))
+  assert check_greedy(logits, prompt, got, want) in ("equal", "near-tie")
+  ids, _, _ = _run(stub, pb.GenerateRequest(text="Hello", max_tokens=6, ignore_eos=True,
+                                            sampling=pb.Sampling(logit_bias={200: 100.0})))
+  assert ids[0] == [200] * 6
 
 
 def test_text_deltas_never_split_a_character(stub):
@@ -229,6 +254,11 @@ def _bad_requests():
       (P(n=9, **ok), "n"),
       (P(slo_class="gold", **ok), "slo_class"),
       (P(logprobs=50, **ok), "logprobs"),
+      (P(sampling=pb.Sampling(presence_penalty=2.5), **ok), "presence_penalty"),
+      (P(sampling=pb.Sampling(frequency_penalty=float("nan")), **ok), "frequency_penalty"),
+      (P(sampling=pb.Sampling(repetition_penalty=0), **ok), "repetition_penalty"),
+      (P(sampling=pb.Sampling(logit_bias={VOCAB: 1.0}), **ok), "logit_bias"),
+      (P(sampling=pb.Sampling(logit_bias={5: -101.0}), **ok), "logit_bias"),
       (P(messages=pb.Messages(messages=[pb.ChatMessage(role="no role", content="hi")]),
          max_tokens=4), "messages"),
       (P(messages=pb.Messages(messages=[]), max_tokens=4), "messages"),

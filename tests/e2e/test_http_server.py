@@ -260,6 +260,27 @@ def test_n_samples_batch_prompts_and_logprobs(server, client):
     raise AssertionError("no usage record with the user")
 
 
+def test_penalties_and_logit_bias_are_honoured_like_grpc(server, client, stub):
+  """The four fields on both endpoints: the same greedy text as the gRPC service given the same
+  values (logit_bias keys as strings); +100 on "A" makes every id "A"."""
+  pen = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.5)
+  ref, ids, _ = _grpc(stub, pb.GenerateRequest(
+      token_ids=pb.TokenIds(ids=[104, 105]), max_tokens=8, ignore_eos=True,
+      sampling=pb.Sampling(logit_bias={66: 3.0}, **pen)))
+  plain, plain_ids, _ = _grpc(stub, pb.GenerateRequest(
+      token_ids=pb.TokenIds(ids=[104, 105]), max_tokens=8, ignore_eos=True))
+  assert len(ids) == 8 and ids != plain_ids
+  got = client.completions.create(  # repetition_penalty: vLLM's, not in the openai client
+      model=MODEL, prompt=[104, 105], max_tokens=8, temperature=0, logit_bias={"66": 3.0},
+      presence_penalty=0.5, frequency_penalty=1.0,
+      extra_body=dict(ignore_eos=True, repetition_penalty=1.5))
+  assert got.choices[0].text == ref
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                        max_tokens=6, logit_bias={"65": 100},
+                                        extra_body=dict(ignore_eos=True))
+  assert chat.choices[0].message.content == "A" * 6
+
+
 def _bad_inputs():
   ok = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
   C, T = "/v1/completions", "/v1/chat/completions"
@@ -304,14 +325,17 @@ def _bad_inputs():
       (C, dict(ok, stop=[1]), 400, "stop"),
       (C, dict(ok, prompt=[["a"]]), 400, "prompt"),
       (C, dict(ok, prompt=["a"] * 33), 400, "prompt"),
-      (C, dict(ok, frequency_penalty=0.5), 400, "frequency_penalty"),
-      (C, dict(ok, presence_penalty=1), 400, "presence_penalty"),
-      (C, dict(ok, logit_bias={"5": 100}), 400, "logit_bias"),
+      (C, dict(ok, frequency_penalty=2.5), 400, "frequency_penalty"),
+      (C, dict(ok, presence_penalty=-3), 400, "presence_penalty"),
+      (T, dict(chat, repetition_penalty=0), 400, "repetition_penalty"),
+      (C, dict(ok, logit_bias={"5": 101}), 400, "logit_bias"),
+      (T, dict(chat, logit_bias={str(VOCAB): 1}), 400, "logit_bias"),
+      (C, dict(ok, logit_bias={"x": 1}), 400, "logit_bias"),
       (C, dict(ok, echo=True, logprobs=1), 400, "echo"),
       (C, dict(ok, best_of=3), 400, "best_of"),
       (C, dict(ok, stream_options={"include_usage": True}), 400, "stream_options"),
       (C, dict(ok, user=7), 400, "user"),
-      (T, dict(chat, response_format={"type": "json_object"}), 400, "response_format"),
+      (T, dict(chat, response_format={"type": "xml"}), 400, "response_format.type"),
       (T, dict(chat, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
       (T, dict(chat, top_logprobs=2), 400, "top_logprobs"),
       (T, dict(chat, max_tokens=4, max_completion_tokens=5), 400, "max_completion_tokens"),

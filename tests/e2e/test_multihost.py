@@ -44,7 +44,10 @@ def test_plan_codec_round_trips_exactly():
       step=7, prefill=(PrefillChunk("a", 1, (5, 6, 7), 32, True),),
       decode=(DecodeRow("b", 0, 40), DecodeRow("c", 2, 3)),
       setups=(SlotSetup(1, "a", SamplingParams(0.7, 5, 0.9, 123, 2), Sinks(64, 4)),
-              SlotSetup(2, "c", SamplingParams(seed=2**32 - 1))),
+              SlotSetup(2, "c", SamplingParams(seed=2**32 - 1)),
+              SlotSetup(3, "d", SamplingParams(presence_penalty=0.5, repetition_penalty=1.25,
+                                               logit_bias=((7, -100.0), (9, 0.1))),
+                        prompt_ids=(1, 2, 3), output_ids=(4, 4))),
       page_table=table, copies=(PageCopy(3, 9),), spills=(PageSpill(4, 2**60),),
       forget=(11, 12), loads=(PageLoad(2**60, 5),))
   got = plan_codec.decode(plan_codec.encode(plan))
@@ -53,6 +56,7 @@ def test_plan_codec_round_trips_exactly():
     assert getattr(got, f) == getattr(plan, f), f
   assert got.page_table.dtype == np.int32 and np.array_equal(got.page_table, table)
   assert got.setups[0].sampling.temperature == 0.7  # floats exact through JSON
+  assert got.setups[2].sampling.logit_bias == ((7, -100.0), (9, 0.1))
   call = plan_codec.decode(plan_codec.encode(("warmup", (2, None))))
   assert call == ("warmup", (2, None))
   with pytest.raises(ValueError, match="unknown type"):

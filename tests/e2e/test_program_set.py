@@ -4,8 +4,8 @@ program, and its memory mappings and RSS stay put.
 One ``launch.server`` (tiny model, HTTP beside gRPC, attention sinks on, prefix cache on by
 default) is warmed up; then every variant a client can send goes through it: completions and
 chat, streaming or not, ``n`` = 3 sampled, logprobs (completions 0 and 5, chat top 3), stop
-strings, top-k / top-p, a prompt several chunks long, a prefix-cache hit, attention sinks with a
-window that wraps, the phaseserve gRPC API and JetStream's. ``phaseserve_programs_after_ready``
+strings, top-k / top-p, penalties and logit bias, a prompt several chunks long, a prefix-cache
+hit, attention sinks with a window that wraps, the phaseserve gRPC API and JetStream's. ``phaseserve_programs_after_ready``
 must stay 0. Before the sampling and logprobs switches became run-time conds, the first sampled
 or logprobs request compiled new variants of the prefill and decode programs.
 """
@@ -82,7 +82,15 @@ def _variants() -> list[tuple[str, dict]]:
               "temperature": 1.0, "seed": 5, "logprobs": 2, "attention_sinks": {"window": 20}}),
          (ch, {**base, "messages": CHAT}),
          (ch, {**base, "messages": CHAT, "stream": True, "logprobs": True, "top_logprobs": 3}),
-         (ch, {**base, "messages": CHAT, "n": 2, "temperature": 0.9, "seed": 7})]
+         (ch, {**base, "messages": CHAT, "n": 2, "temperature": 0.9, "seed": 7}),
+         # Penalties and logit bias: a run-time switch in the sampling programs, state per slot.
+         (c, {**base, "prompt": "Hello", "presence_penalty": 1.0, "frequency_penalty": 0.5,
+              "repetition_penalty": 1.3, "logit_bias": {"65": 5}}),
+         (c, {**base, "prompt": LONG, "max_tokens": 4, "frequency_penalty": 1.0}),  # cached
+         (c, {**base, "prompt": "Hi", "max_tokens": 40, "ignore_eos": True,
+              "repetition_penalty": 1.2, "attention_sinks": {"window": 20}}),
+         (ch, {**base, "messages": CHAT, "temperature": 0.9, "seed": 8, "top_k": 20,
+               "logit_bias": {"66": -100}, "presence_penalty": -0.5})]
   # Several at once: batches mixing greedy, sampled and logprobs rows, every row count.
   return out
 

@@ -109,6 +109,15 @@ BAD = [
     (dict(messages=[("user", b"\xfe")]), "messages"),
     (dict(messages=[("a role", "hi")]), "messages"),
     (dict(text="a", seed=2**32), "seed"),
+    (dict(text="a", presence_penalty=2.5), "presence_penalty"),
+    (dict(text="a", frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(text="a", frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(text="a", repetition_penalty=0.0), "repetition_penalty"),
+    (dict(text="a", repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(text="a", logit_bias={VOCAB: 1.0}), "logit_bias"),
+    (dict(text="a", logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(text="a", logit_bias={3: 100.5}), "logit_bias"),
+    (dict(text="a", logit_bias={t: 1.0 for t in range(301)}), "logit_bias"),
 ]
 
 
@@ -124,6 +133,12 @@ def test_validate_defaults_and_field_names():
   assert v.prompt_ids == (TOK.bos_id, ord("h"), ord("i")) and v.n == 1
   assert v.stop.max_tokens == 8 and v.sampling.temperature == 0 and v.sampling.top_k == 0
   assert v.slo_class == "server" and 0 <= v.sampling.seed < 2**32
+  assert not v.sampling.penalized and v.sampling.logit_bias == ()
+  p = validate(GenerateArgs(text="hi", presence_penalty=-2, frequency_penalty=2,
+                            repetition_penalty=1.3, logit_bias={9: -100, 4: 100}),
+               TOK, LIMITS).sampling
+  assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2, 2, 1.3)
+  assert p.logit_bias == ((4, 100.0), (9, -100.0))
   # The default max_tokens shrinks to the context left; an explicit one never does.
   assert validate(GenerateArgs(token_ids=[1] * 60), TOK, LIMITS).stop.max_tokens == 4
   assert validate(GenerateArgs(text="a", n=0), TOK, LIMITS).n == 1  # JetStream: 0 means 1

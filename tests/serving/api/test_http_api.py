@@ -70,7 +70,7 @@ def test_chat_fields_and_names():
     ({"model": M, "prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"model": M}, "prompt"),
     ({"model": M, "prompt": {"a": 1}}, "prompt"),
-    ({"model": M, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": M, "prompt": "x", "repetition_penalty": "high"}, "repetition_penalty"),
     ({"model": M, "prompt": "x", "suffix": "end"}, "suffix"),
     ({"model": M, "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": M, "prompt": "x", "stream": True, "stream_options": {"x": 1}},
@@ -90,11 +90,31 @@ def test_noop_defaults_are_accepted_and_anything_else_refused():
         "logit_bias": {}, "echo": False, "best_of": 1, "min_p": 0, "service_tier": "auto",
         "response_format": None}
   assert parse_completion(ok).ignored == ("service_tier",)
-  for field, value in (("suffix", "x"), ("min_p", 0.1), ("use_beam_search", True),
-                       ("frequency_penalty", True)):
+  for field, value in (("suffix", "x"), ("min_p", 0.1), ("use_beam_search", True)):
     with pytest.raises(ApiError) as e:
       parse_completion(dict(ok, **{field: value}))
     assert e.value.param == field and "not implemented" in e.value.message
+
+
+def test_penalties_and_logit_bias_reach_the_args_of_both_endpoints():
+  pen = {"presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+         "logit_bias": {"5": 100, "17": -2.5}}
+  chat = parse_chat({"model": M, "messages": [{"role": "user", "content": "hi"}], **pen})
+  for args in (parse_completion({"model": M, "prompt": "x", **pen}).prompts[0],
+               chat.prompts[0]):
+    assert (args.presence_penalty, args.frequency_penalty, args.repetition_penalty) == \
+        (1.5, -0.5, 1.2)
+    assert args.logit_bias == {5: 100, 17: -2.5}
+  for field, value, needle in (("frequency_penalty", True, "must be a number"),
+                               ("presence_penalty", "1", "must be a number"),
+                               ("logit_bias", [1], "must be an object"),
+                               ("logit_bias", {"a": 1}, "keys must be token ids"),
+                               ("logit_bias", {" 5": 1}, "keys must be token ids"),
+                               ("logit_bias", {"5": 1, "05": 2}, "given twice"),
+                               ("logit_bias", {"5": "1"}, "must be a number")):
+    with pytest.raises(ApiError) as e:
+      parse_completion({"model": M, "prompt": "x", field: value})
+    assert e.value.status == 400 and e.value.param == field and needle in e.value.message
   with pytest.raises(ApiError) as e:
     parse_chat({"model": M, "messages": [], "tools": [{"type": "function"}]})
   assert e.value.param == "tools"

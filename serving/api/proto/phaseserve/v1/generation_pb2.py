@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0serving/api/proto/phaseserve/v1/generation.proto\x12\rphaseserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.phaseserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x8c\x01\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\">\n\x0e\x41ttentionSinks\x12\x0e\n\x06window\x18\x01 \x01(\x05\x12\x12\n\x05sinks\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_sinks\"\x98\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.phaseserve.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x03\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x12\n\nsession_id\x18\x0c \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x36\n\x0f\x61ttention_sinks\x18\x11 \x01(\x0b\x32\x1d.phaseserve.v1.AttentionSinksB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensJ\x04\x08\x10\x10\x11R\x0ftruncate_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.phaseserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x07Timings\x12\x14\n\x07queue_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tprefill_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_queue_sB\x0c\n\n_prefill_sB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x9a\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.phaseserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.phaseserve.v1.Usage\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.phaseserve.v1.Timings\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.phaseserve.v1.TokenLogprob\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.phaseserve.v1.Final\"h\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x0f\n\x07\x61\x64\x64_bos\x18\x03 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ServerInfoRequest\"8\n\x08SloClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"-\n\x0bPhaseLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xde\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x0c\n\x04mesh\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12+\n\x07prefill\x18\x06 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12*\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12\x10\n\x08kv_pages\x18\x08 \x01(\x05\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x11\n\tmax_slots\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x11\n\tmax_queue\x18\x0c \x01(\x05\x12\r\n\x05max_n\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12\x12\n\nvocab_size\x18\x0f \x01(\x05\x12,\n\x0bslo_classes\x18\x10 \x03(\x0b\x32\x17.phaseserve.v1.SloClass\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x11 \x01(\t\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x12 \x01(\x05\x12\x0f\n\x07version\x18\x13 \x01(\t\x12\x10\n\x08\x64\x65\x66\x61ults\x18\x14 \x01(\t*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.phaseserve.v1.GenerateRequest\x1a\x1f.phaseserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.phaseserve.v1.TokenizeRequest\x1a\x1f.phaseserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .phaseserve.v1.DetokenizeRequest\x1a!.phaseserve.v1.DetokenizeResponse\x12Q\n\nServerInfo\x12 .phaseserve.v1.ServerInfoRequest\x1a!.phaseserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0serving/api/proto/phaseserve/v1/generation.proto\x12\rphaseserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.phaseserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9c\x03\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12:\n\nlogit_bias\x18\x08 \x03(\x0b\x32&.phaseserve.v1.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\">\n\x0e\x41ttentionSinks\x12\x0e\n\x06window\x18\x01 \x01(\x05\x12\x12\n\x05sinks\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x08\n\x06_sinks\"\x98\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.phaseserve.v1.Sampling\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\x05H\x03\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x11\n\tslo_class\x18\x0b \x01(\t\x12\x12\n\nsession_id\x18\x0c \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\r \x01(\t\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x36\n\x0f\x61ttention_sinks\x18\x11 \x01(\x0b\x32\x1d.phaseserve.v1.AttentionSinksB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensJ\x04\x08\x10\x10\x11R\x0ftruncate_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.phaseserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"\xaf\x01\n\x07Timings\x12\x14\n\x07queue_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tprefill_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\n\n\x08_queue_sB\x0c\n\n_prefill_sB\t\n\x07_ttft_sB\t\n\x07_tpot_sB\x08\n\x06_e2e_s\"\x9a\x01\n\x05\x46inal\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.phaseserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.phaseserve.v1.Usage\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.phaseserve.v1.Timings\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.phaseserve.v1.TokenLogprob\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.phaseserve.v1.Final\"h\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.phaseserve.v1.MessagesH\x00\x12\x0f\n\x07\x61\x64\x64_bos\x18\x03 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ServerInfoRequest\"8\n\x08SloClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\"-\n\x0bPhaseLayout\x12\x0e\n\x06layout\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xde\x03\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x10\n\x08quantize\x18\x03 \x01(\t\x12\x0c\n\x04mesh\x18\x04 \x01(\t\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12+\n\x07prefill\x18\x06 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12*\n\x06\x64\x65\x63ode\x18\x07 \x01(\x0b\x32\x1a.phaseserve.v1.PhaseLayout\x12\x10\n\x08kv_pages\x18\x08 \x01(\x05\x12\x11\n\tpage_size\x18\t \x01(\x05\x12\x11\n\tmax_slots\x18\n \x01(\x05\x12\x13\n\x0bmax_context\x18\x0b \x01(\x05\x12\x11\n\tmax_queue\x18\x0c \x01(\x05\x12\r\n\x05max_n\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12\x12\n\nvocab_size\x18\x0f \x01(\x05\x12,\n\x0bslo_classes\x18\x10 \x03(\x0b\x32\x17.phaseserve.v1.SloClass\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x11 \x01(\t\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x12 \x01(\x05\x12\x0f\n\x07version\x18\x13 \x01(\t\x12\x10\n\x08\x64\x65\x66\x61ults\x18\x14 \x01(\t*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xce\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.phaseserve.v1.GenerateRequest\x1a\x1f.phaseserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.phaseserve.v1.TokenizeRequest\x1a\x1f.phaseserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .phaseserve.v1.DetokenizeRequest\x1a!.phaseserve.v1.DetokenizeResponse\x12Q\n\nServerInfo\x12 .phaseserve.v1.ServerInfoRequest\x1a!.phaseserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.api.proto.phaseserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2500
-  _globals['_FINISHREASON']._serialized_end=2582
+  _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2772
+  _globals['_FINISHREASON']._serialized_end=2854
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=111
   _globals['_MESSAGES']._serialized_start=113
@@ -40,39 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=171
   _globals['_TOKENIDS']._serialized_end=194
   _globals['_SAMPLING']._serialized_start=197
-  _globals['_SAMPLING']._serialized_end=337
-  _globals['_ATTENTIONSINKS']._serialized_start=339
-  _globals['_ATTENTIONSINKS']._serialized_end=401
-  _globals['_GENERATEREQUEST']._serialized_start=404
-  _globals['_GENERATEREQUEST']._serialized_end=940
-  _globals['_TOPLOGPROB']._serialized_start=942
-  _globals['_TOPLOGPROB']._serialized_end=989
-  _globals['_TOKENLOGPROB']._serialized_start=991
-  _globals['_TOKENLOGPROB']._serialized_end=1080
-  _globals['_USAGE']._serialized_start=1082
-  _globals['_USAGE']._serialized_end=1162
-  _globals['_TIMINGS']._serialized_start=1165
-  _globals['_TIMINGS']._serialized_end=1340
-  _globals['_FINAL']._serialized_start=1343
-  _globals['_FINAL']._serialized_end=1497
-  _globals['_GENERATERESPONSE']._serialized_start=1500
-  _globals['_GENERATERESPONSE']._serialized_end=1670
-  _globals['_TOKENIZEREQUEST']._serialized_start=1672
-  _globals['_TOKENIZEREQUEST']._serialized_end=1776
-  _globals['_TOKENIZERESPONSE']._serialized_start=1778
-  _globals['_TOKENIZERESPONSE']._serialized_end=1815
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1817
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1855
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1857
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1891
-  _globals['_SERVERINFOREQUEST']._serialized_start=1893
-  _globals['_SERVERINFOREQUEST']._serialized_end=1912
-  _globals['_SLOCLASS']._serialized_start=1914
-  _globals['_SLOCLASS']._serialized_end=1970
-  _globals['_PHASELAYOUT']._serialized_start=1972
-  _globals['_PHASELAYOUT']._serialized_end=2017
-  _globals['_SERVERINFORESPONSE']._serialized_start=2020
-  _globals['_SERVERINFORESPONSE']._serialized_end=2498
-  _globals['_GENERATION']._serialized_start=2585
-  _globals['_GENERATION']._serialized_end=2919
+  _globals['_SAMPLING']._serialized_end=609
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=450
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=498
+  _globals['_ATTENTIONSINKS']._serialized_start=611
+  _globals['_ATTENTIONSINKS']._serialized_end=673
+  _globals['_GENERATEREQUEST']._serialized_start=676
+  _globals['_GENERATEREQUEST']._serialized_end=1212
+  _globals['_TOPLOGPROB']._serialized_start=1214
+  _globals['_TOPLOGPROB']._serialized_end=1261
+  _globals['_TOKENLOGPROB']._serialized_start=1263
+  _globals['_TOKENLOGPROB']._serialized_end=1352
+  _globals['_USAGE']._serialized_start=1354
+  _globals['_USAGE']._serialized_end=1434
+  _globals['_TIMINGS']._serialized_start=1437
+  _globals['_TIMINGS']._serialized_end=1612
+  _globals['_FINAL']._serialized_start=1615
+  _globals['_FINAL']._serialized_end=1769
+  _globals['_GENERATERESPONSE']._serialized_start=1772
+  _globals['_GENERATERESPONSE']._serialized_end=1942
+  _globals['_TOKENIZEREQUEST']._serialized_start=1944
+  _globals['_TOKENIZEREQUEST']._serialized_end=2048
+  _globals['_TOKENIZERESPONSE']._serialized_start=2050
+  _globals['_TOKENIZERESPONSE']._serialized_end=2087
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2089
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2127
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2129
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2163
+  _globals['_SERVERINFOREQUEST']._serialized_start=2165
+  _globals['_SERVERINFOREQUEST']._serialized_end=2184
+  _globals['_SLOCLASS']._serialized_start=2186
+  _globals['_SLOCLASS']._serialized_end=2242
+  _globals['_PHASELAYOUT']._serialized_start=2244
+  _globals['_PHASELAYOUT']._serialized_end=2289
+  _globals['_SERVERINFORESPONSE']._serialized_start=2292
+  _globals['_SERVERINFORESPONSE']._serialized_end=2770
+  _globals['_GENERATION']._serialized_start=2857
+  _globals['_GENERATION']._serialized_end=3191
 # @@protoc_insertion_point(module_scope)
