@@ -45,6 +45,7 @@ from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_
                                   prefill_call, read_pages, sample_call, want_lp, write_pages)
 from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
                                    powers)
+from serving.grammar_rows import GrammarRows
 from serving.host_tier import HostStore
 from serving.penalties import PenaltyState, count_first, fill_slot, warm_penalties
 from serving.request import Sinks
@@ -135,6 +136,7 @@ class Engine(EngineApi):
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
     self._held: collections.deque[Pending] = collections.deque()
+    self._grammar = GrammarRows(self.valid_vocab)  # structured outputs' matchers and masks
     self.program_set = ProgramSet()
     self._warm_logits: dict[tuple[str, int], jax.Array] = {}  # warm-up: for the samplers
     self.copied_pages = 0  # plan copies run, and the seconds they took
@@ -229,6 +231,7 @@ class Engine(EngineApi):
     self.program_set.dispatch(("sample", end_R.shape[0], "prefill"))
     pool.last_X, pool.pen, tok_R, lp = sample_call(
         logits_RV, pool.last_X, pool.pen, self._samp, slots_R, end_R, want_R, lp_on,
+        *self._masks([(rid, int(slots_R[i]), i) for rid, i, _ in rows], end_R.shape[0]),
         valid_vocab=self.valid_vocab)
     self.insert(chunks)
     return Part(tok_R, rows, lp)
@@ -279,8 +282,21 @@ class Engine(EngineApi):
                                      step=pool.step, n=n, attend_len=attend)
     pool.last_X, pool.pen, tok_R, lp = sample_call(
         logits_RV, pool.last_X, pool.pen, self._samp, slots, pos + 1, active, want_lp(out_rows),
+        *self._masks([(r.request_id, r.slot, i) for r, i in zip(rows, row_of)], n),
         valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
+
+  def _masks(self, rows: list[tuple[str, int, int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sampling call's structured-output masks (``serving.grammar_rows``) for ``rows``
+    (request id, slot, row); the steps in flight are read first (their ids advance the
+    matchers) while the device runs this step's model."""
+    if self._grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
+      for p in self._held:
+        self._accept(p)
+      got = self._grammar.masks(rows, n)
+      if got is not None:
+        return got
+    return np.zeros((n, self._grammar.words), np.int32), np.zeros((n,), bool)
 
   def _attend(self, end: int, phase: str) -> int:
     z = self.config.page_size
@@ -350,7 +366,7 @@ class Engine(EngineApi):
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
     args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, pool.pen, self._samp,
-            none_R, z_R, z_R.astype(bool), want_lp([]))
+            none_R, z_R, z_R.astype(bool), want_lp([]), *self._masks([], r))
     return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
 
   def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
@@ -418,6 +434,7 @@ class Engine(EngineApi):
     if plan.setups:
       for s in plan.setups:
         self.setup(s.slot, s.sampling, s.sinks)
+        self._grammar.setup(s.slot, s.request_id, s.sampling.grammar, s.output_ids)
         for pool in self.pools if s.sampling.penalized else ():
           pool.pen = fill_slot(pool.pen, s.slot, s.prompt_ids, s.output_ids)
       self._samp = SamplingArrays.from_params(self._samp_host)
@@ -458,8 +475,17 @@ class Engine(EngineApi):
         arr.copy_to_host_async()
     self._held.append(Pending(plan.step, parts))
     if len(self._held) > self.config.lag:
-      return self._held.popleft().result()
+      return self._result(self._held.popleft())
     return None
+
+  def _result(self, p: Pending) -> StepResult:
+    self._accept(p)
+    return p.result()
+
+  def _accept(self, p: Pending) -> None:
+    if not p.accepted and self._grammar.active:
+      self._grammar.accept(p.result().tokens)
+    p.accepted = True
 
   def _host_tier(self, plan: StepPlan) -> None:
     """Spills (device -> host, started now, finished at the next step), forgets, then loads
@@ -506,7 +532,7 @@ class Engine(EngineApi):
     return bucket(self.config.pages_per_seq, minimum=1)
 
   def flush(self) -> list[StepResult]:
-    out = [p.result() for p in self._held]
+    out = [self._result(p) for p in self._held]
     self._held.clear()
     return out
 

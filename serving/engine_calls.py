@@ -29,6 +29,7 @@ from serving.penalties import PenaltyState, apply_if, count
 from serving.request import TokenLogprobs
 from serving.sampling import LOGPROBS_MAX, SamplingArrays, logprobs_if, sample
 from serving.scheduler import StepResult
+from serving.token_mask import apply_bitmask
 
 
 def rows(x: jax.Array, idx: jax.Array, fill) -> jax.Array:
@@ -114,15 +115,19 @@ def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Arr
 @functools.partial(jax.jit, static_argnames=("valid_vocab",), donate_argnames=("last_X", "pen"))
 def sample_call(logits_RV: jax.Array, last_X: jax.Array, pen: PenaltyState,
                 samp: SamplingArrays, slots_R: jax.Array, pos_R: jax.Array, take_R: jax.Array,
-                want_lp: jax.Array, *, valid_vocab: int):
+                want_lp: jax.Array, mask_RW: jax.Array, masked_R: jax.Array, *,
+                valid_vocab: int):
   """Row r's next id from its logits, penalised and biased (``serving.penalties``, a run-time
   switch) and sampled with its slot's parameters at key position ``pos_R``; rows with
   ``take_R`` write it into their slot's last id and penalty counts, the others keep theirs
-  (and return it); logprobs (of the raw logits) under the run-time switch ``want_lp``."""
+  (and return it); logprobs (of the raw logits) under the run-time switch ``want_lp``. Rows
+  ``masked_R`` sample only ids their structured-output bitmask ``mask_RW`` allows
+  (``serving.token_mask``)."""
   logits_RV = logits_RV[:, :valid_vocab]
   keep_R = rows(last_X, slots_R, 0)
   s_R = _sampling_rows(samp, slots_R)
-  pick = lambda x_RV: sample(x_RV, pos_R, s_R, greedy_only=False)
+  pick = lambda x_RV: sample(apply_bitmask(x_RV, mask_RW, masked_R), pos_R, s_R,
+                             greedy_only=False)
   tok_R = jnp.where(take_R, apply_if(logits_RV, pen, slots_R, s_R, pick), keep_R)
   return (last_X.at[slots_R].set(tok_R, mode="drop"), count(pen, slots_R, tok_R, take_R, s_R),
           tok_R, logprobs_if(want_lp, logits_RV, tok_R, LOGPROBS_MAX))
@@ -163,9 +168,16 @@ class Part:
 class Pending:
   step: int
   parts: list[Part]
+  _result: StepResult | None = None
+  accepted: bool = False  # its ids went to the structured-output matchers (the engine's)
 
   def result(self) -> StepResult:
-    """Blocks on each part's copy to the host (timed: ``StepResult.wait_s``)."""
+    """Blocks on each part's copy to the host (timed: ``StepResult.wait_s``); read once."""
+    if self._result is None:
+      self._result = self._read()
+    return self._result
+
+  def _read(self) -> StepResult:
     tokens: dict[str, int] = {}
     lps: dict[str, TokenLogprobs] = {}
     wait = 0.0

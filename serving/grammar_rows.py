@@ -11,8 +11,8 @@ thread).
     ``(request_id, slot, row)`` of the rows that sample, the allowed-token bitmask of each
     constrained one (``serving.token_mask`` layout) and which rows apply it; None when none is
     constrained. Call it only once every earlier step's ids were given to ``accept``.
-  * ``accept(tokens)``: a step's sampled ids (request id -> id) advance the matchers of the
-    requests their slots still run; the others are skipped (a request that finished while its
+  * ``accept(tokens)``: a step's sampled ids (request id -> id; each step once, in order)
+    advance the matchers of the requests their slots still run; the others are skipped (a request that finished while its
     last step was in flight). An id a matcher refuses (only possible for an id sampled without
     its mask) ends constraining that slot, logged.
   * ``constrained(rows)``: some ``(request_id, slot)`` of a coming call is constrained (the

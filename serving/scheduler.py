@@ -253,9 +253,10 @@ class Scheduler:
                     forget=moves.forget, loads=moves.loads)
 
   def _setup(self, seq: _Seq) -> SlotSetup:
-    """The slot's setup; a penalised request's carries its ids (its penalty counts' start)."""
+    """The slot's setup; a penalised or constrained request's carries its ids (its penalty
+    counts' start, its grammar's replay)."""
     req = seq.req
-    if not req.sampling.penalized:
+    if not (req.sampling.penalized or req.sampling.grammar is not None):
       return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks)
     n = len(req.prompt_ids)
     return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks, req.prompt_ids,

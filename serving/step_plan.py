@@ -43,8 +43,9 @@ class SlotSetup:
   request_id: str
   sampling: SamplingParams
   sinks: Sinks | None = None  # the slot's cache policy (a sink pool's per-row sinks/window)
-  # Only where ``sampling.penalized``: the ids the slot's penalty counts start from (the
-  # prompt, and the ids generated before a preemption), whatever the prefix cache reuses.
+  # Only where ``sampling.penalized`` or constrained (``sampling.grammar``): the ids the slot's
+  # penalty counts and grammar start from (the prompt, and the ids generated before a
+  # preemption), whatever the prefix cache reuses.
   prompt_ids: tuple[int, ...] = ()
   output_ids: tuple[int, ...] = ()
 

@@ -91,7 +91,7 @@ def params():
   return init_params(CFG, jax.random.key(3), jnp.float32)
 
 
-def _engine(params, slots=4, pages=64):
+def _engine(params, slots=5, pages=72):  # shapes of its own: no other module compiles them
   return Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
       max_slots=slots, num_pages=pages, page_size=8, max_seq_tokens=CFG.max_seq_len, lag=1))
 
@@ -101,7 +101,7 @@ def engine(params):
   return _engine(params)  # shared: later tests reuse the slots earlier ones left counted
 
 
-def _serve(engine, reqs, *, pages=64, chunk=16, cache=False, traces=None):
+def _serve(engine, reqs, *, pages=72, chunk=16, cache=False, traces=None):
   pool = PagePool(PageBudget(8, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=engine.config.max_slots,
                     max_step_tokens=chunk + engine.config.max_slots, max_chunk=chunk,
