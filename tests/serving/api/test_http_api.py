@@ -97,7 +97,7 @@ def test_noop_defaults_are_accepted_and_anything_else_refused():
     assert e.value.param == field and "not implemented" in e.value.message
   with pytest.raises(ApiError) as e:
     parse_chat({"model": M, "messages": [], "tools": [{"type": "function"}]})
-  assert e.value.param == "tools"
+  assert e.value.param == "tools[0].function"
   with pytest.raises(ApiError) as e:
     parse_chat({"model": "other", "messages": []})
   assert e.value.status == 404 and e.value.code == "model_not_found"
@@ -145,7 +145,7 @@ def test_chat_messages_roles_names_and_options():
       ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
        "messages[0].content[0]"),
       ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
-       "messages[0].tool_calls"),
+       "messages[0].tool_calls[0]"),
       ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
         "add_generation_prompt": True}, "continue_final_message")):
     with pytest.raises(ApiError) as e:
