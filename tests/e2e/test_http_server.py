@@ -311,7 +311,7 @@ def _bad_inputs():
       (C, dict(ok, best_of=3), 400, "best_of"),
       (C, dict(ok, stream_options={"include_usage": True}), 400, "stream_options"),
       (C, dict(ok, user=7), 400, "user"),
-      (T, dict(chat, response_format={"type": "json_object"}), 400, "response_format"),
+      (T, dict(chat, response_format={"type": "xml"}), 400, "response_format.type"),
       (T, dict(chat, tools=[{"type": "function", "function": {"name": "f g"}}]), 400,
        "tools[0].function.name"),
       (T, dict(chat, top_logprobs=2), 400, "top_logprobs"),
