@@ -15,17 +15,22 @@ tokenizer's chat template (``Tokenizer.apply_chat_template``) and tokenizes the 
   * ``add_generation_prompt`` as transformers'; ``continue_final``: the rendering is cut after the
     last message's content (no end marker), so the model continues that message (vLLM's
     ``continue_final_message``); ``template_vars``: extra template variables
-    (``chat_template_kwargs``).
+    (``chat_template_kwargs``); ``tools``: OpenAI's tool list, rendered by
+    ``models.text.chat_tools.with_tools`` (a template variable, or a Hermes system message).
+  * Tool definitions and ``tool_calls`` that a template renders itself are not content: one that
+    holds a control token's text is a ``ValueError`` unless ``special_in_content``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import secrets
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from models.text.chat_template import ChatMessage
+from models.text.chat_tools import with_tools
 
 if TYPE_CHECKING:
   from models.text.tokenizer import Tokenizer
@@ -37,6 +42,25 @@ class ChatOptions:
   continue_final: bool = False
   template_vars: Mapping[str, object] | None = None
   special_in_content: bool = False
+  tools: Sequence[Mapping[str, Any]] | None = None  # OpenAI's tools (None: none)
+
+
+def _with_tools(tok: Tokenizer, messages: Sequence[ChatMessage], options: ChatOptions
+                ) -> tuple[Sequence[ChatMessage], ChatOptions]:
+  """The chat and options with the tools rendered in (``chat_tools.with_tools``); refuses control
+  text in what the template renders outside content."""
+  msgs, extra = with_tools(tok.chat_template, messages, options.tools)
+  if not extra and msgs == list(messages):
+    return messages, options
+  raw = [extra.get("tools"), [m.get("tool_calls") for m in msgs],
+         [m.get("tool_call_id") for m in msgs]]
+  if not options.special_in_content:
+    text = json.dumps(raw, ensure_ascii=False)
+    if any(c in text for c in tok.control_texts):
+      raise ValueError("a tool definition or tool call holds a control token's text; remove it "
+                       "(or start the server with --special_tokens_in_messages)")
+  variables = {**(options.template_vars or {}), **extra}
+  return msgs, dataclasses.replace(options, template_vars=variables or None)
 
 
 def _cut_after(text: str, content: str) -> str:
@@ -58,6 +82,7 @@ def _render(tok: Tokenizer, messages: Sequence[ChatMessage], options: ChatOption
 
 def encode_chat(tok: Tokenizer, messages: Sequence[ChatMessage],
                 options: ChatOptions = ChatOptions()) -> list[int]:
+  messages, options = _with_tools(tok, messages, options)
   text = _render(tok, messages, options)
   controls = tok.control_texts
   if options.special_in_content or not any(

@@ -5,8 +5,9 @@ Contract:
     eos_token=None, template_vars=None) -> str`` renders the way transformers' ``apply_chat_template`` does, in
     Jinja2's ``ImmutableSandboxedEnvironment`` (with transformers' globals and filters).
   * ``messages`` must be a non-empty list of mappings with the keys ``role`` and ``content``
-    and optionally ``name``, all ``str`` (``validate_messages``); the template sees fresh plain
-    dicts. ``template_vars`` adds variables (not the four above).
+    and optionally ``name``, all ``str``, and the OpenAI tool keys ``tool_calls`` (a list of
+    JSON objects) and ``tool_call_id`` (a ``str``) (``validate_messages``); the template sees
+    fresh plain dicts. ``template_vars`` adds variables (not the four above).
   * The sandbox is strict: an unsafe attribute raises at once.
   * Every failure is a ``ValueError`` with the reason (invalid messages, syntax error, sandbox
     violation, a render error, the template's own ``raise_exception(message)`` verbatim).
@@ -41,6 +42,8 @@ class ChatMessage(TypedDict):
   role: str
   content: str
   name: NotRequired[str]  # OpenAI's participant name, passed to the template
+  tool_calls: NotRequired[list[dict[str, Any]]]  # an assistant's calls (plain JSON objects)
+  tool_call_id: NotRequired[str]  # a tool result's call id
 
 
 class _RaisedByTemplate(jinja2.TemplateError):
@@ -129,7 +132,7 @@ def _compile(template: str) -> jinja2.Template:
     raise ValueError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
 
 
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 _RESERVED_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
@@ -146,8 +149,8 @@ def validate_messages(messages: object) -> list[ChatMessage]:
     if not {"role", "content"} <= keys <= _MESSAGE_KEYS:
       missing, extra = {"role", "content"} - keys, keys - _MESSAGE_KEYS
       raise ValueError(f"chat message {i} must have the keys 'role' and 'content' and may have "
-                       f"'name' (missing: {sorted(missing)}, unexpected: "
-                       f"{sorted(map(str, extra))})")
+                       f"'name', 'tool_calls', 'tool_call_id' (missing: {sorted(missing)}, "
+                       f"unexpected: {sorted(map(str, extra))})")
     role, content = message["role"], message["content"]
     if not isinstance(role, str) or not role:
       raise ValueError(f"chat message {i}: 'role' must be a non-empty str, got {role!r}")
@@ -160,8 +163,28 @@ def validate_messages(messages: object) -> list[ChatMessage]:
     plain: ChatMessage = {"role": str.__str__(role), "content": str.__str__(content)}
     if name is not None:
       plain["name"] = str.__str__(name)
+    _tool_keys(i, message, plain)
     out.append(plain)
   return out
+
+
+def _tool_keys(i: int, message: Mapping[str, Any], plain: ChatMessage) -> None:
+  """Copies ``tool_calls`` (as plain JSON: fresh dicts, lists, str, numbers) and
+  ``tool_call_id`` into ``plain``, or a ValueError."""
+  calls, call_id = message.get("tool_calls"), message.get("tool_call_id")
+  if call_id is not None:
+    if not isinstance(call_id, str):
+      raise ValueError(f"chat message {i}: 'tool_call_id' must be a str, got "
+                       f"{type(call_id).__name__}")
+    plain["tool_call_id"] = str.__str__(call_id)
+  if calls is None:
+    return
+  if not isinstance(calls, (list, tuple)) or not all(isinstance(c, Mapping) for c in calls):
+    raise ValueError(f"chat message {i}: 'tool_calls' must be a list of dicts")
+  try:
+    plain["tool_calls"] = json.loads(json.dumps(list(calls), allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"chat message {i}: 'tool_calls' is not plain JSON: {e}") from None
 
 
 def render_chat_template(template: str, messages: Sequence[ChatMessage], *,

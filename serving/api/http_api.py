@@ -23,8 +23,13 @@ errors and body decoding: ``serving.api.http_errors``; responses: ``serving.api.
   * ``prompt``: string(s) or token ids (at most ``MAX_PROMPTS``); choice ``p * n + i``.
   * Chat ``messages``: roles system / user / assistant / tool, ``developer`` (= system) and any
     other identifier (passed to the template, as vLLM does); content a string, text parts or null;
-    ``name`` passed to the template. Message content is never tokenized into control ids
+    ``name`` passed to the template; an assistant's ``tool_calls`` and a tool's ``tool_call_id``
+    are accepted back. Message content is never tokenized into control ids
     (``models.text.chat_encode``) unless the server allows it.
+  * Tool calling (chat): ``tools``, ``tool_choice``, ``parallel_tool_calls``
+    (``serving.api.tool_calls``): the tools reach the chat template, ``required`` and a named
+    function set the request's grammar (with another structured-output field: a 400 naming
+    ``tool_choice``); ``Parsed.tools`` tells the response to parse the calls back.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import threading
 from typing import Any, Mapping
 
 from models.text.chat_encode import ChatOptions
+from serving.api import tool_calls
 from serving.api.http_errors import ApiError, bad
-from serving.api.validation import GenerateArgs
+from serving.api.tool_calls import ToolSpec
+from serving.api.validation import GenerateArgs, Message
 from serving.grammar_spec import GUIDED_FIELDS, GrammarSpecError, grammar_from_request
 
 _log = logging.getLogger(__name__)
@@ -67,11 +74,11 @@ _COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tok
 _CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "logprobs",
                                     "top_logprobs", "add_generation_prompt",
                                     "continue_final_message", "chat_template_kwargs",
-                                    "parallel_tool_calls"))
+                                    "parallel_tool_calls", "tools", "tool_choice"))
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 _ROLE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,63}")
 _NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")  # OpenAI's participant names
-_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 _PART_TYPES = {"text"}
 
 
@@ -116,6 +123,7 @@ class Parsed:
   echo: bool = False  # completions: the prompt's text before each choice's
   tokens_as_ids: bool = False  # logprobs spell tokens "token_id:<id>"
   ignored: tuple[str, ...] = ()  # fields accepted and ignored
+  tools: ToolSpec | None = None  # chat with tools: the calls to parse out of the text
 
 
 _warned: set[str] = set()
@@ -387,20 +395,21 @@ def _content(i: int, content: object) -> str:
   raise bad(f"messages[{i}].content", "must be a string, a list of text parts or null")
 
 
-def message(i: int, m: object, ignored: list[str]) -> tuple[str, str] | tuple[str, str, str]:
+def message(i: int, m: object, ignored: list[str]) -> Message:
   if not isinstance(m, dict):
     raise bad(f"messages[{i}]", "must be an object with role and content")
   role = m.get("role")
   if not isinstance(role, str) or not _ROLE.fullmatch(role):
     raise bad(f"messages[{i}].role", "required: a role name (letters, digits, _ . -; at most "
               f"64 characters), got {_short(role)}")
-  if m.get("tool_calls"):
-    raise bad(f"messages[{i}].tool_calls", "not implemented by phaseserve")
   ignored += [f"messages[{i}].{k}" for k in sorted(set(m) - _MESSAGE_FIELDS)]
   name = _get(m, "name", lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None,
               "a name of 1-64 letters, digits, _ or -", f"messages[{i}].")
   content = _content(i, m.get("content"))
   role = _ROLE_ALIASES.get(role, role)
+  keys = tool_calls.message_keys(i, m)
+  if keys:
+    return role, content, name, keys
   return (role, content) if name is None else (role, content, name)
 
 
@@ -426,20 +435,29 @@ def parse_chat(body: object, served: Served) -> Parsed:
   if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
     raise bad("max_completion_tokens", "give max_completion_tokens or max_tokens (deprecated), "
               "not two different values")
-  _get(body, "parallel_tool_calls", _is_bool, "a boolean")  # without tools: nothing to do
+  tools = tool_calls.parse_tools(body)
   want_logprobs = _get(body, "logprobs", _is_bool, "a boolean")
   top = _get(body, "top_logprobs", _is_int, "an integer")
   if top is not None and not want_logprobs:
     raise bad("top_logprobs", "requires logprobs: true")
   top_logprobs = (top or 0) if want_logprobs else None
   common = _common(body, served)
+  if tools is not None and (tool_grammar := tools.grammar()) is not None:
+    if common["grammar"] is not None:
+      raise bad("tool_choice", f"{tools.choice} constrains the output to tool calls; it cannot "
+                f"be combined with {common['grammar'].field}")
+    common["grammar"] = tool_grammar
+  options = chat_options(body)
+  if tools is not None:
+    options = dataclasses.replace(options, tools=tools.tools)
   stream, include_usage, continuous = _stream_flags(body)
   args = GenerateArgs(
-      messages=chat, chat_options=chat_options(body),
+      messages=chat, chat_options=options,
       max_tokens=max_completion if max_completion is not None else max_tokens,
       logprobs=_logprobs_n(top_logprobs), **common)
   names = {"text": "messages", "token_ids": "messages", "prompt": "messages",
            "max_tokens": "max_completion_tokens" if max_completion is not None else "max_tokens",
            "logprobs": "top_logprobs"}
-  return _parsed(True, (args,), names, common, stream, include_usage, top_logprobs, body,
-                 ignored, continuous)
+  parsed = _parsed(True, (args,), names, common, stream, include_usage, top_logprobs, body,
+                   ignored, continuous)
+  return dataclasses.replace(parsed, tools=tools if tools and tools.parses else None)

@@ -17,6 +17,10 @@ chat's first event per choice, ``usage_chunk(streams)`` the closing usage event,
     stop token id that ended it, else null) and completions ``prompt_logprobs: null`` (vLLM's
     fields, read by the openai client); ``finish_reason`` adds ``cancelled``, ``rejected``,
     ``error`` to OpenAI's set.
+  * Tool calls (chat with ``Parsed.tools``): each choice's text goes through its
+    ``serving.api.tool_calls.ToolCallParser``: ``message.tool_calls`` (content null when only
+    calls) and ``delta.tool_calls`` chunks; ``finish_reason`` ``tool_calls`` when a call was made
+    and the text stopped (``auto`` / ``required``; a named function's stays ``stop``, as OpenAI's).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from models.text.tokenizer import Tokenizer
 from serving.api.stream import Stream
+from serving.api.tool_calls import ToolCallParser, extract, merge
 from serving.request import RequestOutput, TokenLogprobs
 from serving.stop import FinishReason
 
@@ -75,6 +80,8 @@ class Response:
     self.offset = [0] * choices  # completions' text_offset
     self.generated = [0] * choices  # tokens so far (continuous usage)
     self.echoed = [not parsed.echo] * choices
+    tools = parsed.tools if parsed.chat else None
+    self.parsers = None if tools is None else [ToolCallParser(tools) for _ in range(choices)]
 
   def _head(self, chunk: bool) -> dict[str, Any]:
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.parsed.chat else \
@@ -127,17 +134,35 @@ class Response:
     return (FINISH.get(out.finish_reason)
             if out.finished and out.finish_reason is not None else None)
 
+  def _tool_finish(self, finish: str | None, called: bool) -> str | None:
+    tools = self.parsed.tools
+    if called and finish == "stop" and tools is not None and tools.choice != "named":
+      return "tool_calls"
+    return finish
+
   def chunk(self, choice: int, out: RequestOutput) -> dict[str, Any] | None:
     """One streamed output as an event object (None: nothing to send)."""
     self.generated[choice] += len(out.token_ids)
     finish = self._finish(out)
     text = self._text(choice, out)
-    if not (text or finish or (out.logprobs and self.parsed.top_logprobs is not None)):
+    calls: list[dict[str, Any]] = []
+    if self.parsers is not None:
+      parser = self.parsers[choice]
+      text, calls = parser.push(text)
+      if out.finished:
+        more, last = parser.finish()
+        text, calls = text + more, merge(calls + last)
+      finish = self._tool_finish(finish, parser.called)
+    if not (text or calls or finish or
+            (out.logprobs and self.parsed.top_logprobs is not None)):
       return None
     lp = self._logprobs(choice, out)
     stop_reason = out.stop_reason if finish else None
     if self.parsed.chat:
-      c = {"index": choice, "delta": {"content": text} if text else {}, "logprobs": lp,
+      delta: dict[str, Any] = {"content": text} if text else {}
+      if calls:
+        delta["tool_calls"] = calls
+      c = {"index": choice, "delta": delta, "logprobs": lp,
            "finish_reason": finish, "stop_reason": stop_reason}
     else:
       c = {"index": choice, "text": text, "logprobs": lp, "finish_reason": finish,
@@ -185,9 +210,14 @@ class Response:
     for c in range(len(self.text)):
       lp = self._merged_logprobs(c)
       if self.parsed.chat:
-        choices.append({"index": c, "message": {"role": "assistant", "content": self.text[c]},
-                        "logprobs": lp, "finish_reason": self.finish[c],
-                        "stop_reason": self.stop_reason[c]})
+        message: dict[str, Any] = {"role": "assistant", "content": self.text[c]}
+        finish = self.finish[c]
+        if self.parsed.tools is not None:
+          message["content"], calls = extract(self.parsed.tools, self.text[c])
+          message["tool_calls"] = calls
+          finish = self._tool_finish(finish, bool(calls))
+        choices.append({"index": c, "message": message, "logprobs": lp,
+                        "finish_reason": finish, "stop_reason": self.stop_reason[c]})
       else:
         choices.append({"index": c, "text": self.text[c], "logprobs": lp,
                         "finish_reason": self.finish[c], "stop_reason": self.stop_reason[c],

@@ -52,8 +52,11 @@ class Limits:
   special_in_messages: bool = False  # message content may hold control tokens (chat_encode)
 
 
-# A chat message: (role, content) or (role, content, name); bytes content: not yet checked UTF-8.
-Message = tuple[str, str | bytes] | tuple[str, str | bytes, str | None]
+# A chat message: (role, content), (role, content, name) or (role, content, name, tool keys: the
+# OpenAI ``tool_calls`` / ``tool_call_id`` as ChatMessage has them); bytes content: not yet
+# checked UTF-8.
+Message = (tuple[str, str | bytes] | tuple[str, str | bytes, str | None]
+           | tuple[str, str | bytes, str | None, Mapping[str, object]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +117,10 @@ def _text(field: str, value: str | bytes) -> str:
 
 
 def chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
-  """``(role, content[, name])`` tuples as chat messages: at least one, role names of at most 64
-  letters, digits, ``_ . -`` (system, user, assistant, tool, or any other the template takes),
-  valid UTF-8 (``InvalidArgument`` on ``messages`` otherwise); what Generate and Tokenize both
-  accept."""
+  """``(role, content[, name[, tool keys]])`` tuples as chat messages: at least one, role names
+  of at most 64 letters, digits, ``_ . -`` (system, user, assistant, tool, or any other the
+  template takes), valid UTF-8 (``InvalidArgument`` on ``messages`` otherwise); what Generate
+  and Tokenize both accept."""
   msgs = list(messages)
   if not msgs:
     raise InvalidArgument("messages", "no messages")
@@ -130,6 +133,8 @@ def chat_messages(messages: Sequence[Message]) -> list[ChatMessage]:
     msg: ChatMessage = {"role": role, "content": _text("messages", m[1])}
     if len(m) > 2 and m[2] is not None:
       msg["name"] = m[2]
+    if len(m) > 3:
+      msg.update(m[3])  # type: ignore[typeddict-item]  # tool_calls / tool_call_id
     chat.append(msg)
   return chat
 

@@ -117,7 +117,7 @@ def test_penalties_and_logit_bias_reach_the_args_of_both_endpoints():
     assert e.value.status == 400 and e.value.param == field and needle in e.value.message
   with pytest.raises(ApiError) as e:
     parse_chat({"model": M, "messages": [], "tools": [{"type": "function"}]})
-  assert e.value.param == "tools"
+  assert e.value.param == "tools[0].function"
   with pytest.raises(ApiError) as e:
     parse_chat({"model": "other", "messages": []})
   assert e.value.status == 404 and e.value.code == "model_not_found"
@@ -165,7 +165,7 @@ def test_chat_messages_roles_names_and_options():
       ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
        "messages[0].content[0]"),
       ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]},
-       "messages[0].tool_calls"),
+       "messages[0].tool_calls[0]"),
       ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
         "add_generation_prompt": True}, "continue_final_message")):
     with pytest.raises(ApiError) as e:
