@@ -12,7 +12,8 @@ PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python3.11 /usr/bin/python3.11 python3; do \
   $$p -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
 
-.PHONY: run test test-slow bench proto jetstream-bench peers-llamacpp peers-vllm bench-peers clean
+.PHONY: run test test-slow bench proto jetstream-bench peers-llamacpp peers-vllm peers-guidellm \
+  bench-peers clean
 
 $(VENV)/.stamp: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
@@ -107,6 +108,17 @@ $(VLLM_VENV)/.stamp:
 
 peers-vllm: $(VLLM_VENV)/.stamp
 
+# GuideLLM, a load tool users point at OpenAI servers (launch/lab/peers/guidellm.sh runs it).
+GUIDELLM_VENV := .venv-guidellm
+$(GUIDELLM_VENV)/.stamp:
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
+	rm -rf $(GUIDELLM_VENV)
+	$(PYTHON312) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install -q guidellm==0.8.1
+	touch $@
+
+peers-guidellm: $(GUIDELLM_VENV)/.stamp
+
 # Every peer side by side on the embedded model; peers not built are reported `not installed`.
 bench-peers: $(VENV)/.stamp $(REF_VENV)/.stamp
 	$(PY) -m launch.lab.bench_peers --model smollm2-135m --out build/peers
@@ -115,4 +127,4 @@ bench: $(VENV)/.stamp
 	$(PY) -m launch.lab.bench_model --model small --json
 
 clean:
-	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(PEERS) tests/_ref_artifacts .cache/mypy
+	rm -rf $(VENV) $(REF_VENV) $(JS_VENV) $(VLLM_VENV) $(GUIDELLM_VENV) $(PEERS) tests/_ref_artifacts .cache/mypy

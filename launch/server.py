@@ -36,7 +36,9 @@ _MAX_N = flags.DEFINE_integer("max_n", 8, "samples per request", lower_bound=1)
 _SLO_CLASSES = flags.DEFINE_string(
     "slo_classes", "interactive:0.45:0.04,server:2:0.2,long:6:0.175",
     "name:ttft_s:tpot_s,... (default: MLPerf Inference v5.0's LLM targets)")
-_DEFAULT_SLO = flags.DEFINE_string("default_slo_class", "server", "class of a request naming none")
+_DEFAULT_SLO = flags.DEFINE_string(
+    "default_slo_class", "best_effort", "class of a request naming none (best_effort: never "
+    "refused early, as vLLM; a class of --slo_classes: early rejection for every request)")
 _SLO_SCALE = flags.DEFINE_float("slo_scale", 1.0, "multiplies every SLO target (slow machines)",
                                 lower_bound=0.0)
 _EARLY_REJECT = flags.DEFINE_bool("early_reject", True,
@@ -201,7 +203,7 @@ def main(argv: list[str]) -> None:
     keys = ApiKeys.load(_API_KEYS.value) if _API_KEYS.value else ApiKeys.none()
   except ValueError as e:
     raise CliError(str(e))
-  if _DEFAULT_SLO.value not in {c.name for c in classes}:
+  if _DEFAULT_SLO.value not in {c.name for c in classes} | {admission.BEST_EFFORT}:
     raise CliError(f"--default_slo_class {_DEFAULT_SLO.value!r} is not in --slo_classes")
   for path in (_TLS_CERT.value, _TLS_KEY.value):
     if path and not os.path.isfile(path):

@@ -21,6 +21,8 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
     (the warm-up passes numpy too: one signature; ``jax.device_put`` of a tuple costs ~0.15 ms
     of Python, the C++ path of a numpy argument ~3 us). Letters:
     ``models/config.py``.
+  * Structured outputs: a constrained slot's matcher (``serving.grammar_rows``) masks its
+    sampling; its last ids are read before the mask is filled, while the model runs.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from models.step import PhaseDecode, Step, Transfer
 from models.transformer import bucket
 from models.weights import Params, untile
 from serving.engine_api import EngineApi
-from serving.engine_calls import (Part, Pending, copy_call, decode_call, packed_call,
-                                  prefill_call, read_pages, sample_call, want_lp, write_pages)
+from serving.engine_calls import (Part, Pending, decode_call, packed_call,
+                                  prefill_call, sample_call, want_lp)
 from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
                                    powers)
 from serving.grammar_rows import GrammarRows
+from serving import host_moves
 from serving.host_tier import HostStore
 from serving.penalties import PenaltyState, count_first, fill_slot, warm_penalties
 from serving.request import Sinks
@@ -287,9 +290,8 @@ class Engine(EngineApi):
     return Part(tok_R, out_rows, lp)
 
   def _masks(self, rows: list[tuple[str, int, int]], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A sampling call's structured-output masks (``serving.grammar_rows``) for ``rows``
-    (request id, slot, row); the steps in flight are read first (their ids advance the
-    matchers) while the device runs this step's model."""
+    """A sampling call's structured-output masks for (request id, slot, row) ``rows``: the
+    steps in flight are read first, while the device runs this step's model."""
     if self._grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
       for p in self._held:
         self._accept(p)
@@ -404,22 +406,15 @@ class Engine(EngineApi):
       pool.pen = warm_penalties(pool.pen, pool.last_X if pool is not self.prefill_pool else None)
     extra += len(self.pools) + (self.transfer is not None)
     if max(p.shards for p in self.pools) > 1:  # prefix pages copied across sub-pools
-      n = 1
-      while n <= self._tier_cap:
-        self._copy(jnp.zeros((n,), jnp.int32), jnp.full((n,), self.config.num_pages, jnp.int32))
-        n, extra = n * 2, extra + len(self.pools)
+      for pool in self.pools:
+        pool.kv, count = host_moves.warm_copies(pool.kv, self._tier_cap, self.config.num_pages)
+        extra += count
     jax.block_until_ready(self.prefill_pool.last_X)
     return self.program_set.count - before + extra
 
   def _warm_host_tier(self) -> int:
-    """Compiles the host tier's copies (every bucket up to ``_tier_cap``) without changing
-    state: reads of page 0, writes to padding ids only."""
     pool = self.prefill_pool
-    n, count = 1, 0
-    while n <= self._tier_cap:
-      k, v = read_pages(pool.kv, jnp.zeros((n,), jnp.int32))
-      pool.kv = write_pages(pool.kv, jnp.full((n,), self.config.num_pages, jnp.int32), k, v)
-      n, count = n * 2, count + 2
+    pool.kv, count = host_moves.warm(pool.kv, self._tier_cap, self.config.num_pages)
     return count
 
   def seal(self) -> None:
@@ -444,14 +439,8 @@ class Engine(EngineApi):
       self._host_tier(plan)
     if plan.copies:  # rare (prefix pages into another sub-pool): timed, so it waits for them
       t0 = time.perf_counter()
-      cap = self._tier_cap  # padded to powers of two up to a sequence's pages: warmed programs
-      for g in range(0, len(plan.copies), cap):
-        group = plan.copies[g:g + cap]
-        src_C = np.zeros((bucket(len(group), minimum=1),), np.int32)
-        dst_C = np.full(src_C.shape, self.config.num_pages, np.int32)  # padding copies nothing
-        src_C[:len(group)] = [c.src for c in group]
-        dst_C[:len(group)] = [c.dst for c in group]
-        self._copy(jax.device_put(src_C), jax.device_put(dst_C))
+      for pool in self.pools:
+        pool.kv = host_moves.copy(pool.kv, plan.copies, self._tier_cap, self.config.num_pages)
       jax.block_until_ready(self.prefill_pool.kv.k_pages)
       self.copy_seconds += time.perf_counter() - t0
       self.copied_pages += len(plan.copies)
@@ -488,43 +477,11 @@ class Engine(EngineApi):
     p.accepted = True
 
   def _host_tier(self, plan: StepPlan) -> None:
-    """Spills (device -> host, started now, finished at the next step), forgets, then loads
-    (host -> device), all on the prefill pool (with two pools only prompt pages are cached, and
-    the insert transfer carries loaded pages to decode's). Page counts are padded to powers of
-    two (few programs)."""
-    store, pool = self.host_store, self.prefill_pool
-    assert store is not None, "a plan with host-tier moves needs the engine's host_store"
-    cap = self._tier_cap
-    for g in range(0, len(plan.spills), cap):
-      group = plan.spills[g:g + cap]
-      ids_C = np.zeros((bucket(len(group), minimum=1),), np.int32)
-      ids_C[:len(group)] = [sp.page for sp in group]
-      leaves = jax.tree.leaves(read_pages(pool.kv, jax.device_put(ids_C)))
-      for i, sp in enumerate(group):
-        page = tuple(leaf[:, i] for leaf in leaves)  # K and V (int8: values and scales)
-        for part in page:
-          part.copy_to_host_async()
-        store.put(sp.key, page)
-    for key in plan.forget:
-      store.discard(key)
-    for g in range(0, len(plan.loads), cap):
-      loads = plan.loads[g:g + cap]
-      n = bucket(len(loads), minimum=1)
-      ids_C = np.full((n,), self.config.num_pages, np.int32)
-      ids_C[:len(loads)] = [ld.page for ld in loads]
-      pages = [store.take(ld.key) for ld in loads]
-      leaves = []
-      for j, first in enumerate(pages[0]):
-        x = np.zeros((first.shape[0], n) + first.shape[1:], first.dtype)
-        for i, page in enumerate(pages):
-          x[:, i] = page[j]
-        leaves.append(jax.device_put(x))
-      k, v = jax.tree.unflatten(jax.tree.structure((pool.kv.k_pages, pool.kv.v_pages)), leaves)
-      pool.kv = write_pages(pool.kv, jax.device_put(ids_C), k, v)
-
-  def _copy(self, src_C: jax.Array, dst_C: jax.Array) -> None:
-    for pool in self.pools:
-      pool.kv = copy_call(pool.kv, src_C, dst_C)
+    """Spills, forgets, then loads, on the prefill pool (``serving.host_moves``)."""
+    assert self.host_store is not None, "a plan with host-tier moves needs a host_store"
+    pool = self.prefill_pool
+    pool.kv = host_moves.run(self.host_store, pool.kv, plan, self._tier_cap,
+                             self.config.num_pages)
 
   @property
   def _tier_cap(self) -> int:

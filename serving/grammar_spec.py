@@ -6,7 +6,9 @@ Contract:
     generated in the schema's order), ``regex`` (Rust ``regex`` syntax: no look-around, no
     back-references), ``choice`` (``source`` is a JSON list of the strings) or ``grammar`` (Lark,
     or llama.cpp GBNF, which is converted to Lark); ``any_whitespace`` (JSON kinds: whitespace
-    between tokens may be any run, as vLLM's default; False: compact ``,`` / ``:``),
+    between tokens may be any run, vLLM's default; False, phaseserve's default: compact ``,`` /
+    ``:``, since a small model given free whitespace runs on in newlines: BUILD_NOTES;
+    ``structured_outputs.disable_any_whitespace: false`` or a ``whitespace_pattern`` asks),
     ``lenient`` (json_schema: keywords the compiler does not implement are ignored rather than
     errors; set by ``response_format`` with ``strict`` false or absent). ``field`` names the API
     field the spec came from; it is left out of equality.
@@ -51,7 +53,7 @@ class Grammar:
 
   kind: GrammarKind
   source: str = ""
-  any_whitespace: bool = True
+  any_whitespace: bool = False  # compact JSON unless asked (BUILD_NOTES: why)
   whitespace_pattern: str | None = None
   lenient: bool = False
   field: str = dataclasses.field(default="", compare=False)
@@ -64,7 +66,7 @@ class Grammar:
                              f"{MAX_SOURCE_CHARS} served")
 
 
-def _json_schema(field: str, value: object, *, any_whitespace: bool = True,
+def _json_schema(field: str, value: object, *, any_whitespace: bool = False,
                  whitespace_pattern: str | None = None, lenient: bool = False) -> Grammar:
   if isinstance(value, str):
     try:
@@ -139,7 +141,7 @@ def from_structured_outputs(value: object) -> Grammar:
     raise GrammarSpecError(f"{field}.disable_additional_properties", "is not supported")
   if value.get("structural_tag") is not None:
     raise GrammarSpecError(f"{field}.structural_tag", "is not supported")
-  disable_ws = value.get("disable_any_whitespace", False)
+  disable_ws = value.get("disable_any_whitespace", True)  # compact unless asked
   if not isinstance(disable_ws, bool):
     raise GrammarSpecError(f"{field}.disable_any_whitespace", "must be a boolean")
   ws_pattern = _whitespace(f"{field}.whitespace_pattern", value.get("whitespace_pattern"))

@@ -5,7 +5,9 @@ Contract:
     ``fold_in(key(s.seed[b]), pos_B[b])``: a request's tokens depend only on its own seed,
     positions and logits. Temperature, top-k and top-p are per-row arrays (``SamplingArrays``,
     a pytree: no retrace per value); only ``greedy_only`` is static.
-  * ``temperature == 0`` is the first-index ``argmax`` of the raw logits; ``top_k == 0`` (or
+  * ``min_p`` (vLLM's) drops ids below ``min_p`` x the likeliest one's probability (after
+    temperature, before top-k and top-p). ``temperature == 0`` is the first-index ``argmax`` of
+    the raw logits; ``top_k == 0`` (or
     ``>= V``) and ``top_p == 1`` disable those filters. The kept set is the sorted definition's
     (temperature, then top-k, then top-p over the top-k set), exact for any ``top_k``; draws are
     Gumbel-max over it when it fits the ``K_MAX`` cap, else the inverse CDF over all V at one
@@ -60,6 +62,7 @@ class SamplingParams:
   repetition_penalty: float = 1.0  # ids of the prompt or output: logit / r if > 0, else * r
   logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) pairs, ids distinct
   grammar: CompiledGrammar | None = None  # structured output: allowed tokens per step
+  min_p: float = 0.0  # drop ids less likely than min_p x the likeliest (after temperature)
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -68,6 +71,8 @@ class SamplingParams:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not 0.0 <= self.min_p <= 1.0:
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if self.seed is not None and not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
     if not 0 <= self.logprobs <= LOGPROBS_MAX:
@@ -117,6 +122,7 @@ class SamplingArrays:
   repetition: jax.Array  # [B] f32 (1: off)
   bias_ids: jax.Array  # [B, LOGIT_BIAS_MAX] int32 (unused entries: id 0, bias 0)
   bias: jax.Array  # [B, LOGIT_BIAS_MAX] f32
+  min_p: jax.Array  # [B] f32 (0: off)
 
   @staticmethod
   def from_params(rows: list[SamplingParams]) -> "SamplingArrays":
@@ -134,7 +140,7 @@ class SamplingArrays:
         np.array(seeds, np.uint32), f32(r.temperature for r in rows),
         np.array([r.top_k for r in rows], np.int32), f32(r.top_p for r in rows),
         f32(r.presence_penalty for r in rows), f32(r.frequency_penalty for r in rows),
-        f32(r.repetition_penalty for r in rows), bias_ids, bias)))
+        f32(r.repetition_penalty for r in rows), bias_ids, bias, f32(r.min_p for r in rows))))
 
 
 def argmax(logits_BV: jax.Array) -> jax.Array:
@@ -291,6 +297,17 @@ def kept_mask(logits_BV: jax.Array, s: SamplingArrays) -> jax.Array:
   return jnp.where(f.cap_B[:, None], cap_BV, _full_keep(f))
 
 
+def _min_p(logits_BV: jax.Array, s: SamplingArrays) -> jax.Array:
+  """min_p (vLLM's, on the temperature-scaled distribution, before top-k / top-p): id i stays
+  where p_i >= min_p * p_max, i.e. logit_i >= max logit + T * log(min_p); rows with min_p 0 (or
+  greedy) keep every id."""
+  on_B = (s.min_p > 0) & (s.temperature > 0)
+  t_B = jnp.where(on_B, s.temperature, 1.0)
+  floor_B1 = (jnp.max(logits_BV, axis=-1) + t_B * jnp.log(jnp.where(on_B, s.min_p, 1.0)))[:, None]
+  keep_BV = (logits_BV >= floor_B1) | ~on_B[:, None]
+  return jnp.where(keep_BV, logits_BV, jnp.array(-jnp.inf, logits_BV.dtype))
+
+
 def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_only: bool
            ) -> jax.Array:
   """Next tokens [B] int32 (see the module contract). ``greedy_only`` is static."""
@@ -301,7 +318,7 @@ def sample(logits_BV: jax.Array, pos_B: jax.Array, s: SamplingArrays, greedy_onl
 
   def draw() -> jax.Array:
     keys_B = jax.vmap(lambda sd, p: jax.random.fold_in(jax.random.key(sd), p))(s.seed, pos_B)
-    f = _filter(logits_BV, s)
+    f = _filter(_min_p(logits_BV, s), s)
     choice_B = _gumbel_argmax(keys_B, jnp.where(f.keep_BK, f.vals_BK, -jnp.inf))
     cap_tok_B = jnp.take_along_axis(f.idx_BK, choice_B[:, None], axis=-1)[:, 0]
 

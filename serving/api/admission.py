@@ -13,7 +13,10 @@ rows``, at most ``max_prefill_chunks`` chunks of ``max_chunk``, at most the TPOT
 chunk a step beside it; then one step for the sampled id's copy. TPOT is the current step time. ``Prediction.miss(slo, scale)`` names the
 target it would miss (targets multiplied by ``scale``, for slower machines), or None;
 ``judge(load, slo, scale)`` applies it, except to a request that misses even alone (see there). Before any
-step has been measured the step time is taken as ``fallback_step_s``.
+step has been measured the step time is taken as ``fallback_step_s``. ``BEST_EFFORT`` is the class
+of a request that names none (unless the server names a default): predicted, never refused for
+a predicted miss (only by the queue bound), as vLLM serves every request it can queue; a client
+opts into early rejection by naming a class.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class SloClass:
 
 MLPERF_CLASSES = (SloClass("interactive", 0.45, 0.040), SloClass("server", 2.0, 0.200),
                   SloClass("long", 6.0, 0.175))
+BEST_EFFORT = "best_effort"  # no targets: never refused early (see the module contract)
 
 
 def parse_classes(spec: str) -> tuple[SloClass, ...]:

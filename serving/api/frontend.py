@@ -162,16 +162,19 @@ class Frontend(StreamOwner):
       refuse(Status.REJECTED, "queue_full",
              f"the queue is full ({self.config.max_queue} requests waiting)", key,
              client_request_id, api, v.slo_class, prompt)
-    slo = self.classes[v.slo_class]
+    slo = self.classes.get(v.slo_class)  # None: best effort, predicted but never judged
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
     # reuse (the loop's thread-safe answer), and about one token per further sample.
     new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids) + (v.n - 1)
-    judged = loop.guard.call("cost_model", admission.judge, admission.Load(
+    load = admission.Load(
         loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
         model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting),
         max_chunk=cap.max_chunk, max_prefill_chunks=cap.max_prefill_chunks,
         prefill_limit=loop.prefill_limit(occ.decoding), host_s=loop.timeline.host_s,
-        in_flight_s=loop.in_flight_s()), slo, self.config.slo_scale)
+        in_flight_s=loop.in_flight_s())
+    judged = loop.guard.call("cost_model", admission.judge, load, slo, self.config.slo_scale) \
+        if slo is not None else loop.guard.call(
+            "cost_model", lambda: (admission.predict(load), None))
     pred, miss = judged if judged is not None else (None, None)
     if self.config.early_reject and not self._idle():
       if miss is not None:

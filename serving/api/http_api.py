@@ -56,7 +56,7 @@ MAX_USER_CHARS = 256
 # no-op value (absent or null always is).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-    "suffix": ("",), "min_p": (0,), "audio": (), "use_beam_search": (False,),
+    "suffix": ("",), "audio": (), "use_beam_search": (False,),
     "prompt_logprobs": (), "allowed_token_ids": (),
     "bad_words": ([],), "chat_template": (), "documents": ([],), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "add_special_tokens": (False,),  # chat only
@@ -67,7 +67,7 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
            "ignore_eos", "stop_token_ids", "attention_sinks", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
            "response_format", "structured_outputs", "guided_whitespace_pattern",
            *GUIDED_FIELDS)
 _COMPLETION_FIELDS = frozenset(_COMMON + ("prompt", "logprobs", "add_special_tokens", "echo"))
@@ -258,6 +258,7 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
       repetition_penalty=_get(body, "repetition_penalty", _is_num, "a number"),
       temperature=d.temperature if temperature is None else temperature,
       top_p=d.top_p if top_p is None else top_p,
+      min_p=_get(body, "min_p", _is_num, "a number"),
       top_k=d.top_k if top_k is None else 0 if top_k == -1 else top_k,  # vLLM: -1 is no top-k
       seed=_seed(body), stop=stops,
       stop_token_ids=_get(body, "stop_token_ids", _int_list, "a list of token ids") or [],

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 from models.text.chat_encode import ChatOptions
 from models.text.chat_template import ChatMessage
 from models.text.tokenizer import Tokenizer
+from serving.api.admission import BEST_EFFORT
 from serving.grammar import GrammarCompiler
 from serving.grammar_spec import Grammar, GrammarSpecError
 from serving.request import MAX_STREAM_TOKENS, Sinks
@@ -46,7 +47,7 @@ class Limits:
   max_stop_strings: int = 16
   max_stop_chars: int = 256
   slo_classes: tuple[str, ...] = ("interactive", "server", "long")
-  default_slo_class: str = "server"
+  default_slo_class: str = BEST_EFFORT  # a request naming none: never refused early
   attention_sinks: bool = False  # the engine runs a sink pool (serving.request.Sinks)
   page_size: int = 16  # the KV page size (sinks live in the first page)
   special_in_messages: bool = False  # message content may hold control tokens (chat_encode)
@@ -71,6 +72,7 @@ class GenerateArgs:
   temperature: float | None = None
   top_k: int | None = None
   top_p: float | None = None
+  min_p: float | None = None
   seed: int | None = None
   stop: Sequence[str | bytes] = ()
   stop_token_ids: Sequence[int] = ()
@@ -315,7 +317,7 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
   if not 0 <= min_tokens <= max_tokens:
     raise bad("min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
   slo = args.slo_class or limits.default_slo_class
-  if slo not in limits.slo_classes:
+  if slo not in limits.slo_classes and slo != BEST_EFFORT:
     raise bad("slo_class", f"unknown SLO class {slo!r}; the server has "
               f"{', '.join(limits.slo_classes)}")
   if not -2**63 <= args.priority < 2**63:
@@ -325,8 +327,12 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
   seed = fresh_seed() if args.seed is None else int(args.seed)
   if not 0 <= seed < 2**32:
     raise bad("seed", f"must be in [0, 2**32), got {seed}")
+  min_p = 0.0 if args.min_p is None else _float(args.min_p, "min_p", bad)
+  if not 0.0 <= min_p <= 1.0:  # also NaN
+    raise bad("min_p", f"must be in [0, 1], got {min_p}")
   sampling = SamplingParams(temperature, top_k, top_p, seed, logprobs,
-                            *_penalties(args, bad), logit_bias=_logit_bias(args, bad, vocab))
+                            *_penalties(args, bad), logit_bias=_logit_bias(args, bad, vocab),
+                            min_p=min_p)
   stop = StopCriteria(max_tokens=max_tokens, stop_ids=tuple(args.stop_token_ids),
                       stop_strings=tuple(stops), min_tokens=min_tokens,
                       ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str)

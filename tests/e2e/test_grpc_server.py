@@ -364,7 +364,7 @@ def test_a_client_that_stops_reading_is_cancelled(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
       m = server.metrics()
-      key = ('phaseserve_requests_total{finish_reason="cancelled",slo_class="server",'
+      key = ('phaseserve_requests_total{finish_reason="cancelled",slo_class="best_effort",'
              'status="slow_consumer"}')
       if m.get(key, 0) >= 1:
         break

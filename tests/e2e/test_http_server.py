@@ -495,7 +495,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
   conn.close()
   m = server.wait_idle(timeout=10, port=server.http_port)
   assert time.monotonic() - t0 < 3.0  # long before the 120 steps (>= 3.6 s) would have ended
-  key = 'phaseserve_requests_total{finish_reason="cancelled",slo_class="server",status="cancelled"}'
+  key = 'phaseserve_requests_total{finish_reason="cancelled",slo_class="best_effort",status="cancelled"}'
   assert m.get(key, 0) - before.get(key, 0) == 1, {k: v for k, v in m.items() if "requests" in k}
   assert m["phaseserve_kv_pages_used"] == 0 and m["phaseserve_live_streams"] == 0
   # Non-streaming too: the client gives up while its answer is being generated.

@@ -8,12 +8,14 @@ text) and the chat options."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
 
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
 from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
+from tests import refenv
 from tests.e2e import http_harness as harness
 from tests.e2e.http_harness import KEY, MODEL, is_error, request, sse
 from tests.grpc_harness import ServerProc
@@ -190,3 +192,50 @@ def test_chat_options_and_message_fields(server):
       {"role": "ipython", "content": "1"}], "max_tokens": 2})
   # A custom role reaches the template (which refuses it by its own rule).
   assert status == 400 and "unknown role ipython" in out["error"]["message"]
+
+
+SCHEMA = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}, "n": {"type":
+                                                                                "boolean"}},
+          "required": ["c", "n"], "additionalProperties": False}
+
+
+def test_structured_outputs_parse_and_match(client):
+  import jsonschema
+  ask = [{"role": "user", "content": "Answer."}]
+  r = client.chat.completions.create(
+      model=MODEL, messages=ask, max_tokens=40, temperature=1.0, seed=3,
+      response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA,
+                                                              "strict": True}})
+  assert r.choices[0].finish_reason == "stop"
+  jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+  r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=1.0,
+                                     extra_body={"guided_choice": ["alpha", "beta"]})
+  assert r.choices[0].message.content in ("alpha", "beta")
+  r = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=1.0,
+                                extra_body={"guided_regex": "[0-9]{3}-[a-c]+"})
+  assert re.fullmatch("[0-9]{3}-[a-c]+", r.choices[0].text), r.choices[0].text
+
+
+def test_a_bad_constraint_is_a_400_naming_its_field(server):
+  for body, param in (
+      ({"guided_json": {"type": "objekt"}}, "guided_json"),
+      ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+       "response_format.json_schema.schema"),
+      ({"guided_regex": "(", "response_format": {"type": "json_object"}}, "guided_regex")):
+    status, _, out = request(server, "POST", C, dict({"prompt": "x", "max_tokens": 4}, **body))
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_eval_structured_smoke(server):
+  """launch.lab.eval_structured against this server (short prompts: the tiny context)."""
+  import subprocess
+  import sys
+  r = subprocess.run([sys.executable, "-m", "launch.lab.eval_structured", "--url",
+                      f"http://127.0.0.1:{server.http_port}/v1", "--model", MODEL, "--api_key",
+                      KEY, "--n", "3", "--max_tokens", "40", "--noshow_schema", "--json"],
+                     capture_output=True, text=True, timeout=120, cwd=refenv.REPO)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  # Every answer parses unless it was cut at max_tokens.
+  assert out["n"] == out["valid"] + out["invalid"] == 3
+  assert out["invalid"] <= out["finish_reasons"].get("length", 0)

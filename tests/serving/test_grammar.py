@@ -230,7 +230,7 @@ def test_disallowed_token_is_refused(compiler, smol):
 
 def test_rollback_restores_the_mask(compiler, smol):
   m = compiler.matcher(grammar_from_request({"guided_json": SCHEMAS[0]}))
-  ids = smol.encode('{"name": "Al')
+  ids = smol.encode('{"name":"Al')  # compact: phaseserve's default JSON whitespace
   first, later = np.zeros(compiler.words, np.int32), np.zeros(compiler.words, np.int32)
   assert m.accept(ids[0])
   m.fill(first)

@@ -257,3 +257,29 @@ def test_no_full_vocabulary_sort_is_compiled():
   for text in (_sample.lower(x, jnp.arange(4), s, False).compile().as_text(),
                jax.jit(logprobs, static_argnums=2).lower(x, jnp.arange(4), 8).compile().as_text()):
     assert "TopK" in text and " sort(" not in text
+
+
+@pytest.mark.parametrize("min_p,top_p,temp", [(0.05, 1.0, 0.8), (0.2, 0.9, 1.5)])
+def test_min_p_drops_the_unlikely_then_top_p(min_p, top_p, temp):
+  """min_p as vLLM applies it (on the temperature-scaled probabilities, before top-p): every draw
+  has p >= min_p * p_max, and the draws follow the reference renormalised over what is left."""
+  rng = np.random.default_rng(11)
+  x = _distinct_logits(rng, 300, 1.5)
+  z = x.astype(np.float64) / temp
+  kept = z >= z.max() + np.log(min_p)
+  assert 3 < kept.sum() < 300  # the cut matters here
+  ref, _ = _ref_probs(np.where(kept, x, np.float32(-1e30)), temp, 0, top_p)
+  n = 6000
+  got = _draws(x, SamplingParams(temp, 0, top_p, seed=9, min_p=min_p), n)
+  assert set(got.tolist()) <= set(np.flatnonzero(ref).tolist())
+  counts = np.bincount(got, minlength=x.size)
+  idx = np.flatnonzero(ref * n >= 5)
+  obs = np.append(counts[idx], n - counts[idx].sum())
+  exp = np.append(ref[idx] * n, n - ref[idx].sum() * n)
+  obs, exp = obs[exp > 0], exp[exp > 0]
+  chi2 = float(np.sum((obs - exp) ** 2 / exp))
+  assert chi2 < stats.chi2.ppf(1 - 1e-3, obs.size - 1), (chi2, obs.size)
+  # min_p 0 (and greedy rows) leave the logits as they are.
+  off = SamplingArrays.from_params([SamplingParams(temp, seed=1), SamplingParams(0.0, min_p=0.5)])
+  x2 = np.stack([x, x])
+  assert np.array_equal(np.asarray(S._min_p(jnp.asarray(x2), off)), x2)

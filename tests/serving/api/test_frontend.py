@@ -132,7 +132,7 @@ def test_validate_defaults_and_field_names():
   v = validate(GenerateArgs(text="hi"), TOK, LIMITS)
   assert v.prompt_ids == (TOK.bos_id, ord("h"), ord("i")) and v.n == 1
   assert v.stop.max_tokens == 8 and v.sampling.temperature == 0 and v.sampling.top_k == 0
-  assert v.slo_class == "server" and 0 <= v.sampling.seed < 2**32
+  assert v.slo_class == "best_effort" and 0 <= v.sampling.seed < 2**32
   assert not v.sampling.penalized and v.sampling.logit_bias == ()
   p = validate(GenerateArgs(text="hi", presence_penalty=-2, frequency_penalty=2,
                             repetition_penalty=1.3, logit_bias={9: -100, 4: 100}),
@@ -313,7 +313,7 @@ def test_queue_bound_rejects_at_once(tmp_path):
 
 def test_predicted_slo_miss_is_rejected_with_the_prediction(tmp_path):
   """While the server is busy a predicted miss is refused; an idle server admits the same
-  request (nothing to protect; its steps refresh the estimate)."""
+  request (nothing to protect; its steps refresh the estimate); a best-effort one is admitted."""
   classes = (admission.SloClass("server", 2.0, 0.2), admission.SloClass("tight", 1e-6, 1.0))
   limits = Limits(max_context=64, slo_classes=("server", "tight"))
   fe = _frontend(tmp_path, config=FrontendConfig(limits, classes))
@@ -329,6 +329,10 @@ def test_predicted_slo_miss_is_rejected_with_the_prediction(tmp_path):
     with pytest.raises(ServiceError) as e:
       fe.generate(GenerateArgs(text="abc", slo_class="tight"), ANON)
     assert e.value.status is Status.REJECTED and "predicted TTFT" in e.value.message
+    # A request naming no class is best effort: predicted, never refused for it (as vLLM).
+    free = fe.generate(GenerateArgs(text="abc"), ANON)
+    assert free.validated.slo_class == "best_effort" and free.predicted_ttft is not None
+    _collect(free)
     _collect(busy)
   finally:
     fe.loop.stop(timeout=5)
