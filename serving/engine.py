@@ -139,7 +139,7 @@ class Engine(EngineApi):
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
     self._held: collections.deque[Pending] = collections.deque()
-    self._grammar = GrammarRows(self.valid_vocab)  # structured outputs' matchers and masks
+    self.grammar = GrammarRows(self.valid_vocab)  # structured outputs' matchers and masks
     self.program_set = ProgramSet()
     self._warm_logits: dict[tuple[str, int], jax.Array] = {}  # warm-up: for the samplers
     self.copied_pages = 0  # plan copies run, and the seconds they took
@@ -292,13 +292,13 @@ class Engine(EngineApi):
   def _masks(self, rows: list[tuple[str, int, int]], n: int) -> tuple[np.ndarray, np.ndarray]:
     """A sampling call's structured-output masks for (request id, slot, row) ``rows``: the
     steps in flight are read first, while the device runs this step's model."""
-    if self._grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
+    if self.grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
       for p in self._held:
         self._accept(p)
-      got = self._grammar.masks(rows, n)
+      got = self.grammar.masks(rows, n)
       if got is not None:
         return got
-    return np.zeros((n, self._grammar.words), np.int32), np.zeros((n,), bool)
+    return np.zeros((n, self.grammar.words), np.int32), np.zeros((n,), bool)
 
   def _attend(self, end: int, phase: str) -> int:
     z = self.config.page_size
@@ -429,7 +429,7 @@ class Engine(EngineApi):
     if plan.setups:
       for s in plan.setups:
         self.setup(s.slot, s.sampling, s.sinks)
-        self._grammar.setup(s.slot, s.request_id, s.sampling.grammar, s.output_ids)
+        self.grammar.setup(s.slot, s.request_id, s.sampling.grammar, s.output_ids)
         for pool in self.pools if s.sampling.penalized else ():
           pool.pen = fill_slot(pool.pen, s.slot, s.prompt_ids, s.output_ids)
       self._samp = SamplingArrays.from_params(self._samp_host)
@@ -472,8 +472,8 @@ class Engine(EngineApi):
     return p.result()
 
   def _accept(self, p: Pending) -> None:
-    if not p.accepted and self._grammar.active:
-      self._grammar.accept(p.result().tokens)
+    if not p.accepted and self.grammar.active:
+      self.grammar.accept(p.result().tokens)
     p.accepted = True
 
   def _host_tier(self, plan: StepPlan) -> None:

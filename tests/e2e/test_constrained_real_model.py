@@ -1,5 +1,7 @@
-"""Tool calling end to end: launch.server as a real process serving SmolLM2-135M-Instruct (int8, the
-trained weights), driven by the official ``openai`` client. A named function and ``required``
+"""Structured outputs and tool calling end to end: launch.server as a real process serving
+SmolLM2-135M-Instruct (int8, the trained weights), driven by the official ``openai`` client. 50
+random JSON schemas (``launch.lab.eval_structured.random_schema``): every answer parses and
+validates with ``jsonschema``. A named function and ``required``
 return ``tool_calls`` whose arguments parse and match the tool's schema (the grammar engine
 enforces it); ``auto`` with a prompt asking for the tool gives a well-formed answer; a conversation
 holding an assistant's ``tool_calls`` and the ``tool`` result is accepted; a streamed named call
@@ -14,6 +16,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from launch.lab.eval_structured import random_schema, request_body
 from tests.grpc_harness import ServerProc
 
 # The server's start (int8 SmolLM2, its steps compiled) takes 1.5-3 minutes on 2 cores.
@@ -130,3 +133,21 @@ def test_a_streamed_named_call_is_rebuilt_by_the_client(client):
       == (True, "function", "get_weather", whole.function.arguments)
   assert choice.finish_reason == "stop"
   _check(call)
+
+
+def test_50_random_schemas_all_parse_and_validate(client):
+  import concurrent.futures as cf
+  import random
+  rng = random.Random(0)
+  schemas = [random_schema(rng) for _ in range(50)]
+
+  def one(schema):
+    body = request_body(schema, MODEL, 200)
+    so = body.pop("structured_outputs")
+    r = client.chat.completions.create(**body, extra_body={"structured_outputs": so})
+    return r.choices[0].finish_reason, r.choices[0].message.content
+  with cf.ThreadPoolExecutor(2) as pool:
+    answers = list(pool.map(one, schemas))
+  for schema, (finish, text) in zip(schemas, answers):
+    assert finish == "stop", (finish, text)
+    jsonschema.validate(json.loads(text), schema)
