@@ -254,8 +254,8 @@ class Engine(EngineApi):
       mask_X = np.zeros((self.config.max_slots,), bool)
       mask_X[done] = True
       sharding = dst.kv.lengths.sharding  # per-slot state on the decode chips
-      dst.last_X = jnp.where(jax.device_put(mask_X, sharding),
-                             jax.device_put(src.last_X, sharding), dst.last_X)
+      dst.last_X = jax.block_until_ready(jnp.where(  # read before the next sampling donates it
+          jax.device_put(mask_X, sharding), jax.device_put(src.last_X, sharding), dst.last_X))
       mask_X &= np.array([p.penalized for p in self._samp_host])  # its first id counted
       if mask_X.any():
         dst.pen = count_first(dst.pen, mask_X, dst.last_X)

@@ -41,6 +41,7 @@ class StopCriteria:
   min_tokens: int = 0
   ignore_eos: bool = False
   include_stop_str: bool = False  # the text keeps a matched stop string (vLLM's option)
+  keep_special: bool = False  # special tokens' texts in the text (skip_special_tokens: false)
 
   def __post_init__(self):
     if self.max_tokens < 1:
@@ -76,7 +77,7 @@ class StopChecker:
     ends = () if criteria.ignore_eos else tuple(tokenizer.eos_ids)
     self._stop_ids = frozenset(ends + tuple(criteria.stop_ids))
     self._asked_ids = frozenset(criteria.stop_ids)
-    self._decoder = StreamDecoder(tokenizer)
+    self._decoder = StreamDecoder(tokenizer, criteria.keep_special)
     self._pending = ""  # decoded text not yet released (may start a stop string)
     self.all_ids: list[int] = []
     self.finish: FinishReason | None = None

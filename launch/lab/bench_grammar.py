@@ -93,10 +93,10 @@ def run(rows: int, steps: int) -> dict:
   t0 = time.perf_counter()
   c.matcher(specs["order"])
   matcher_ms = 1e3 * (time.perf_counter() - t0)
-  ids = {n: tok.encode(json.dumps(INSTANCES[n])) for n in SCHEMAS}
+  ids = {n: tok.encode(json.dumps(INSTANCES[n], separators=(",", ":"))) for n in SCHEMAS}
   same = [(specs["order"], ids["order"])] * rows
   extra = [(grammar_from_request({"response_format": {"type": "json_object"}}),
-            tok.encode(json.dumps(INSTANCES["order"]))),
+            tok.encode(json.dumps(INSTANCES["order"], separators=(",", ":")))),
            (grammar_from_request({"guided_regex": r"[a-z]+( [a-z]+)*\."}),
             tok.encode("the quick brown fox jumps over the lazy dog and runs far away."))]
   pool = [(specs[n], ids[n]) for n in SCHEMAS] + extra

@@ -39,6 +39,7 @@ def _case(rows: int, slots: int, vocab: int, temperature: float, penalised: int
   from serving import penalties
   from serving.engine_calls import sample_call
   from serving.sampling import SamplingArrays, SamplingParams
+  from serving.token_mask import words
 
   rng = np.random.default_rng(0)
   plain = SamplingParams(temperature=temperature, top_k=50 if temperature else 0, seed=1)
@@ -56,11 +57,13 @@ def _case(rows: int, slots: int, vocab: int, temperature: float, penalised: int
   slots_R = np.arange(rows, dtype=np.int32) % slots
   pos = np.full((rows,), 100, np.int32)
   take = np.ones((rows,), bool)
+  mask_RW = np.zeros((rows, words(vocab)), np.int32)  # no structured output: masks off
+  masked_R = np.zeros((rows,), bool)
   times = []
   for i in range(_REPEATS.value + 2):  # two untimed: the compile and a warm run
     t0 = time.perf_counter()
     last, state, tok, _ = sample_call(logits, last, state, samp, slots_R, pos, take,
-                                      np.bool_(False), valid_vocab=vocab)
+                                      np.bool_(False), mask_RW, masked_R, valid_vocab=vocab)
     jax.block_until_ready(tok)
     if i >= 2:
       times.append(time.perf_counter() - t0)

@@ -6,7 +6,7 @@ answer parsed and validated.
 
 Sends ``--n`` chat requests, each with a random schema (``random_schema``: objects of 1-4
 properties drawn from strings with a length cap, bounded integers, booleans, enums, arrays of
-enums and nested objects; seeded by ``--seed``) as vLLM's ``structured_outputs.json`` with
+enums and nested objects: ``launch.lab.structured_schemas``; seeded by ``--seed``) as vLLM's ``structured_outputs.json`` with
 ``disable_any_whitespace`` from ``--whitespace`` (``default``: the field left out, the server's
 choice), ``--concurrency`` at a time, and validates every answer with ``jsonschema``. ``--json``
 prints one object: {"url", "model", "n", "whitespace", "valid", "invalid", "finish_reasons",
@@ -26,6 +26,7 @@ from absl import flags
 
 from launch import cli
 from launch.cli import CliError
+from launch.lab.structured_schemas import random_schema, request_body
 
 _URL = flags.DEFINE_string("url", "http://127.0.0.1:8000/v1", "the server's OpenAI base URL")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "the served model id")
@@ -39,47 +40,6 @@ _WS = flags.DEFINE_enum("whitespace", "default", ["default", "compact", "flexibl
 _SHOW = flags.DEFINE_bool("show_schema", True, "put the schema in the prompt (off: a short "
                           "prompt, for small contexts)")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
-
-_WORDS = ["name", "city", "age", "color", "size", "tags", "score", "ok", "kind", "item", "note",
-          "level", "owner", "count", "label"]
-
-
-def _leaf(rng: random.Random, depth: int) -> dict[str, Any]:
-  kind = rng.choice(["string", "integer", "boolean", "enum", "array"] +
-                    (["object"] if depth < 2 else []))
-  if kind == "string":
-    return {"type": "string", "maxLength": rng.choice([8, 16, 24])}
-  if kind == "integer":
-    lo = rng.randint(-50, 50)
-    return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(1, 500)}
-  if kind == "boolean":
-    return {"type": "boolean"}
-  if kind == "enum":
-    return {"enum": rng.sample(["red", "green", "blue", "small", "large", "yes", "no"],
-                               rng.randint(2, 4))}
-  if kind == "array":
-    return {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
-            "maxItems": rng.randint(1, 4)}
-  return random_schema(rng, depth + 1)
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-  """An object schema of 1-4 properties, all required, no others (a finite language)."""
-  names = rng.sample(_WORDS, rng.randint(1, 4))
-  return {"type": "object", "properties": {n: _leaf(rng, depth) for n in names},
-          "required": names, "additionalProperties": False}
-
-
-def request_body(schema: dict[str, Any], model: str, max_tokens: int,
-                 whitespace: str = "default", show_schema: bool = True) -> dict[str, Any]:
-  so: dict[str, Any] = {"json": schema}
-  if whitespace != "default":
-    so["disable_any_whitespace"] = whitespace == "compact"
-  ask = "Reply with one JSON object" + (f" that fits this schema: {json.dumps(schema)}"
-                                        if show_schema else ".")
-  return {"model": model, "max_tokens": max_tokens, "temperature": 0, "structured_outputs": so,
-          "messages": [{"role": "user", "content": ask}]}
-
 
 def run() -> dict[str, Any]:
   import logging

@@ -1,7 +1,8 @@
 """OpenAI's HTTP requests as protocol logic: a JSON body in, one ``GenerateArgs`` per prompt out.
 
-Contract (``serving.api.http_server`` is the wiring; every guarantee lives in ``serving.api.frontend``;
-errors and body decoding: ``serving.api.http_errors``; responses: ``serving.api.http_response``):
+Contract (``serving.api.http_server`` is the wiring; every guarantee lives in
+``serving.api.frontend``; errors and body decoding: ``serving.api.http_errors``; responses:
+``serving.api.http_response``):
   * ``parse_completion(body, served)`` / ``parse_chat(body, served) -> Parsed``: one
     ``serving.api.validation.GenerateArgs`` per prompt plus the field-name map, so every value
     check is the gRPC service's with messages naming the HTTP field.
@@ -55,10 +56,11 @@ MAX_USER_CHARS = 256
 # Not implemented, and ignoring them would change what the client gets: accepted only at their
 # no-op value (absent or null always is).
 UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"),
     "suffix": ("",), "audio": (), "use_beam_search": (False,),
     "prompt_logprobs": (), "allowed_token_ids": (),
-    "bad_words": ([],), "chat_template": (), "documents": ([],), "skip_special_tokens": (True,),
+    "bad_words": ([],), "chat_template": (), "documents": ([],),
     "spaces_between_special_tokens": (True,), "add_special_tokens": (False,),  # chat only
     "echo": (False,),  # chat only (completions implement it)
 }
@@ -67,6 +69,7 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", 
            "stream", "stream_options", "priority", "slo_class", "session_id", "min_tokens",
            "ignore_eos", "stop_token_ids", "attention_sinks", "include_stop_str_in_output",
            "return_tokens_as_token_ids", "truncate_prompt_tokens", "best_of",
+           "skip_special_tokens",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
            "response_format", "structured_outputs", "guided_whitespace_pattern",
            *GUIDED_FIELDS)
@@ -265,6 +268,7 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
       min_tokens=_get(body, "min_tokens", _is_int, "an integer"),
       ignore_eos=bool(_get(body, "ignore_eos", _is_bool, "a boolean")),
       include_stop_str=bool(_get(body, "include_stop_str_in_output", _is_bool, "a boolean")),
+      skip_special_tokens=_get(body, "skip_special_tokens", _is_bool, "a boolean") is not False,
       truncate_prompt_tokens=truncate, n=n, grammar=grammar,
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),

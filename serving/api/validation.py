@@ -5,11 +5,15 @@ client sent (``None`` where a field was absent, so an unset field is never read 
 ``validate(args, tokenizer, limits) -> Validated``. Any problem raises ``InvalidArgument(field,
 message)``; ``field`` is the API's own field name (``field_names`` maps this module's names to
 another API's, e.g. JetStream's ``max_tokens`` or OpenAI's ``max_completion_tokens``). It checks
-the prompt (one form, non-empty, valid UTF-8 or ids in vocab, a chat template that renders), the
-lengths (prompt + max_tokens within the context: never truncated), each sampling (penalties and
-``logit_bias`` included: ids in vocab) and stop parameter's range, ``n`` against ``max_n``, the SLO class, the session id, and attention sinks
-(a fixed-size ring: ``max_tokens`` may then pass the context, up to ``MAX_STREAM_TOKENS``).
-Nothing here touches the engine. The full list: BUILD_NOTES "Design: The API".
+the prompt (one form, non-empty, valid UTF-8 or ids in vocab, a chat template that renders, chat
+content as text unless ``Limits.special_in_messages``), the lengths (prompt + max_tokens within
+the context: never truncated; ``truncate_prompt_tokens`` keeps the prompt's last k), each
+sampling (penalties, ``logit_bias`` ids in vocab, ``min_p``) and stop parameter's range, ``n``
+against ``max_n``, the SLO class (``best_effort`` or one of the server's), the session id, and
+attention sinks (a fixed-size ring: ``max_tokens`` may then pass the context, up to
+``MAX_STREAM_TOKENS``). ``validate(..., grammars)`` compiles a structured-output ``grammar``
+(``serving.grammar.GrammarCompiler``; none: refused). Nothing here touches the engine. The full
+list: BUILD_NOTES "Design: The API".
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class GenerateArgs:
   min_tokens: int | None = None
   ignore_eos: bool = False
   include_stop_str: bool = False  # the text keeps a matched stop string
+  skip_special_tokens: bool = True  # False: special tokens' texts stay in the text
   truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
   logprobs: int | None = None
   n: int | None = None
@@ -335,5 +340,6 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
                             min_p=min_p)
   stop = StopCriteria(max_tokens=max_tokens, stop_ids=tuple(args.stop_token_ids),
                       stop_strings=tuple(stops), min_tokens=min_tokens,
-                      ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str)
+                      ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str,
+                      keep_special=not args.skip_special_tokens)
   return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo, args.session_id)

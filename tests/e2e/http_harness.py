@@ -1,11 +1,14 @@
 """What the OpenAI HTTP tests share: the tiny chat model on disk (byte-level BPE tokenizer with
-three special tokens and a chat template in transformers' style), and plain HTTP / server-sent
+three special tokens and a chat template in transformers' style), a server with ``KEY`` and an
+HTTP port (``served``), the official client on it (``client``), and plain HTTP / server-sent
 event requests to a ``ServerProc``'s HTTP port."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+from typing import Iterator
 
 import jax
 
@@ -116,3 +119,22 @@ def is_error(body, status_type: str | None = None) -> bool:
   e = body.get("error") if isinstance(body, dict) else None
   return (isinstance(e, dict) and set(e) == {"message", "type", "param", "code"} and
           isinstance(e["message"], str) and (status_type is None or e["type"] == status_type))
+
+
+@contextlib.contextmanager
+def served(tmp, *flags: str) -> Iterator[ServerProc]:
+  """launch.server with ``flags``, HTTP on a free port and ``KEY`` its one API key; stopped (and
+  its exit checked) when the block ends."""
+  (tmp / "keys.json").write_text(json.dumps({KEY: {"name": "test"}}))
+  s = ServerProc.start(tmp, *flags, "--http_port", "0", "--api_keys", str(tmp / "keys.json"),
+                       "--grace_s", "2")
+  try:
+    yield s
+  finally:
+    assert s.stop() in (0,), s.log()
+
+
+def client(s: ServerProc, timeout: float = 60):
+  import openai
+  return openai.OpenAI(base_url=f"http://127.0.0.1:{s.http_port}/v1", api_key=KEY,
+                       max_retries=0, timeout=timeout)

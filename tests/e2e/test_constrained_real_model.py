@@ -1,6 +1,6 @@
 """Structured outputs and tool calling end to end: launch.server as a real process serving
 SmolLM2-135M-Instruct (int8, the trained weights), driven by the official ``openai`` client. 50
-random JSON schemas (``launch.lab.eval_structured.random_schema``): every answer parses and
+random JSON schemas (``launch.lab.structured_schemas.random_schema``): every answer parses and
 validates with ``jsonschema``. A named function and ``required``
 return ``tool_calls`` whose arguments parse and match the tool's schema (the grammar engine
 enforces it); ``auto`` with a prompt asking for the tool gives a well-formed answer; a conversation
@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from launch.lab.eval_structured import random_schema, request_body
-from tests.grpc_harness import ServerProc
+from launch.lab.structured_schemas import random_schema, request_body
+from tests.e2e import http_harness
 
 # The server's start (int8 SmolLM2, its steps compiled) takes 1.5-3 minutes on 2 cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-KEY = "sk-test"
 MODEL = "smollm2-135m"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -43,22 +41,15 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("tools")
-  (tmp / "keys.json").write_text(json.dumps({KEY: {"name": "test"}}))
-  s = ServerProc.start(
-      tmp, "--model", MODEL, "--quantize", "int8", "--max_context", "1024", "--max_slots", "2",
-      "--kv_pages", "160", "--page_size", "16", "--max_chunk", "256", "--http_port", "0",
-      "--api_keys", str(tmp / "keys.json"), "--grace_s", "2")
-  try:
+  with http_harness.served(tmp_path_factory.mktemp("tools"), "--model", MODEL, "--quantize",
+                           "int8", "--max_context", "1024", "--max_slots", "2", "--kv_pages",
+                           "160", "--page_size", "16", "--max_chunk", "256") as s:
     yield s
-  finally:
-    assert s.stop() in (0,), s.log()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY,
-                       max_retries=0, timeout=120)
+  return http_harness.client(server, timeout=120)
 
 
 def _check(call) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 
-import openai
 import pytest
 
 from serving.api.proto.phaseserve.v1 import generation_pb2 as pb
@@ -18,7 +17,6 @@ from serving.api.proto.phaseserve.v1 import generation_pb2_grpc as pb_grpc
 from tests import refenv
 from tests.e2e import http_harness as harness
 from tests.e2e.http_harness import KEY, MODEL, is_error, request, sse
-from tests.grpc_harness import ServerProc
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,22 +30,15 @@ def server(tmp_path_factory):
   harness.write_model(d)
   # As vLLM reads it: requests that leave these out get them (top_k 1: greedy).
   (d / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": 1}))
-  tmp = tmp_path_factory.mktemp("http")
-  (tmp / "keys.json").write_text(json.dumps({KEY: {"name": "test"}}))
-  s = ServerProc.start(
-      tmp, "--model", str(d), "--max_context", "128", "--max_slots", "8", "--kv_pages", "64",
-      "--page_size", "16", "--max_chunk", "32", "--http_port", "0", "--api_keys",
-      str(tmp / "keys.json"), "--grace_s", "2")
-  try:
+  with harness.served(tmp_path_factory.mktemp("http"), "--model", str(d), "--max_context",
+                      "128", "--max_slots", "8", "--kv_pages", "64", "--page_size", "16",
+                      "--max_chunk", "32") as s:
     yield s
-  finally:
-    assert s.stop() in (0,), s.log()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY,
-                       max_retries=0, timeout=60)
+  return harness.client(server)
 
 
 def _text(server, path=C, **body):
@@ -239,3 +230,10 @@ def test_eval_structured_smoke(server):
   # Every answer parses unless it was cut at max_tokens.
   assert out["n"] == out["valid"] + out["invalid"] == 3
   assert out["invalid"] <= out["finish_reasons"].get("length", 0)
+
+
+def test_skip_special_tokens_false_keeps_their_text(server):
+  body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True, "temperature": 0,
+          "logit_bias": {str(IM_START): 100}}
+  assert _text(server, **body) == ""  # vLLM's default: special tokens' texts dropped
+  assert _text(server, **body, skip_special_tokens=False) == "<|im_start|>" * 3

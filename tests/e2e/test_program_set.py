@@ -90,7 +90,12 @@ def _variants() -> list[tuple[str, dict]]:
          (c, {**base, "prompt": "Hi", "max_tokens": 40, "ignore_eos": True,
               "repetition_penalty": 1.2, "attention_sinks": {"window": 20}}),
          (ch, {**base, "messages": CHAT, "temperature": 0.9, "seed": 8, "top_k": 20,
-               "logit_bias": {"66": -100}, "presence_penalty": -0.5})]
+               "logit_bias": {"66": -100}, "presence_penalty": -0.5}),
+         # Structured outputs: host masks into the same sampling programs; min_p.
+         (c, {**base, "prompt": "Hi", "guided_regex": "[a-c]{3,9}", "temperature": 1.0}),
+         (ch, {**base, "messages": CHAT, "max_tokens": 24, "min_p": 0.1, "temperature": 1.0,
+               "response_format": {"type": "json_object"}, "stream": True}),
+         (c, {**base, "prompt": LONG, "max_tokens": 4, "guided_choice": ["yes", "no"]})]
   # Several at once: batches mixing greedy, sampled and logprobs rows, every row count.
   return out
 

@@ -3,7 +3,8 @@ engine end to end on the tiny model: every generated id of a greedy request with
 the argmax of a numpy re-implementation over the model's own logits (frequency, presence,
 repetition over the prompt, logit bias), in a batch with plain rows that get exactly their
 unpenalised ids, with slots reused, under preemption and prefix-cache hits; a large logit bias
-forces / bans an id; no program compiles after warm-up when penalties first appear; a control
+forces / bans an id (no program compiles after warm-up when penalties first appear:
+tests/e2e/test_program_set.py); a control
 shows the check can fail."""
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from models.text.tokenizer import ByteTokenizer
 from models.transformer import forward
 from models.weights import init_params
 from serving import penalties as P
-from serving.compiles import ProgramCounter
 from serving.engine import Engine, EngineConfig
 from serving.kv_pages import PageBudget, PagePool
-from serving.lifecycle import RequestTrace
 from serving.prefix_cache import PrefixCache
 from serving.request import Request
 from serving.sampling import LOGIT_BIAS_MAX, SamplingArrays, SamplingParams
-from serving.scheduler import Scheduler, run_to_completion
+from serving.scheduler import Scheduler
 from serving.stop import StopCriteria
 from tests.cpu_policies import NATIVE
 from tests.penalty_ref import check_greedy, ref_apply
+from tests.sched_steps import serve_all
 
 CFG = get_preset("tiny").replace(max_seq_len=128)
 
@@ -106,17 +106,7 @@ def _serve(engine, reqs, *, pages=72, chunk=16, cache=False, traces=None):
   sched = Scheduler(pool, ByteTokenizer(), max_slots=engine.config.max_slots,
                     max_step_tokens=chunk + engine.config.max_slots, max_chunk=chunk,
                     prefix_cache=PrefixCache(pool) if cache else None)
-  traces = {} if traces is None else traces
-  for r in reqs:
-    traces[r.request_id] = RequestTrace(r.request_id)
-    assert sched.add(r, traces[r.request_id]) is None
-  outs = run_to_completion(sched, engine.execute)
-  for res in engine.flush():
-    outs += sched.update(res)
-  got: dict[str, list[int]] = {}
-  for o in outs:
-    got.setdefault(o.request_id, []).extend(o.token_ids)
-  return got
+  return serve_all(sched, engine, reqs, traces)
 
 
 def _req(rid, prompt, n=12, **kw):
@@ -187,23 +177,3 @@ def test_preempted_and_cached_requests_rebuild_their_counts(params):
   for r in reqs:
     assert len(got[r.request_id]) == 24
     assert _check(params, r, got[r.request_id]) in ("equal", "near-tie"), r.request_id
-
-
-def test_no_program_compiles_when_penalties_first_appear(params):
-  """A fresh engine (3 slots: shapes no other test compiled) warms up, then serves its first
-  penalised and biased requests: no XLA program is loaded after the warm-up."""
-  engine = _engine(params, slots=3, pages=40)
-  engine.warmup(max_prefill_rows=3, max_chunk=16, threads=1, max_tokens=19)
-  engine.seal()
-  counter = ProgramCounter()
-  try:
-    counter.mark()
-    reqs = [_req("a", range(30, 50), presence_penalty=1.0),
-            _req("b", range(10, 20), repetition_penalty=2.0, logit_bias=((9, 3.0),)),
-            _req("c", range(5, 9))]
-    got = _serve(engine, reqs, pages=40)
-    assert counter.since_mark == 0, counter.names
-  finally:
-    counter.close()
-  assert engine.program_set.unwarmed == 0
-  assert _check(params, reqs[1], got["b"]) in ("equal", "near-tie")

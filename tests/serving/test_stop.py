@@ -137,3 +137,19 @@ def test_include_stop_str_and_stop_reason():
   chk = StopChecker(TOK, StopCriteria(max_tokens=9))
   chk.push(ord("a"))
   assert chk.push(TOK.EOS).finish is FinishReason.STOP and chk.stop_reason is None
+
+
+def test_keep_special_keeps_the_texts_of_special_tokens():
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+  from models.text.tokenizer import TokenizersTokenizer, bytes_to_unicode
+  chars = bytes_to_unicode()
+  t = tokenizers.Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+  t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  t.decoder = decoders.ByteLevel()
+  t.add_special_tokens(["<s>", "<x>", "</s>"])
+  tok = TokenizersTokenizer(t, bos_id=256, eos_ids=[258])
+  ids = [ord("a"), 257, ord("b"), 258]
+  for keep, want in ((False, "ab"), (True, "a<x>b")):
+    chk = StopChecker(tok, StopCriteria(max_tokens=9, keep_special=keep))
+    assert "".join(chk.push(i).text for i in ids) == want  # the end id's text never

@@ -1,7 +1,8 @@
 """Structured outputs through the engine on the tiny model (byte tokenizer, lag 1): sampled
 requests under a choice, a regex and a JSON schema produce text their grammar accepts, in
 batches with plain rows that get exactly their unconstrained ids; preempted requests replay
-their ids into a fresh matcher; no program compiles when the first constrained request comes."""
+their ids into a fresh matcher (no program compiles when the first constrained request comes:
+tests/e2e/test_program_set.py)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,16 @@ from models.config import get_preset
 from models.step import UnshardedStep
 from models.text.tokenizer import ByteTokenizer
 from models.weights import init_params
-from serving.compiles import ProgramCounter
 from serving.engine import Engine, EngineConfig
 from serving.grammar import GrammarCompiler
 from serving.grammar_spec import Grammar
 from serving.kv_pages import PageBudget, PagePool
-from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler, run_to_completion
+from serving.scheduler import Scheduler
 from serving.stop import StopCriteria
 from tests.cpu_policies import NATIVE
+from tests.sched_steps import serve_outputs
 
 CFG = get_preset("tiny").replace(max_seq_len=128)
 TOK = ByteTokenizer()
@@ -68,15 +68,8 @@ def _serve(engine, reqs, *, pages=56, chunk=16, traces=None):
   pool = PagePool(PageBudget(8, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, TOK, max_slots=engine.config.max_slots,
                     max_step_tokens=chunk + engine.config.max_slots, max_chunk=chunk)
-  traces = {} if traces is None else traces
-  for r in reqs:
-    traces[r.request_id] = RequestTrace(r.request_id)
-    assert sched.add(r, traces[r.request_id]) is None
-  outs = run_to_completion(sched, engine.execute)
-  for res in engine.flush():
-    outs += sched.update(res)
   got: dict[str, tuple[list[int], str]] = {}
-  for o in outs:
+  for o in serve_outputs(sched, engine, reqs, traces):
     ids, text = got.get(o.request_id, ([], ""))
     got[o.request_id] = (ids + list(o.token_ids), text + o.text)
   return got
@@ -122,19 +115,3 @@ def test_preempted_requests_replay_into_a_fresh_matcher(params, compiler):
   assert any(e.kind == "preempted" for t in traces.values() for e in t.events)
   for r in reqs:
     assert ok(got[r.request_id][1]), got[r.request_id][1]
-
-
-def test_no_program_compiles_when_the_first_constrained_request_comes(params, compiler):
-  engine = _engine(params, slots=3, pages=40)
-  engine.warmup(max_prefill_rows=3, max_chunk=16, threads=1, max_tokens=41)
-  engine.seal()
-  counter = ProgramCounter()
-  try:
-    counter.mark()
-    got = _serve(engine, [_req("a", [1, 2, 3], compiler.compile(SPECS["regex"][0])),
-                          _req("b", [4, 5, 6], seed=3, n=8, ignore_eos=True)])
-    assert SPECS["regex"][1](got["a"][1])
-    assert counter.since_mark == 0, counter.names
-  finally:
-    counter.close()
-  assert engine.program_set.unwarmed == 0
