@@ -12,8 +12,9 @@ Contract:
   * Implementations: ``ByteTokenizer`` (the random presets: bytes 0..255, BOS 256, EOS 257, PAD
     258), ``TokenizersTokenizer`` (an in-memory ``tokenizers.Tokenizer``, used for GGUF files),
     ``HFTokenizer`` (a Hugging Face ``tokenizer.json`` with its config files).
-  * ``StreamDecoder(tokenizer)``: ``push(id)`` returns only newly completed text (never a partial
-    UTF-8 character), ``flush()`` the rest.
+  * ``StreamDecoder(tokenizer, keep_special=False)``: ``push(id)`` returns only newly completed
+    text (never a partial UTF-8 character), ``flush()`` the rest; ``keep_special``: special
+    tokens' texts too (``decode_all``).
   * ``load_tokenizer(name_or_path)``: a preset name -> ``ByteTokenizer``; a directory with
     ``tokenizer.json`` (or the file) -> ``HFTokenizer``; anything else -> ``ValueError``.
 Where HF ids, BOS and the template come from: BUILD_NOTES "Design: Tokenizers and chat templates".
@@ -58,6 +59,10 @@ class Tokenizer(abc.ABC):
   def token_bytes(self, token_id: int) -> bytes:
     """The token's bytes (may be part of a character; b"" for a special or unknown id)."""
     return self.decode([token_id]).encode("utf-8")
+
+  def decode_all(self, ids: Iterable[int]) -> str:
+    """``decode`` keeping the special tokens' texts (vLLM's ``skip_special_tokens: false``)."""
+    return self.decode(ids)
 
   @property
   @abc.abstractmethod
@@ -229,6 +234,10 @@ class TokenizersTokenizer(Tokenizer):
     size = self.vocab_size
     return self._tok.decode([i for i in ids if 0 <= i < size], skip_special_tokens=True)
 
+  def decode_all(self, ids: Iterable[int]) -> str:
+    size = self.vocab_size
+    return self._tok.decode([i for i in ids if 0 <= i < size], skip_special_tokens=False)
+
   def token_bytes(self, token_id: int) -> bytes:
     """The piece's bytes: byte-level BPE (GPT-2's alphabet) spelled back, SentencePiece's
     ``<0xNN>`` byte tokens and ``▁`` spaces; b"" for a special token or an unknown id."""
@@ -391,8 +400,8 @@ class StreamDecoder:
   leading space decodes the next word correctly) and ids not yet emitted.
   """
 
-  def __init__(self, tokenizer: Tokenizer):
-    self._tok = tokenizer
+  def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
+    self._decode = tokenizer.decode_all if keep_special else tokenizer.decode
     self._ids: list[int] = []
     self._prefix = 0  # start of the context window
     self._read = 0  # ids before this have been emitted
@@ -400,8 +409,8 @@ class StreamDecoder:
   def push(self, token_id: int) -> str:
     """Adds one id; returns the text it completes ('' while a character is still partial)."""
     self._ids.append(int(token_id))
-    prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-    text = self._tok.decode(self._ids[self._prefix:])
+    prefix_text = self._decode(self._ids[self._prefix:self._read])
+    text = self._decode(self._ids[self._prefix:])
     pending = len(self._ids) - self._read
     if len(text) <= len(prefix_text):
       return ""
@@ -413,8 +422,8 @@ class StreamDecoder:
 
   def flush(self) -> str:
     """Returns whatever is left (incomplete bytes as U+FFFD) and resets."""
-    prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-    text = self._tok.decode(self._ids[self._prefix:])
+    prefix_text = self._decode(self._ids[self._prefix:self._read])
+    text = self._decode(self._ids[self._prefix:])
     self._ids, self._prefix, self._read = [], 0, 0
     return text[len(prefix_text):]
 
