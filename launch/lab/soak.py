@@ -20,7 +20,8 @@ quiet probe, idle gap of ``--idle_s``, post-idle probe]. In an active stretch, a
   ``/v1/chat/completions`` (streaming and not; n=3 at temperature 1 with a seed; logprobs 0 and
   5 / ``logprobs: true, top_logprobs: 3``; stop strings; greedy and top_k/top_p; a long prefix
   shared by every such request, for prefix-cache hits; a client that closes the stream after 3
-  chunks; a slow reader sleeping ``--slow_read_s`` between reads), phaseserve gRPC ``Generate``
+  chunks; a slow reader sleeping ``--slow_read_s`` between reads; ``response_format:
+  json_object``; penalties, ``logit_bias`` and ``min_p``), phaseserve gRPC ``Generate``
   (the same kinds) and JetStream ``Decode``. The plain greedy requests go through the load
   generator's drivers (``launch.lab.loadgen_lib.drivers``), the others through the same drivers'
   HTTP session and gRPC stub.

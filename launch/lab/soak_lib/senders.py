@@ -313,6 +313,11 @@ class Senders:
               p, b(i, stream=True), cancel_after=3)),
           (api, "slow_reader_stream", True, 1, lambda i, p=path, b=b: self.http(
               p, b(i, stream=True), read_delay_s=slow())),
+          (api, "json_object_stream", True, 1, lambda i, p=path, b=b: self.http(
+              p, b(i, stream=True, response_format={"type": "json_object"}, **sampled()))),
+          (api, "penalties_min_p", False, 1, lambda i, p=path, b=b: self.http(
+              p, b(i, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                   logit_bias={"13": -5}, min_p=0.05, **sampled()))),
       ]
       if chat:
         v += [
