@@ -298,7 +298,7 @@ class Engine(EngineApi):
       got = self.grammar.masks(rows, n)
       if got is not None:
         return got
-    return np.zeros((n, self.grammar.words), np.int32), np.zeros((n,), bool)
+    return self.grammar.none(n)
 
   def _attend(self, end: int, phase: str) -> int:
     z = self.config.page_size

@@ -10,7 +10,8 @@ thread).
   * ``masks(rows) -> (mask_RW, on_R) | None``: for a call of ``R`` rows, ``rows`` the
     ``(request_id, slot, row)`` of the rows that sample, the allowed-token bitmask of each
     constrained one (``serving.token_mask`` layout) and which rows apply it; None when none is
-    constrained. Call it only once every earlier step's ids were given to ``accept``.
+    constrained (``none(R)``: the all-off pair, cached). Call it only once every earlier step's
+    ids were given to ``accept``.
   * ``accept(tokens)``: a step's sampled ids (request id -> id; each step once, in order)
     advance the matchers of the requests their slots still run; the others are skipped (a request that finished while its
     last step was in flight). An id a matcher refuses (only possible for an id sampled without
@@ -37,6 +38,7 @@ class GrammarRows:
   def __init__(self, vocab: int):
     self.words = words(vocab)
     self._slots: dict[int, tuple[str, Matcher]] = {}
+    self._none: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self.mask_seconds = 0.0  # host time filling masks (BUILD_NOTES: per-step overhead)
 
   @property
@@ -58,6 +60,16 @@ class GrammarRows:
 
   def constrained(self, rows: Sequence[tuple[str, int]]) -> bool:
     return any(self._slots.get(slot, ("",))[0] == rid for rid, slot in rows)
+
+  def none(self, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """An unconstrained call's masks (all off): one read-only pair per row count, reused."""
+    got = self._none.get(num_rows)
+    if got is None:
+      got = (np.zeros((num_rows, self.words), np.int32), np.zeros((num_rows,), bool))
+      for a in got:
+        a.setflags(write=False)
+      self._none[num_rows] = got
+    return got
 
   def masks(self, rows: Sequence[tuple[str, int, int]], num_rows: int
             ) -> tuple[np.ndarray, np.ndarray] | None:
