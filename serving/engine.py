@@ -292,7 +292,7 @@ class Engine(EngineApi):
   def _masks(self, rows: list[tuple[str, int, int]], n: int) -> tuple[np.ndarray, np.ndarray]:
     """A sampling call's structured-output masks for (request id, slot, row) ``rows``: the
     steps in flight are read first, while the device runs this step's model."""
-    if self.grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
+    if self.grammar.active and self.grammar.constrained([(rid, slot) for rid, slot, _ in rows]):
       for p in self._held:
         self._accept(p)
       got = self.grammar.masks(rows, n)
