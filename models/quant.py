@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.cpu import kernels as cpu_kernels, router
 from models.cpu.backend import CpuBackend
@@ -85,13 +86,19 @@ def stored(w: Weight) -> Stored:
   """The weight as stored (a ``TiledArray``'s ``array``)."""
   return w.array if isinstance(w, TiledArray) else w
 
+INV_127 = np.float32(1.0) / np.float32(127.0)  # the f32 nearest 1 / 127
+
+
 def quantize_array(w: jax.Array, contract_axes: Sequence[int], act_quant: bool = False
                    ) -> QuantArray:
   """Symmetric per-output-channel int8: max |w| over the contracted axes maps to 127."""
+  # Written as multiplications by reciprocals, not divisions: XLA may or may not rewrite a
+  # division by a constant or a broadcast that way (eager and jitted programs differed in jax
+  # 0.12.1), and the host loader (models.io.hf_import) must reproduce these values bit for bit.
   w32 = w.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w32), axis=tuple(contract_axes), keepdims=True)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  quant = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+  scale = jnp.where(amax > 0, amax * INV_127, jnp.float32(1.0))
+  quant = jnp.clip(jnp.round(w32 * (jnp.float32(1.0) / scale)), -127, 127).astype(jnp.int8)
   return QuantArray(quant=quant, scale=scale.astype(jnp.float32), act_quant=act_quant)
 
 

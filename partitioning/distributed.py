@@ -78,6 +78,10 @@ def initialize(cluster: Cluster) -> None:
   else:
     jax.distributed.initialize(cluster.coordinator_address, num_processes=cluster.num_processes,
                                process_id=cluster.process_id, **timeouts)
+  if jax.default_backend() == "cpu":
+    # A multi-process CPU program (gloo collectives) loaded from the persistent compilation
+    # cache hangs in its first collective (jax 0.12.1; fresh compiles run): compile afresh.
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def is_leader() -> bool:

@@ -33,7 +33,8 @@ def free_port() -> int:
 def worker_env(devices: int) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             PHASESERVE_CPU_AUTOTUNE="0", PYTHONUNBUFFERED="1")
+             PHASESERVE_CPU_AUTOTUNE="0", PYTHONUNBUFFERED="1",
+             PYTHONFAULTHANDLER="1")  # SIGABRT on a timeout prints every thread's stack
   # Gloo over loopback: keep it off any other interface the machine has.
   env.setdefault("GLOO_SOCKET_IFNAME", "lo")
   return env
@@ -93,6 +94,14 @@ class Workers:
         w.returncode = w.proc.wait(max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         stuck = [x.process_id for x in self.workers if x.proc.poll() is None]
+        for x in self.workers:  # where they hang: faulthandler's stacks into the logs
+          if x.proc.poll() is None:
+            x.proc.send_signal(signal.SIGABRT)
+        for x in self.workers:
+          try:
+            x.proc.wait(5)
+          except subprocess.TimeoutExpired:
+            pass
         raise TimeoutError(f"processes {stuck} still running after {timeout:.0f} s:\n"
                            + self.logs()) from None
     return self.workers

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from models.io import placement
 from models.config import ModelConfig, from_hf_config
 from models.io.placement import Index, Progress, Target
-from models.quant import QuantArray
+from models.quant import INV_127, QuantArray
 from models.weights import Params
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GemmaForCausalLM")
@@ -202,10 +202,9 @@ class _Source:
     rows, out_dims, out_cut = self._group(self.out_axes, index)
     if rows not in cache:
       amax = self.row_amax(reader, rows, dtype)
-      # amax * (1 / 127) and w * (1 / scale) below: XLA's rewrite of quantize_array's
-      # divisions by a constant / a broadcast, so the values are bit-equal to it.
-      cache[rows] = np.where(amax > 0, amax * (np.float32(1.0) / np.float32(127.0)),
-                             np.float32(1.0)).astype(np.float32)
+      # amax * INV_127 and w * (1 / scale) below: quantize_array's own arithmetic, so the
+      # values are bit-equal to it.
+      cache[rows] = np.where(amax > 0, amax * INV_127, np.float32(1.0)).astype(np.float32)
     s = cache[rows].reshape(out_dims)[tuple(out_cut)]
     s = s.reshape(s.shape + (1,) * len(self.in_axes))
     return np.ascontiguousarray(s.transpose(self._order()))
