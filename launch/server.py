@@ -27,8 +27,9 @@ from absl import flags, logging
 from launch import cli, cluster_flags, engine_flags as ef
 from launch.cli import CliError
 
-_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests waiting for prefill",
-                                  lower_bound=1)
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 4096, "requests waiting for prefill; beyond it "
+                                  "a 429 queue_full (vLLM and SGLang queue without a bound: a "
+                                  "burst of clients waits rather than fails)", lower_bound=1)
 _DEFAULT_MAX_TOKENS = flags.DEFINE_integer("default_max_tokens", 256,
                                            "max_tokens when a request gives none",
                                            lower_bound=1)

@@ -219,7 +219,11 @@ class _Api:
     headers = {"X-Ignored-Fields": ", ".join(parsed.ignored)} if parsed.ignored else {}
     try:
       if parsed.stream:
-        return await self._stream(request, parsed, shape, streams, headers)
+        try:
+          return await self._stream(request, parsed, shape, streams, headers)
+        except ConnectionResetError:  # the client went away mid-stream: a normal event
+          _log.info("request %s: the client closed its stream", streams[0].request_id)
+          return web.Response(status=499)  # nobody reads it (nginx's "client closed request")
       try:
         async for p, i, out in self.events(streams):
           shape.add(shape.choice(p, i), out)

@@ -498,6 +498,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
   key = 'phaseserve_requests_total{finish_reason="cancelled",slo_class="best_effort",status="cancelled"}'
   assert m.get(key, 0) - before.get(key, 0) == 1, {k: v for k, v in m.items() if "requests" in k}
   assert m["phaseserve_kv_pages_used"] == 0 and m["phaseserve_live_streams"] == 0
+  assert "Error handling request" not in server.log()  # a normal event, not an error traceback
   # Non-streaming too: the client gives up while its answer is being generated.
   conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
   conn.request("POST", "/v1/completions", body=json.dumps({
