@@ -8,7 +8,7 @@ is rebuilt by the client's own stream accumulator; 50 random JSON schemas
 (``launch.lab.structured_schemas.random_schema``): every answer parses and validates with
 ``jsonschema``.
 
-The server is kept cheap for the suite: a 1024-token context, 2 slots, layers in one scan (one
+The server is kept cheap for the suite: a 1024-token context, 4 slots, layers in one scan (one
 layer's program to compile) and no warm-up (programs compile on first use, hence the long
 watchdog): what is tested is the answers, not start-up or latency."""
 
@@ -46,7 +46,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   with http_harness.served(tmp_path_factory.mktemp("tools"), "--model", MODEL,
-                           "--max_context", "1024", "--max_slots", "2", "--kv_pages", "160",
+                           "--max_context", "1024", "--max_slots", "4", "--kv_pages", "256",
                            "--page_size", "16", "--max_chunk", "128", "--scan_layers",
                            "--nowarmup", "--watchdog_s", "600") as s:
     yield s
@@ -142,7 +142,7 @@ def test_50_random_schemas_all_parse_and_validate(client):
     so = body.pop("structured_outputs")
     r = client.chat.completions.create(**body, extra_body={"structured_outputs": so})
     return r.choices[0].finish_reason, r.choices[0].message.content
-  with cf.ThreadPoolExecutor(2) as pool:
+  with cf.ThreadPoolExecutor(4) as pool:
     answers = list(pool.map(one, schemas))
   for schema, (finish, text) in zip(schemas, answers):
     assert finish == "stop", (finish, text)
