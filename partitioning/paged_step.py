@@ -92,12 +92,19 @@ class PagedShardedStep:
               ) -> tuple[jax.Array, PagedKV]:
     logits_BV, kv = self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
     # Rows sharded over the kv axes: every row's logits, then the rows asked for.
-    return (logits_BV if logits_at is None else logits_BV[logits_at]), kv
+    return self._replicated(logits_BV if logits_at is None else logits_BV[logits_at]), kv
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
              attend_len: int) -> tuple[jax.Array, PagedKV]:
     ones = jnp.ones_like(kv.lengths) if active_B is None else active_B.astype(jnp.int32)
-    return self._forward(params, tokens_B[:, None], kv, None, ones, attend_len)
+    logits_BV, kv = self._forward(params, tokens_B[:, None], kv, None, ones, attend_len)
+    return self._replicated(logits_BV), kv
+
+  def _replicated(self, logits_BV: jax.Array) -> jax.Array:
+    # logits [B, V]: P() (every device holds every row). The sampling program (top-k, penalties,
+    # per-row scatters) then needs no cross-device row moves; on row-sharded logits XLA gave it
+    # collective-permutes between processes, which hung under jax 0.12.1's gloo.
+    return jax.lax.with_sharding_constraint(logits_BV, NamedSharding(self.mesh, P()))
 
   def place_params(self, params: Params) -> Params:
     return shard_params(params, self.cfg, self.mesh, self.ffn)
