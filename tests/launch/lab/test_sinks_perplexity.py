@@ -21,6 +21,10 @@ from launch.lab.streaming import Policy, dense_nll, stream_nll
 from tests.refenv import REPO
 
 TEXT = REPO / "tests" / "data" / "english_passages.txt"
+# 50 s of one worker (400 int8 decode steps per policy): `make test-slow`; the sink policy's
+# mechanics are tested on the tiny model in tests/serving/test_attention_sinks.py.
+pytestmark = pytest.mark.slow
+
 N, WINDOW, SINKS = 400, 32, 4
 
 
