@@ -91,7 +91,7 @@ class PagedShardedStep:
               lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None
               ) -> tuple[jax.Array, PagedKV]:
     logits_BV, kv = self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
-    # Rows sharded over the kv axes: every row's logits, then the rows asked for.
+    # Computed with rows sharded over the kv axes: every row's logits, then the rows asked for.
     return self._replicated(logits_BV if logits_at is None else logits_BV[logits_at]), kv
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
