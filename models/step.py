@@ -109,7 +109,7 @@ class UnshardedStep:
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
     del path, sds
-    return jax.sharding.make_single_device_sharding(jax.local_devices()[0])
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
   def init_kv(self, batch, num_pages, page_size, pages_per_seq, dtype, sink_pool=False
               ) -> PagedKV:

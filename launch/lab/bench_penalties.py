@@ -48,7 +48,7 @@ def _case(rows: int, slots: int, vocab: int, temperature: float, penalised: int
                        logit_bias=tuple((int(t), 1.0) for t in range(_BIAS.value)))
   samp = SamplingArrays.from_params([pen] * penalised + [plain] * (slots - penalised))
   state = penalties.PenaltyState.create(slots, vocab,
-                                        jax.sharding.make_single_device_sharding(jax.devices()[0]))
+                                        jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   for x in range(slots):
     state = penalties.fill_slot(state, x, rng.integers(0, vocab, _PROMPT.value).tolist(),
                                 rng.integers(0, vocab, _GENERATED.value).tolist())

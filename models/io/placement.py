@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import (NamedSharding, PartitionSpec, Sharding, is_single_device_sharding,
-                          make_single_device_sharding)
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from models.config import ModelConfig
 from models.quant import QuantArray, quantize_array
@@ -69,7 +68,7 @@ def shardings_for(abstract: Params, target: Target) -> list[Sharding]:
   leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
   paths = [jax.tree_util.keystr(k) for k, _ in leaves]
   if target is None:
-    target = make_single_device_sharding(jax.local_devices()[0])
+    target = SingleDeviceSharding(jax.local_devices()[0])
   if isinstance(target, Sharding):
     out = [target] * len(leaves)
   elif callable(target):
@@ -129,7 +128,7 @@ def _local_bytes(x: jax.Array | QuantArray) -> int:
 
 def _layer_sharding(s: Sharding, where: str) -> Sharding:
   """The sharding of one layer of a stacked ``[L, ...]`` array in ``s``."""
-  if is_single_device_sharding(s):
+  if isinstance(s, SingleDeviceSharding):
     return s
   if isinstance(s, NamedSharding):
     spec = tuple(s.spec)
