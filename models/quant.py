@@ -12,9 +12,9 @@ Contract:
     ``models.cpu.backend.CpuBackend``; the default: XLA's dots only); any other einsum is
     lowered directly. ``einsums(specs, x, ws, backend)``: the list, grouped where the router can.
   * ``take_rows(table, ids, dtype)``: an embedding lookup in a float or int8 table.
-  * ``TiledArray(array, tiles)``: a bf16 or weight-only int8 weight and its copy in the tiled
-    decode kernel's layout (``tile_array(w, contract_axes)``; int8: the values, the scales stay
-    in ``array``); the router reads ``tiles`` for the rows that kernel takes and ``array`` for
+  * ``TiledArray(array, tiles)``: a bf16 or int8 weight and its copy in a tiled decode
+    kernel's layout (``tile_array(w, contract_axes)``; int8: the values, the scales stay in
+    ``array``; W8A8 weights in the VNNI kernel's quads); the router reads ``tiles`` for the rows that kernel takes and ``array`` for
     everything else, so results do not depend on which copy was read beyond summation order.
 """
 
@@ -56,8 +56,8 @@ class QuantArray:
 
 @flax.struct.dataclass
 class TiledArray:
-  array: jax.Array | QuantArray  # the weight as stored: bf16, or weight-only int8
-  tiles: jax.Array  # cpu_kernels.tile_weight of the (int8) weight as [K, N], contracted first
+  array: jax.Array | QuantArray  # the weight as stored: bf16, or int8
+  tiles: jax.Array  # the tiled kernel's copy of the (int8) weight as [K, N], contracted first
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -73,13 +73,15 @@ Weight = Stored | TiledArray
 
 
 def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int]) -> TiledArray:
-  """``w`` (bf16, or weight-only int8) with its tiled copy: the contracted axes first, as
-  ``[K, N]``."""
+  """``w`` (bf16, or int8) with its tiled copy: the contracted axes first, as ``[K, N]``
+  (W8A8 weights: ``tile_weight_w8a8``'s quads, else ``tile_weight``'s pairs)."""
   values = w.quant if isinstance(w, QuantArray) else w
   free = [a for a in range(w.ndim) if a not in contract_axes]
   k = math.prod(w.shape[a] for a in contract_axes)
   w_KN = jnp.transpose(values, (*contract_axes, *free)).reshape(k, -1)
-  return TiledArray(array=w, tiles=cpu_kernels.tile_weight(w_KN))
+  w8a8 = isinstance(w, QuantArray) and w.act_quant
+  return TiledArray(array=w, tiles=cpu_kernels.tile_weight_w8a8(w_KN) if w8a8
+                    else cpu_kernels.tile_weight(w_KN))
 
 
 def stored(w: Weight) -> Stored:

@@ -103,8 +103,11 @@ class UnshardedStep:
     if self.scan_layers and not is_stacked(params):
       params = jax.jit(stack_layers)(params)
     params = jax.device_put(params, jax.local_devices()[0])
-    if self.backend.tiled and self.backend.policy.tiles_weights:
-      params = tile_params(params, self.cfg)
+    be = self.backend
+    pairs = be.tiled and be.policy.tiles_pairs
+    w8a8 = be.tiled_w8a8 and be.policy.tiled_w8a8_max_rows > 0
+    if pairs or w8a8:
+      params = tile_params(params, self.cfg, pairs=pairs, w8a8=w8a8)
     return params
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:

@@ -151,17 +151,22 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
 
 
 
-def tile_params(params: Params, cfg: ModelConfig) -> Params:
-  """Every bf16 or weight-only int8 matmul weight as a ``TiledArray`` (its tiles contracted as
-  ``ArrayInfo`` says); the rest as it is."""
+def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool = True
+                ) -> Params:
+  """Every matmul weight a tiled kernel takes as a ``TiledArray`` (its tiles contracted as
+  ``ArrayInfo`` says): bf16 and weight-only int8 ones where ``pairs`` (AVX512-BF16), W8A8 ones
+  where ``w8a8`` (AVX512-VNNI); the rest as it is."""
   infos = param_infos(cfg)
   stacked = is_stacked(params)
   if stacked:  # one info per stacked leaf, its axes after the leading [L]
     infos = {**infos, "layers": infos["layers"][0]}
 
   def one(info: ArrayInfo, w, layered: bool):
-    if (not info.quantizable or isinstance(w, TiledArray)
-        or (w.act_quant if isinstance(w, QuantArray) else w.dtype != jnp.bfloat16)):
+    if not info.quantizable or isinstance(w, TiledArray):
+      return w
+    tiled_w8a8 = isinstance(w, QuantArray) and w.act_quant
+    if not (w8a8 if tiled_w8a8 else pairs) or (
+        not isinstance(w, QuantArray) and w.dtype != jnp.bfloat16):
       return w
     return _tiler(info.contract_axes, layered)(w)
 

@@ -12,7 +12,7 @@ needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="native CPU kernels unavailable here (CPU / compiler)")
 NATIVE = cpu_backend.native(cpu_lowering.DEFAULT)
 XLA_ONLY = dataclasses.replace(
-    NATIVE, amx=False, dpbf16=False, tiled=False, policy=dataclasses.replace(
+    NATIVE, amx=False, dpbf16=False, tiled=False, tiled_w8a8=False, policy=dataclasses.replace(
         cpu_lowering.DEFAULT, float_native_max_rows=0, f32_native_max_rows=0,
         int8_native_max_rows=0, int8_nk_native_max_rows=0))
 

@@ -4,6 +4,7 @@ Contract:
   * ``CpuBackend`` (frozen, hashable): the lowering ``policy`` (``models.cpu.lowering``) and
     which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
     ``amx``, ``dpbf16`` (AVX512-BF16), ``tiled`` (AVX512-BF16 on tiled weight copies),
+    ``tiled_w8a8`` (AVX512-VNNI on tiled copies of W8A8 weights),
     ``paged_attention`` and its ``paged_bf16_dot`` path.
     Steps and KV stores hold it and the model's functions take it as a static argument, so it
     is part of every jit key;
@@ -32,6 +33,7 @@ class CpuBackend:
   amx: bool = False
   dpbf16: bool = False
   tiled: bool = False
+  tiled_w8a8: bool = False
   paged_attention: bool = False
   paged_bf16_dot: bool = False
 
@@ -46,6 +48,7 @@ class Resolved:
     return {"policy": dataclasses.asdict(b.policy), "source": c.source, "key": c.key,
             "cache_path": c.path, "native_kernels": b.matmul_kernels, "amx_kernel": b.amx,
             "dpbf16_kernel": b.dpbf16, "tiled_kernel": b.tiled,
+            "tiled_w8a8_kernel": b.tiled_w8a8,
             "paged_attention": b.paged_attention, "measurements": c.measurements}
 
 
@@ -58,7 +61,9 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
   return CpuBackend(policy, matmul_kernels=kernels.available(),
                     amx=kernels.available() and kernels.amx_available(),
                     dpbf16=kernels.available() and kernels.dpbf16_available(),
-                    tiled=kernels.available() and kernels.tiled_available(), paged_attention=pa,
+                    tiled=kernels.available() and kernels.tiled_available(),
+                    tiled_w8a8=kernels.available() and kernels.tiled_w8a8_available(),
+                    paged_attention=pa,
                     paged_bf16_dot=pa and env.paged_bf16_dot()
                     and paged_attention.bf16_dot_supported())
 

@@ -308,3 +308,51 @@ def matmul_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence
                           [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
                           vmap_method="sequential")
   return list(call(x_MK, *tiles))
+
+# ---- W8A8 in column tiles of K quads (AVX512-VNNI): decode rows as vector lanes ----
+
+_TILED_W8A8_TARGET = "phaseserve_tiled_w8a8_group"
+_VNNI_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+               "-mavx512vnni"]
+
+
+def tiled_w8a8_available() -> bool:
+  """True when ``models/cpu/native/tiled_w8a8.cc`` is loaded (the CPU lists ``avx512_vnni``);
+  builds on the first call."""
+  return native_build.load(
+      "tiled_w8a8", tuple(_VNNI_FLAGS),
+      frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+      ((_TILED_W8A8_TARGET, "PhaseserveTiledW8A8Group"),), optional=True) is not None
+
+
+def tile_weight_w8a8(wq_KN: jax.Array) -> jax.Array:
+  """An int8 ``[K, N]`` weight as the W8A8 tiled kernel reads it: ``[T, Q, 64]`` uint8 (the
+  value + 128) with ``T = ceil(N / 16)`` column tiles and ``Q = ceil(K / 4)`` row quads,
+  ``[t, q, 4c + j] = w[4q + j, 16t + c] + 128`` (128 past ``w``)."""
+  k, n = wq_KN.shape
+  if wq_KN.dtype != jnp.int8:
+    raise ValueError(f"tile_weight_w8a8 wants int8 values, got {wq_KN.dtype}")
+  q, t = -(-k // 4), -(-n // TILE_COLUMNS)
+  w = (jnp.pad(wq_KN, ((0, 4 * q - k), (0, TILE_COLUMNS * t - n))).astype(jnp.int32) + 128
+       ).astype(jnp.uint8)
+  return w.reshape(q, 4, t, TILE_COLUMNS).transpose(2, 0, 3, 1).reshape(t, q, 4 * TILE_COLUMNS)
+
+
+def matmul_tiled_w8a8_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence[int]
+                            ) -> list[jax.Array]:
+  """f32 ``[quant(x_MK) @ w * x_scale for w in ...]`` for a bf16 or f32 ``x`` quantized per row
+  (``models.cpu.lowering.quantize_activations``) and int8 weights given as
+  ``tile_weight_w8a8(w)`` with ``w``'s column counts ``ns``, in one call (call only when
+  ``tiled_w8a8_available()``; the caller applies the weights' scales). Integer sums are exact."""
+  m, k = x_MK.shape
+  q = -(-k // 4)
+  if (x_MK.dtype not in (jnp.bfloat16, jnp.float32) or not tiles or len(tiles) != len(ns)
+      or any(t.dtype != jnp.uint8 or t.shape != (-(-n // TILE_COLUMNS), q, 4 * TILE_COLUMNS)
+             for t, n in zip(tiles, ns))):
+    raise ValueError(f"matmul_tiled_w8a8_group wants bf16|f32 [M, K] and uint8 [ceil(N/16), "
+                     f"ceil(K/4), 64] tiles, got {x_MK.shape} {x_MK.dtype}, "
+                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
+  call = jax.ffi.ffi_call(_TILED_W8A8_TARGET,
+                          [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
+                          vmap_method="sequential")
+  return list(call(x_MK, *tiles))

@@ -34,7 +34,7 @@ from jax import lax
 
 from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
-VERSION = 9
+VERSION = 10
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -73,12 +73,17 @@ class CpuPolicy:
   tiled_max_rows: int = 128
   tiled_int8_min_rows: int = 8
   tiled_int8_max_rows: int = 128
+  # The W8A8 tiled kernel (AVX512-VNNI; W8A8 weights with a tiled copy): rows in [min, max] go
+  # to cpu_kernels.matmul_tiled_w8a8_group. DEFAULT: measured on the AMD EPYC Zen 4.
+  tiled_w8a8_min_rows: int = 1
+  tiled_w8a8_max_rows: int = 256
   # The native paged attention prefetches the next page into L2 (else L1). DEFAULT: the AMD
   # EPYC Zen 4 (L2 1.4-1.7x faster there); measured where the kernel is available.
   attention_prefetch_l2: bool = True
 
   @property
-  def tiles_weights(self) -> bool:
+  def tiles_pairs(self) -> bool:
+    """Whether the AVX512-BF16 tiled kernel takes any rows (bf16 or weight-only int8)."""
     return max(self.tiled_max_rows, self.tiled_int8_max_rows) > 0
 
   def __post_init__(self) -> None:
@@ -153,7 +158,8 @@ class Choice:
 def cache_key(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False) -> str:
   import jaxlib
   kernels = hashlib.sha256("".join(native_build.source(n) for n in (
-      "matmul_kernels", "amx_matmul", "dpbf16_matmul", "tiled_matmul", "paged_attention")
+      "matmul_kernels", "amx_matmul", "dpbf16_matmul", "tiled_matmul", "tiled_w8a8",
+      "paged_attention")
                                        ).encode()).hexdigest()[:12]
   parts = [cpuinfo.key(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
            f"kernels {kernels}", f"native {native}", f"amx {amx}", f"dpbf16 {dpbf16}",
@@ -399,6 +405,10 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
     tiled_bf16, tiled_int8 = lowering_kernels.measure_tiled(
         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, (dp_bf16, dp_int8),
         (amx_bf16, amx_int8))
+  tiled_w8a8 = (0, 0)
+  if native and cpu_kernels.tiled_w8a8_available():
+    tiled_w8a8 = lowering_kernels.measure_tiled_w8a8(meas, rounds, k, n, stream_bytes, int8_max,
+                                                     prefetch_l1, int8_row_multiple)
 
   # The paged attention's prefetch target, where its kernel loads.
   attention_prefetch_l2 = DEFAULT.attention_prefetch_l2
@@ -416,5 +426,6 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
                      dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1],
                      tiled_min_rows=tiled_bf16[0], tiled_max_rows=tiled_bf16[1],
                      tiled_int8_min_rows=tiled_int8[0], tiled_int8_max_rows=tiled_int8[1],
+                     tiled_w8a8_min_rows=tiled_w8a8[0], tiled_w8a8_max_rows=tiled_w8a8[1],
                      attention_prefetch_l2=attention_prefetch_l2)
   return policy, meas, time.perf_counter() - t0

@@ -6,7 +6,8 @@ Contract: ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k
 stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
 (min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
 the shared race of a kernel given as ``(x, w) -> y``; ``measure_attention(meas, rounds)`` -> the
-paged attention's prefetch target (True: L2).
+paged attention's prefetch target (True: L2); ``measure_tiled_w8a8`` -> the W8A8 tiled kernel's
+(min, max) rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from models.cpu import kernels as cpu_kernels, paged_attention
-from models.cpu.lowering import DEFAULT, MARGIN, chain, float_dot, race, weight_stack, win_range
+from models.cpu.lowering import (DEFAULT, MARGIN, chain, float_dot, race, w8a8_xla,
+                                  weight_stack, win_range)
 
 
 def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, float_prefill: str,
@@ -119,6 +121,33 @@ def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
     out.append(win_range(new, other))
     del ws, tiles
   return out[0], out[1]
+
+
+def measure_tiled_w8a8(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                       int8_max: int, prefetch_l1: bool, row_multiple: int,
+                       rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                       ) -> tuple[int, int]:
+  """The W8A8 tiled kernel vs the W8A8 incumbent at each of ``rows`` (the native ``[K, N]``
+  W8A8 kernel up to ``int8_max`` rows, else XLA's int8 dot with rows padded to
+  ``row_multiple``), f32 activations. Returns its (min, max) rows (``win_range``)."""
+  ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
+                    stream_bytes, k * n)
+  tiles = [cpu_kernels.tile_weight_w8a8(w) for w in ws]
+  scale = jnp.full((n,), 0.01, jnp.float32)
+  ft = jax.jit(lambda x, ts: chain(
+      lambda y, t: cpu_kernels.matmul_tiled_w8a8_group(y, [t], [n])[0] * scale, x, ts))
+  new, other = {}, {}
+  for m in rows:
+    xm = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    if m <= int8_max:
+      inc = lambda y, w: cpu_kernels.matmul_w8a8(y, w, scale, prefetch_l1)
+    else:
+      inc = lambda y, w: w8a8_xla(y, w, scale[None], True, row_multiple)
+    fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
+    r = race({"tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
+    new[m], other[m] = r["tiled"], r["incumbent"]
+    meas[f"tiled_w8a8_{m}rows"] = r
+  return win_range(new, other)
 
 
 def measure_attention(meas: dict, rounds: int, rows: int = 16, keys: int = 200,

@@ -14,7 +14,9 @@ Contract:
     weights in one native call (same kernel, one stored dtype), else None.
   * A ``quant.TiledArray`` weight goes to the tiled kernel (``kernels.matmul_tiled_group``) for
     bf16 activations with rows in the policy's ``tiled_min_rows..tiled_max_rows`` (int8:
-    ``tiled_int8_*``); otherwise its stored ``array`` takes the path above.
+    ``tiled_int8_*``), or, with W8A8 tiles, to ``kernels.matmul_tiled_w8a8_group`` for bf16 or
+    f32 activations with rows in ``tiled_w8a8_*`` (the integer sums are exact: the W8A8 result
+    up to the activations' rounding); otherwise its stored ``array`` takes the path above.
 Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
 """
 
@@ -169,7 +171,7 @@ def _in_range(mm: Matmul, w: quant.Stored, bf16_rows: tuple[int, int],
 
 def _scaled(y2s: list[jax.Array], mms: Sequence[Matmul], ws: Sequence[quant.Stored]
             ) -> list[jax.Array]:
-  """Weight-only int8 products times their per-column scales; float ones as they are."""
+  """int8 products times their per-column scales; float ones as they are."""
   return [y2 * w.scale.reshape(1, mm.n) if isinstance(w, quant.QuantArray) else y2
           for y2, mm, w in zip(y2s, mms, ws)]
 
@@ -247,9 +249,15 @@ def _xla_product(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> jax.Ar
 
 
 def _tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
-  """Whether the tiled kernel computes this product: a ``TiledArray`` whose tiles are this
-  product's ``[K, N]``, bf16 activations, rows in the policy's range for its format."""
+  """Whether a tiled kernel computes this product: a ``TiledArray`` whose tiles are this
+  product's ``[K, N]``, rows in the policy's range for its format; bf16 activations, or (W8A8
+  tiles) bf16 or f32 ones."""
   p = be.policy
+  if isinstance(w, quant.TiledArray) and w.tiles.dtype == jnp.uint8:
+    return (_on_cpu() and be.tiled_w8a8 and x_dtype in (jnp.bfloat16, jnp.float32)
+            and p.tiled_w8a8_min_rows <= mm.m <= p.tiled_w8a8_max_rows
+            and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), -(-mm.k // 4),
+                                  4 * cpu_kernels.TILE_COLUMNS))
   return (isinstance(w, quant.TiledArray) and _on_cpu() and be.tiled
           and x_dtype == jnp.bfloat16
           and _in_range(mm, w.array, (p.tiled_min_rows, p.tiled_max_rows),
@@ -261,7 +269,9 @@ def _tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
 def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
                     ) -> list[jax.Array]:
   tws = [w for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
-  y2s = cpu_kernels.matmul_tiled_group(mms[0].x2, [w.tiles for w in tws], [mm.n for mm in mms])
+  kernel = (cpu_kernels.matmul_tiled_w8a8_group if tws[0].tiles.dtype == jnp.uint8
+            else cpu_kernels.matmul_tiled_group)
+  y2s = kernel(mms[0].x2, [w.tiles for w in tws], [mm.n for mm in mms])
   y2s = _scaled(y2s, mms, [w.array for w in tws])
   return [_finish(mm, y2, x_dtype) for mm, y2 in zip(mms, y2s)]
 

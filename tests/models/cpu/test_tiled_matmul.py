@@ -171,14 +171,16 @@ def test_tile_params_copies_bf16_matmul_weights_only():
   assert st["layers"]["gate"].tiles.shape == (cfg.num_layers, *layer["gate"].tiles.shape)
   np.testing.assert_array_equal(np.asarray(st["layers"]["gate"].tiles[1]),
                                 np.asarray(tiled["layers"][1]["gate"].tiles))
-  # Weight-only int8: int8 tiles, the scales in the stored QuantArray; f32 and W8A8: none.
+  # Weight-only int8: int8 tiles, the scales in the stored QuantArray; f32: none; W8A8: the
+  # VNNI kernel's uint8 quads (tests/models/cpu/test_tiled_w8a8.py), none without ``w8a8``.
   q = weights.tile_params(weights.quantize(params, cfg), cfg)["layers"][0]["down"]
   assert isinstance(q, quant.TiledArray) and isinstance(q.array, quant.QuantArray)
   assert q.tiles.dtype == jnp.int8
-  for p in (weights.init_params(cfg, jax.random.key(0)),
-            weights.quantize(params, cfg, act_quant=True)):
+  for p, w8a8 in ((weights.init_params(cfg, jax.random.key(0)), True),
+                  (weights.quantize(params, cfg, act_quant=True), False)):
     assert not any(isinstance(x, quant.TiledArray) for x in jax.tree.leaves(
-        weights.tile_params(p, cfg), is_leaf=lambda x: isinstance(x, quant.TiledArray)))
+        weights.tile_params(p, cfg, w8a8=w8a8),
+        is_leaf=lambda x: isinstance(x, quant.TiledArray)))
 
 
 def test_the_step_places_copies_only_where_its_backend_reads_them():
