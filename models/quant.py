@@ -14,8 +14,9 @@ Contract:
   * ``take_rows(table, ids, dtype)``: an embedding lookup in a float or int8 table.
   * ``TiledArray(array, tiles)``: a bf16 or int8 weight and its copy in a tiled decode
     kernel's layout (``tile_array(w, contract_axes)``; int8: the values, the scales stay in
-    ``array``; W8A8 weights in the VNNI kernel's quads); the router reads ``tiles`` for the rows that kernel takes and ``array`` for
-    everything else, so results do not depend on which copy was read beyond summation order.
+    ``array``; W8A8 weights in the VNNI kernel's quads); the router reads ``tiles`` for the rows
+    that kernel takes and ``array`` for everything else, so results do not depend on which copy
+    was read beyond summation order (W8A8: beyond the activations' rounding).
 """
 
 from __future__ import annotations

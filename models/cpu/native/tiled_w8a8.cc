@@ -36,7 +36,8 @@ namespace {
 
 // 16 values of x from k (lanes past K: zero), as f32.
 inline __m512 load16(const uint16_t* x, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 inline __m512 load16(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
 
