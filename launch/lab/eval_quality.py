@@ -26,7 +26,7 @@ from launch.cli import CliError
 _DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "english_passages.txt"
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, .gguf file or checkpoint")
 _TEXT = flags.DEFINE_string("text", str(_DEFAULT_TEXT), "UTF-8 text; passages split at '==='")
-_VARIANTS = flags.DEFINE_list("variants", ["f32", "bf16", "int8", "w8a8"],
+_VARIANTS = flags.DEFINE_list("variants", ["f32", "bf16", "int8", "w8a8", "w8a8_raw"],
                               "precision variants; the first is the reference")
 _MAX_DOCS = flags.DEFINE_integer("max_docs", 0, "score only the first N passages (0 = all)",
                                  lower_bound=0)
@@ -35,6 +35,7 @@ _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a tab
 
 def run() -> dict:
   import jax.numpy as jnp
+  from models import precision
   from models.io.loader import load_model
   from launch.lab.quality import KV8, VARIANTS, compare, make_variants, read_passages
 
@@ -56,7 +57,8 @@ def run() -> dict:
   docs = [tok.encode(d) for d in docs_text]
   start = time.perf_counter()
   try:
-    scores = compare(make_variants(params, cfg, _VARIANTS.value), docs, cfg)
+    calibration = tok.encode(precision.calibration_text())
+    scores = compare(make_variants(params, cfg, _VARIANTS.value, calibration), docs, cfg)
   except ValueError as e:
     raise CliError(str(e))
   return {"model": _MODEL.value, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

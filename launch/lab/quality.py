@@ -2,10 +2,11 @@
 
 Contract:
   * ``read_passages(path)`` splits a text file into passages at lines holding only ``===``.
-  * ``make_variants(params, cfg, names)`` builds the named precision variants of float params:
-    ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only int8, f32
-    activations: the GPU/TPU policy) and ``w8a8`` (int8 weights and per-token int8 activations:
-    the CPU policy). A name with the suffix ``+kv8`` (``f32+kv8``, ``int8+kv8``, ...) is the
+  * ``make_variants(params, cfg, names, calibration=None)`` builds the named precision variants
+    of float params: ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only
+    int8, f32 activations: the default int8 policy), ``w8a8`` (``--int8_mode w8a8`` as served:
+    smoothed on ``calibration``'s token ids (``models.smooth``), per-token int8 activations, the
+    unembedding weight-only) and ``w8a8_raw`` (every matmul W8A8, nothing smoothed). A name with the suffix ``+kv8`` (``f32+kv8``, ``int8+kv8``, ...) is the
     base variant run over an int8 KV cache (``models.paged_kv`` int8 pages: per-token, per-head
     scales); ``kv_dtype_of(name)`` says which cache a name runs over.
   * ``compare(variants, docs, cfg)`` scores each named params variant on every token of every
@@ -33,13 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import precision
 from models.config import ModelConfig
 from models.kv_cache import init_cache
 from models.paged_kv import init_paged
 from models.transformer import prefill
 from models.weights import Params, quantize
 
-VARIANTS = ("f32", "bf16", "int8", "w8a8")
+VARIANTS = ("f32", "bf16", "int8", "w8a8", "w8a8_raw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +76,8 @@ def kv_dtype_of(name: str) -> str | None:
   return "int8" if name.endswith(KV8) else None
 
 
-def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIANTS
-                  ) -> dict[str, Params]:
+def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIANTS,
+                  calibration: Sequence[int] | None = None) -> dict[str, Params]:
   f32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   built: dict[str, Params] = {}  # base variant -> params (shared by its +kv8 twin)
 
@@ -85,8 +87,10 @@ def make_variants(params: Params, cfg: ModelConfig, names: Sequence[str] = VARIA
         built[name] = f32
       elif name == "bf16":
         built[name] = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
-      elif name in ("int8", "w8a8"):
-        built[name] = quantize(f32, cfg, act_quant=name == "w8a8")
+      elif name in ("int8", "w8a8_raw"):
+        built[name] = quantize(f32, cfg, act_quant=name == "w8a8_raw")
+      elif name == "w8a8":
+        built[name] = precision.apply(f32, cfg, "int8", "w8a8", calibration=calibration)
       else:
         raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)}, each "
                          f"optionally with {KV8})")

@@ -112,13 +112,15 @@ def _is_quant(x: object) -> bool:
 
 
 def _describe(params: Params) -> tuple[jnp.dtype, bool, bool]:
-  """(float dtype, quantized, act_quant) of a params tree; ValueError if inconsistent."""
+  """(float dtype, quantized, act_quant) of a params tree; ValueError if inconsistent. act_quant
+  is the layers' (W8A8 keeps the unembedding weight-only: ``models.precision.W8A8_KEEP``)."""
   leaves = jax.tree.leaves(params, is_leaf=_is_quant)
   quants = [x for x in leaves if isinstance(x, QuantArray)]
   float_dtypes = {jnp.dtype(x.dtype) for x in leaves if not isinstance(x, QuantArray)}
   if len(float_dtypes) != 1:
     raise ValueError(f"params must have one float dtype, got {sorted(map(str, float_dtypes))}")
-  act_quants = {q.act_quant for q in quants}
+  act_quants = {q.act_quant for q in jax.tree.leaves(params["layers"], is_leaf=_is_quant)
+                if isinstance(q, QuantArray)}
   if len(act_quants) > 1:
     raise ValueError("params mix QuantArray leaves with act_quant=True and act_quant=False")
   return float_dtypes.pop(), bool(quants), bool(act_quants and act_quants.pop())

@@ -62,10 +62,15 @@ def load_model(spec: str, dtype=jnp.float32, param_seed: int = 0, *, quantize: Q
                int8_mode: Int8Mode | None = None, shardings: Target = None,
                stack_layers: bool = False) -> tuple[ModelConfig, Params, Tokenizer]:
   """``quantize`` / ``int8_mode``: the compute policy, applied once here
-  (``models.precision.apply``); ``shardings`` / ``stack_layers``: where and in which form the
+  (``models.precision.apply``; W8A8 from float weights smooths them on the project's
+  calibration text first); ``shardings`` / ``stack_layers``: where and in which form the
   params are made (see the module docstring)."""
-  cfg, params, tok = _load(spec, dtype, param_seed, quantize == "int8", shardings, stack_layers)
-  return cfg, precision.apply(params, cfg, quantize, int8_mode), tok
+  # W8A8 smooths float weights before quantizing them (models.smooth), so they load as float.
+  smoothed = quantize == "int8" and (int8_mode or precision.default_int8_mode()) == "w8a8"
+  cfg, params, tok = _load(spec, dtype, param_seed, quantize == "int8" and not smoothed,
+                           shardings, stack_layers)
+  calibration = tok.encode(precision.calibration_text()) if smoothed else None
+  return cfg, precision.apply(params, cfg, quantize, int8_mode, calibration=calibration), tok
 
 
 def _load(spec: str, dtype, param_seed: int, int8: bool, shardings: Target, stacked: bool
