@@ -6,8 +6,9 @@ Contract:
     of float params: ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only
     int8, f32 activations: the default int8 policy), ``w8a8`` (``--int8_mode w8a8`` as served:
     smoothed on ``calibration``'s token ids (``models.smooth``), per-token int8 activations, the
-    unembedding weight-only) and ``w8a8_raw`` (every matmul W8A8, nothing smoothed). A name with the suffix ``+kv8`` (``f32+kv8``, ``int8+kv8``, ...) is the
-    base variant run over an int8 KV cache (``models.paged_kv`` int8 pages: per-token, per-head
+    unembedding weight-only) and ``w8a8_raw`` (every matmul W8A8, nothing smoothed). A name
+    with the suffix ``+kv8`` (``f32+kv8``, ``int8+kv8``, ...) is the base variant run over an
+    int8 KV cache (``models.paged_kv`` int8 pages: per-token, per-head
     scales); ``kv_dtype_of(name)`` says which cache a name runs over.
   * ``compare(variants, docs, cfg)`` scores each named params variant on every token of every
     document (a list of token-id lists, each scored from position 0 with no context carried
