@@ -125,7 +125,7 @@ def measure_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
 
 def measure_tiled_w8a8(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
                        int8_max: int, prefetch_l1: bool, row_multiple: int,
-                       rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+                       rows: tuple[int, ...] = (1, 4, 16, 64, 256)
                        ) -> tuple[int, int]:
   """The W8A8 tiled kernel vs the W8A8 incumbent at each of ``rows`` (the native ``[K, N]``
   W8A8 kernel up to ``int8_max`` rows, else XLA's int8 dot with rows padded to
