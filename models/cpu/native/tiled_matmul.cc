@@ -26,6 +26,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #include "run_parts.h"
+#include "tile_parts.h"
 
 // scratch slots (0: x's pairs, 1: a widened int8 tile)
 #include "scratch.h"
@@ -111,38 +112,27 @@ void group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
   const int64_t P = (K + 1) / 2, ld = (M + 7) / 8 * 8;
   auto* xt = static_cast<uint32_t*>(scratch(0, P * ld * 4));
   pair_rows(x, M, K, P, ld, xt);
-  int64_t tiles = 0;
-  std::vector<int64_t> first;  // each weight's first tile in the group's numbering
-  for (const auto& w : ws) {
-    first.push_back(tiles);
-    tiles += w.T;
-  }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, tiles));
-  run_parts(pool, parts, [&](int64_t part) {
-    const int64_t t0 = tiles * part / parts, t1 = tiles * (part + 1) / parts;
-    size_t g = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (g + 1 < ws.size() && t >= first[g + 1]) ++g;
-      const Tiled& w = ws[g];
-      const int64_t local = t - first[g], n0 = 16 * local;
-      const uint32_t* wt;
-      if constexpr (sizeof(W) == 1) {
-        auto* buf = static_cast<uint32_t*>(scratch(1, P * 64));
-        widen(static_cast<const int8_t*>(w.w) + local * P * 32, P, buf);
-        wt = buf;
-      } else {
-        wt = static_cast<const uint32_t*>(w.w) + local * P * 16;
-      }
-      const int64_t cols = std::min<int64_t>(16, w.N - n0);
-      for (int64_t r0 = 0; r0 < M;) {
-        const int64_t rows = std::min<int64_t>(16, M - r0);
-        if (rows > 8)
-          tile_block<16>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
-        else
-          tile_block<8>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
-        r0 += rows > 8 ? 16 : 8;
-      }
+  std::vector<int64_t> counts;
+  for (const auto& w : ws) counts.push_back(w.T);
+  for_each_tile(pool, counts, [&](size_t g, int64_t local) {
+    const Tiled& w = ws[g];
+    const int64_t n0 = 16 * local;
+    const uint32_t* wt;
+    if constexpr (sizeof(W) == 1) {
+      auto* buf = static_cast<uint32_t*>(scratch(1, P * 64));
+      widen(static_cast<const int8_t*>(w.w) + local * P * 32, P, buf);
+      wt = buf;
+    } else {
+      wt = static_cast<const uint32_t*>(w.w) + local * P * 16;
+    }
+    const int64_t cols = std::min<int64_t>(16, w.N - n0);
+    for (int64_t r0 = 0; r0 < M;) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      if (rows > 8)
+        tile_block<16>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
+      else
+        tile_block<8>(xt, ld, r0, P, wt, w.y + r0 * w.N + n0, w.N, rows, cols);
+      r0 += rows > 8 ? 16 : 8;
     }
   });
 }

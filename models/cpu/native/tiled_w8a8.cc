@@ -30,6 +30,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #include "run_parts.h"
+#include "tile_parts.h"
 
 // scratch slot 0: x's quads
 #include "scratch.h"
@@ -147,32 +148,21 @@ void group(ffi::ThreadPool& pool, const X* x, int64_t M, int64_t K, const std::v
   std::vector<float> scale(M);
   quantize_rows(x, M, K, Q, ld, xt, bias.data(), scale.data());
   const auto* xq = reinterpret_cast<const int32_t*>(xt);
-  int64_t tiles = 0;
-  std::vector<int64_t> first;  // each weight's first tile in the group's numbering
-  for (const auto& w : ws) {
-    first.push_back(tiles);
-    tiles += w.T;
-  }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, tiles));
-  run_parts(pool, parts, [&](int64_t part) {
-    const int64_t t0 = tiles * part / parts, t1 = tiles * (part + 1) / parts;
-    size_t g = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      while (g + 1 < ws.size() && t >= first[g + 1]) ++g;
-      const Tiled& w = ws[g];
-      const int64_t local = t - first[g], n0 = 16 * local;
-      const int32_t* wt = w.w + local * Q * 16;
-      const int64_t cols = std::min<int64_t>(16, w.N - n0);
-      for (int64_t r0 = 0; r0 < M;) {
-        const int64_t rows = std::min<int64_t>(16, M - r0);
-        float* y = w.y + r0 * w.N + n0;
-        if (rows > 8)
-          tile_block<16>(xq, ld, r0, Q, wt, bias.data(), scale.data(), y, w.N, rows, cols);
-        else
-          tile_block<8>(xq, ld, r0, Q, wt, bias.data(), scale.data(), y, w.N, rows, cols);
-        r0 += rows > 8 ? 16 : 8;
-      }
+  std::vector<int64_t> counts;
+  for (const auto& w : ws) counts.push_back(w.T);
+  for_each_tile(pool, counts, [&](size_t g, int64_t local) {
+    const Tiled& w = ws[g];
+    const int64_t n0 = 16 * local;
+    const int32_t* wt = w.w + local * Q * 16;
+    const int64_t cols = std::min<int64_t>(16, w.N - n0);
+    for (int64_t r0 = 0; r0 < M;) {
+      const int64_t rows = std::min<int64_t>(16, M - r0);
+      float* y = w.y + r0 * w.N + n0;
+      if (rows > 8)
+        tile_block<16>(xq, ld, r0, Q, wt, bias.data(), scale.data(), y, w.N, rows, cols);
+      else
+        tile_block<8>(xq, ld, r0, Q, wt, bias.data(), scale.data(), y, w.N, rows, cols);
+      r0 += rows > 8 ? 16 : 8;
     }
   });
 }
