@@ -28,7 +28,8 @@ Contract:
     a plain causal forward over the layers in one ``lax.scan`` (``_calibration_forward``) that
     tests hold equal to ``models.transformer.forward``.
   * ``smooth(params, cfg, amax, alpha=ALPHA)``: float params (layers unstacked) -> float params
-    computing the same logits up to float rounding.
+    computing the same logits up to float rounding, each leaf placed as it was (host numpy in
+    between: the params of one process).
   * ``smooth_for_w8a8(params, cfg, tokens)``: both, on one calibration document (stacked
     layers too: unstacked for it and stacked again).
 Letters: B batch, T tokens, D embed, N query heads, K kv heads, H head dim, F mlp.
@@ -122,7 +123,6 @@ def smooth(params: Params, cfg: ModelConfig, amax: Sequence[dict[str, np.ndarray
   layers = []
   for layer, a in zip(params["layers"], amax):
     p = {k: np.asarray(v, np.float32) for k, v in layer.items()}
-    dtype = {k: v.dtype for k, v in layer.items()}
     attn_group = ["q", "k", "v"] + (["gate", "up"] if cfg.parallel_block else [])
     in_a = np.maximum(a["attn_in"], a["mlp_in"]) if cfg.parallel_block else a["attn_in"]
     s = _factor(in_a, _row_max(*(p[n] for n in attn_group)), alpha)
@@ -142,8 +142,14 @@ def smooth(params: Params, cfg: ModelConfig, amax: Sequence[dict[str, np.ndarray
     s = _factor(a["down_in"], _row_max(p["down"]), alpha)  # [F]
     p["up"] = p["up"] / s[None]
     p["down"] = p["down"] * s[:, None]
-    layers.append({k: jnp.asarray(v, dtype[k]) for k, v in p.items()})
+    layers.append({k: _placed_like(v, layer[k]) for k, v in p.items()})
   return {**params, "layers": layers}
+
+
+def _placed_like(value: np.ndarray, old) -> jax.Array:
+  """``value`` in ``old``'s dtype, on ``old``'s devices (a sharded load stays sharded)."""
+  new = jnp.asarray(value, old.dtype)
+  return jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new
 
 
 def smooth_for_w8a8(params: Params, cfg: ModelConfig, tokens: Sequence[int]) -> Params:

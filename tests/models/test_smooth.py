@@ -108,3 +108,14 @@ def test_w8a8_keeps_the_unembedding_weight_only():
 def test_calibration_text_ships_with_the_package():
   text = precision.calibration_text()
   assert len(text) > 1000 and "def moving_average" in text
+
+
+def test_smoothed_leaves_keep_their_placement():
+  cfg = CFGS["tiny"]
+  params = weights.init_params(cfg, jax.random.key(0))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+  params["layers"][0]["gate"] = jax.device_put(params["layers"][0]["gate"], spec)
+  smoothed = smooth.smooth_for_w8a8(params, cfg, list(range(2, 40)))
+  assert smoothed["layers"][0]["gate"].sharding == spec
+  assert smoothed["layers"][0]["up"].dtype == params["layers"][0]["up"].dtype
