@@ -119,3 +119,16 @@ def test_smoothed_leaves_keep_their_placement():
   smoothed = smooth.smooth_for_w8a8(params, cfg, list(range(2, 40)))
   assert smoothed["layers"][0]["gate"].sharding == spec
   assert smoothed["layers"][0]["up"].dtype == params["layers"][0]["up"].dtype
+
+
+def test_load_model_smooths_w8a8_on_the_calibration_text():
+  from models.io.loader import load_model
+  cfg, plain, _ = load_model("tiny", quantize="int8")  # weight-only: quantized as loaded
+  _, w8a8, _ = load_model("tiny", quantize="int8", int8_mode="w8a8")
+  assert precision.int8_mode_of(plain) == "weight_only"
+  assert precision.int8_mode_of(w8a8) == "w8a8" and not w8a8["unembed"].act_quant
+  # Smoothed before quantizing: the layers' int8 values and scales moved, the table did not.
+  assert not np.array_equal(np.asarray(w8a8["layers"][0]["q"].scale),
+                            np.asarray(plain["layers"][0]["q"].scale))
+  np.testing.assert_array_equal(np.asarray(w8a8["unembed"].quant),
+                                np.asarray(plain["unembed"].quant))
