@@ -53,9 +53,10 @@ _S_MIN, _S_MAX = 1e-3, 1e3
 
 
 def _calibration_forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array,
-                         valid_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Logits [B, T, V] and the channel maxima, each ``[L, ...]``, of a causal forward from
-  position 0 (layers stacked or not)."""
+                         valid_BT: jax.Array, with_logits: bool = True
+                         ) -> tuple[jax.Array | None, dict[str, jax.Array]]:
+  """Logits [B, T, V] (None unless ``with_logits``: the stats do not need them) and the channel
+  maxima, each ``[L, ...]``, of a causal forward from position 0 (layers stacked or not)."""
   b, t = tokens_BT.shape
   dtype = params["final_norm"].dtype
   w = lambda a: a.astype(dtype)  # noqa: E731
@@ -87,6 +88,8 @@ def _calibration_forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array,
 
   # One scanned layer (compile time independent of depth); stats stacked [L, ...].
   x, stats = jax.lax.scan(body, x, stack_layers(params)["layers"])
+  if not with_logits:
+    return None, stats
   x = rms_norm(x, params["final_norm"], cfg.norm_eps, cfg.norm_plus_one)
   table = (w(params["embed"]).T if cfg.tie_embeddings else w(params["unembed"]))
   return jnp.einsum("btd,dv->btv", x, table).astype(jnp.float32), stats
@@ -95,7 +98,8 @@ def _calibration_forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array,
 def channel_amax(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lens_B: jax.Array
                  ) -> list[dict[str, np.ndarray]]:
   valid = jnp.arange(tokens_BT.shape[1])[None, :] < lens_B[:, None]
-  _, stats = jax.jit(_calibration_forward, static_argnums=1)(params, cfg, tokens_BT, valid)
+  _, stats = jax.jit(_calibration_forward, static_argnums=(1, 4))(params, cfg, tokens_BT, valid,
+                                                                  False)
   stats = {k: np.asarray(v, np.float32) for k, v in stats.items()}
   return [{k: v[i] for k, v in stats.items()} for i in range(cfg.num_layers)]
 
