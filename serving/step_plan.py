@@ -6,7 +6,7 @@ device ``page_table`` of every slot (``[max_slots, max_pages_per_seq]``; free sl
 null page), and the page work to run before the step, in this order: ``copies`` (prefix pages copied across sub-pools), ``spills``
 (device pages copied to the host tier), ``forget`` (host entries dropped) and ``loads`` (host
 entries back onto device pages). A ``StepResult`` maps request ids to the id each sampled
-(with logprobs when asked). ``serving.plan_codec`` is its wire form.
+(with logprobs when asked), after the draft ids it accepted (``DecodeRow.draft``). ``serving.plan_codec`` is its wire form.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class DecodeRow:
   request_id: str
   slot: int
   position: int  # where the slot's last sampled id (held on the device) is written
+  # Speculative decoding: proposed ids to verify after it, at position + 1, ...; the step
+  # returns the longest prefix the target itself samples (``StepResult.accepted``) and one id
+  # after it, and the scheduler gives back the positions of the rest.
+  draft: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,8 @@ class StepPlan:
 
   @property
   def num_tokens(self) -> int:
-    return len(self.decode) + sum(len(c.token_ids) for c in self.prefill)
+    return (sum(1 + len(r.draft) for r in self.decode)
+            + sum(len(c.token_ids) for c in self.prefill))
 
   @property
   def empty(self) -> bool:
@@ -77,6 +82,9 @@ class StepPlan:
 class StepResult:
   step: int
   tokens: dict[str, int]  # request id -> id sampled by this step
+  # request id -> the draft ids the step accepted, which come before ``tokens[id]`` (speculative
+  # decoding; absent: none accepted)
+  accepted: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
   logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
   wait_s: float = 0.0  # host time spent waiting for these ids (device time not hidden)
 

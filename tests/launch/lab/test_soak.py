@@ -32,9 +32,9 @@ from tests.refenv import REPO
 # lengths, one 16-token prefill chunk x 4): context 128, 16-position pages.
 SERVER = ("--max_context", "128", "--max_slots", "8", "--kv_pages", "128", "--page_size", "16",
           "--max_chunk", "16", "--max_prefill_chunks", "1")
-KNOBS = ("--duration_s", "40", "--idle_s", "4", "--idle_every_s", "20", "--qps", "4",
+KNOBS = ("--duration_s", "24", "--idle_s", "3", "--idle_every_s", "12", "--qps", "4",
          "--long_tokens", "3000", "--steady_steps", "2000", "--steady_rows", "4",
-         "--max_tokens", "24", "--burst_every_s", "16", "--burst_s", "4", "--burst_grace_s", "4",
+         "--max_tokens", "24", "--burst_every_s", "8", "--burst_s", "3", "--burst_grace_s", "4",
          "--sample_s", "1", "--ready_timeout_s", "360", "--drain_timeout_s", "90",
          "--request_timeout_s", "90", "--stop_grace_s", "20",
          "--max_rss_pct_per_10min", "100", "--max_fds_per_min", "10", "--max_maps_per_min", "150")
