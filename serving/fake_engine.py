@@ -10,6 +10,8 @@ changes the output. ``reference(prompt, seed, n, vocab)`` is the same computatio
 With a ``host_store`` it runs the plan's host-tier spills (the page is then scribbled over, so a
 load that did not happen shows), forgets and loads. ``lag`` = 1 returns each step's result one
 step late (the real engine's asynchronous token copy); ``flush()`` returns what is still held.
+A decode row's draft ids (speculative decoding) are written after its last id and accepted while
+each is the id ``next_id`` gives there.
 """
 
 from __future__ import annotations
@@ -74,13 +76,23 @@ class FakeEngine(EngineApi):
     for c in plan.copies:
       self._copy(c)
     tokens: dict[str, int] = {}
+    accepted: dict[str, tuple[int, ...]] = {}
     for row in plan.decode:
       table = plan.page_table[row.slot]
       assert self.last[row.slot] >= 0, "decode of a slot without a sampled id"
       self._write(table, row.position, int(self.last[row.slot]))
-      ctx = self._context(table, row.position + 1)
-      tokens[row.request_id] = self.last[row.slot] = next_id(ctx, int(self.seed[row.slot]),
-                                                             self.vocab)
+      for i, d in enumerate(row.draft):  # every draft id is written, as the real engine does
+        self._write(table, row.position + 1 + i, d)
+      ok: list[int] = []
+      while True:  # a draft id is accepted where it is the id this engine computes there
+        got = next_id(self._context(table, row.position + 1 + len(ok)),
+                      int(self.seed[row.slot]), self.vocab)
+        if len(ok) == len(row.draft) or got != row.draft[len(ok)]:
+          break
+        ok.append(got)
+      tokens[row.request_id] = self.last[row.slot] = got
+      if ok:
+        accepted[row.request_id] = tuple(ok)
     for ch in plan.prefill:
       table = plan.page_table[ch.slot]
       for i, tok in enumerate(ch.token_ids):
@@ -89,7 +101,7 @@ class FakeEngine(EngineApi):
         ctx = self._context(table, ch.start + len(ch.token_ids))
         tokens[ch.request_id] = self.last[ch.slot] = next_id(ctx, int(self.seed[ch.slot]),
                                                              self.vocab)
-    self._held.append(StepResult(plan.step, tokens))
+    self._held.append(StepResult(plan.step, tokens, accepted))
     if len(self._held) > self._lag:
       return self._held.popleft()
     return None

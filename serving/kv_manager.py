@@ -6,7 +6,8 @@ caching is off), the sessions' pins (``serving.sessions``) and the host tier's s
 (``serving.host_tier``; its bookkeeping is the cache's). Sequences are named by request id.
   * ``admit`` gives a waiting request pages for its longest cached prefix plus its first chunk,
     or None (nothing changed) when no sub-pool can hold it now; ``extend`` reserves positions
-    before the step that writes them; both reclaim cached pages before they give up.
+    before the step that writes them; both reclaim cached pages before they give up;
+    ``shrink`` gives back positions (speculative decoding's rejected drafts).
   * ``cache`` shares a sequence's written pages; ``finish`` also pins them for the session's next
     turn and frees the rest; ``free`` gives everything back (a preemption, an error).
   * ``take_moves`` hands over the page copies, spills, forgotten host keys and loads planned
@@ -227,6 +228,11 @@ class KVManager:
       if (refusal is None or refusal.kind != "no_pages"
           or not self.prefix_cache.evict(self.pool.shard_of(rid), 1)):
         return refusal
+
+  def shrink(self, rid: Hashable, n: int) -> None:
+    """A held sequence now holds ``n`` positions: the pages past them are freed."""
+    if rid in self._held:
+      self.pool.shrink(rid, n)
 
   def cache(self, rid: Hashable, tokens: Sequence[int]) -> None:
     """Caches the whole pages of ``tokens``, ids whose KV a step planned earlier writes (cut to

@@ -292,6 +292,24 @@ class PagePool:
     s.tokens = total
     return None
 
+  def shrink(self, seq: Hashable, n_tokens: int) -> list[int]:
+    """Gives back the positions of ``seq`` from ``n_tokens`` on (speculative decoding's rejected
+    draft ids); returns the pages that became free (its last pages, once empty)."""
+    s = self._get(seq)
+    if not 0 <= n_tokens <= s.tokens:
+      raise ValueError(f"cannot shrink {seq!r} from {s.tokens} to {n_tokens} positions")
+    s.tokens = n_tokens
+    if s.ring:
+      return []
+    freed = []
+    while len(s.pages) > self.pages_for(n_tokens):
+      page = s.pages.pop()
+      self._ref[page] -= 1
+      if self._ref[page] == 0:
+        self._free[s.shard].append(page)
+        freed.append(page)
+    return freed
+
   def fork(self, parent: Hashable, child: Hashable) -> Forked | Refusal:
     """``child`` becomes a copy of ``parent`` (once its positions are written), in the same
     sub-pool: the full pages are shared, a partly filled last page is copied now into a fresh

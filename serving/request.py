@@ -46,6 +46,7 @@ class Request:
   priority: int = 0
   session_id: str = ""  # multi-turn: this turn's KV stays pinned for the next (serving.sessions)
   sinks: Sinks | None = None  # the attention-sink cache policy; None: the whole context
+  speculate: bool = True  # False: never verify draft ids for it (serving.speculative)
 
   def __post_init__(self):
     if self.sampling.seed is None:  # the client gave no seed: draw one now, once

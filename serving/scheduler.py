@@ -33,6 +33,7 @@ from serving.lifecycle import RequestTrace
 from serving.prefix_cache import BasePrefixCache
 from serving.request import MAX_STREAM_TOKENS, Request, RequestOutput, TokenLogprobs, Usage
 from serving.sessions import Sessions
+from serving.speculative import Proposer, SpecCounts, speculable
 from serving.step_plan import DecodeRow, PrefillChunk, SlotSetup, StepPlan, StepResult
 from serving.stop import FinishReason, StopChecker
 
@@ -57,6 +58,7 @@ class _Seq:
   decoding: bool = False  # the context's last chunk is planned: one id per step from now on
   preemptions: int = 0
   cached: int = 0  # prompt tokens reused at its first admission
+  drafted: int = 0  # draft ids of its verification in flight (positions to give back)
 
   @property
   def generated(self) -> int:
@@ -76,7 +78,8 @@ class Scheduler:
                max_context: int | None = None, max_prefill_chunks: int | None = None,
                prefix_cache: BasePrefixCache | None = None, cache_generated: bool = True,
                sessions: Sessions | None = None, sinks: bool = False,
-               prefill_limit: Callable[[int], int | None] | None = None):
+               prefill_limit: Callable[[int], int | None] | None = None,
+               proposer: Proposer | None = None, spec_max_rows: int = 8):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     if isinstance(kv, PagePool):
@@ -94,6 +97,9 @@ class Scheduler:
     self.max_prefill_chunks = max(1, min(max_prefill_chunks or max_slots, max_slots))
     self.sinks = sinks
     self.prefill_limit = prefill_limit
+    self.proposer = proposer
+    self.spec_max_rows = spec_max_rows  # speculate while at most this many sequences decode
+    self.spec = SpecCounts()
     self.last_prefill_limit: int | None = None  # what prefill_limit said for the last plan
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
@@ -198,17 +204,22 @@ class Scheduler:
     decode: list[DecodeRow] = []
     prefill: list[PrefillChunk] = []
     setups: list[SlotSetup] = []
+    speculate = self.proposer is not None and self.num_decoding <= self.spec_max_rows
     for seq in sorted(self._running, key=lambda s: s.key):
-      if seq.state is not _State.RUNNING or not seq.decoding or budget < 1:
+      if seq.state is not _State.RUNNING or not seq.decoding or budget < 1 or seq.drafted:
         continue
       if seq.generated + seq.inflight >= seq.req.stop.max_tokens:
         continue  # its last id is in flight; nothing more to compute
-      if not self._reserve(seq, 1, preempt=True):
+      draft = self._draft(seq, budget) if speculate else ()
+      if draft and self.kv.extend(seq.req.request_id, 1 + len(draft)) is not None:
+        draft = ()  # no room for the drafts now: a plain decode (which may preempt)
+      if not draft and not self._reserve(seq, 1, preempt=True):
         continue
-      decode.append(DecodeRow(seq.req.request_id, seq.slot, seq.computed))
-      seq.computed += 1
+      decode.append(DecodeRow(seq.req.request_id, seq.slot, seq.computed, draft))
+      seq.computed += 1 + len(draft)
+      seq.drafted = len(draft)
       seq.inflight += 1
-      budget -= 1
+      budget -= 1 + len(draft)
     self.last_prefill_limit = None
     if decode and self.prefill_limit is not None:
       limit = self.last_prefill_limit = self.prefill_limit(len(decode))
@@ -251,6 +262,15 @@ class Scheduler:
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
                     self.kv.page_table(seqs), moves.copies, spills=moves.spills,
                     forget=moves.forget, loads=moves.loads)
+
+  def _draft(self, seq: _Seq, budget: int) -> tuple[int, ...]:
+    """Draft ids for a decoding ``seq`` whose ids are all known (none in flight): at most what
+    its max_tokens leaves after the id the step samples anyway, and the step's budget."""
+    assert self.proposer is not None
+    if seq.inflight or not speculable(seq.req):
+      return ()
+    k = min(self.proposer.k, seq.req.stop.max_tokens - seq.generated - 1, budget - 1)
+    return self.proposer.propose(seq.tokens, k) if k > 0 else ()
 
   def _setup(self, seq: _Seq) -> SlotSetup:
     """The slot's setup; a penalised or constrained request's carries its ids (its penalty
@@ -313,6 +333,7 @@ class Scheduler:
     seq.state = _State.WAITING
     seq.computed = 0
     seq.decoding = False
+    seq.drafted = 0  # its pages are gone; its accepted ids, when they come, are still its own
     seq.preemptions += 1
     seq.trace.record("preempted")
     heapq.heappush(self._waiting, (seq.req.priority, seq.order, seq.req.request_id))
@@ -333,17 +354,29 @@ class Scheduler:
       if seq is None or seq.state is _State.DONE:
         continue
       seq.inflight -= 1
-      seq.tokens.append(int(tok))
-      seq.trace.record("first_token" if seq.generated == 1 else "token")
-      if seq.generated == 1:  # the step that wrote the prompt has run: share its pages
-        self.kv.cache(rid, seq.tokens[:len(seq.req.prompt_ids)])
-      step = seq.checker.push(tok)
-      ids = (int(tok),)
+      accepted = result.accepted.get(rid, ())
+      if seq.drafted:  # the rejected drafts' positions go back (pages that empty: freed)
+        self.spec.record(seq.drafted, len(accepted))
+        seq.computed -= seq.drafted - len(accepted)
+        seq.drafted = 0
+        self.kv.shrink(rid, seq.computed)
+      ids: list[int] = []
+      text = ""
+      for t in (*accepted, tok):
+        seq.tokens.append(int(t))
+        ids.append(int(t))
+        seq.trace.record("first_token" if seq.generated == 1 else "token")
+        if seq.generated == 1:  # the step that wrote the prompt has run: share its pages
+          self.kv.cache(rid, seq.tokens[:len(seq.req.prompt_ids)])
+        step = seq.checker.push(t)
+        text += step.text
+        if step.finish is not None:
+          break
       lp = (result.logprobs[rid],) if rid in result.logprobs else ()
       if step.finish is not None:
-        self._finish(seq, step.finish, "", ids, step.text, lp)
+        self._finish(seq, step.finish, "", tuple(ids), text, lp)
       else:
-        self._outputs.append(RequestOutput(rid, ids, step.text, logprobs=lp))
+        self._outputs.append(RequestOutput(rid, tuple(ids), text, logprobs=lp))
     out, self._outputs = self._outputs, []
     return out
 
