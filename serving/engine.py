@@ -2,10 +2,8 @@
 
 Contract (an ``serving.engine_api.EngineApi``): ``Engine(step, params, EngineConfig, decode=None,
 host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports a model).
-  * Each ``Pool`` holds a step, its placed params, its ``PagedKV`` (a page-table row per slot)
-    and each slot's last sampled id. One pool serves both phases, or with
-    ``decode=PhaseDecode(step, transfer)`` decode has its own: a sequence whose prompt just
-    finished has its pages transferred (same ids) with its first sampled id.
+  * One ``serving.engine_pool.Pool`` serves both phases, or with ``decode=PhaseDecode(step,
+    transfer)`` decode has its own, which receives each finished prompt's pages and first id.
   * ``execute(plan)``: setups, host-tier spills / loads, page copies, the page table, decode and
     prefill, dispatched asynchronously; returns the result ``lag`` steps back. A slot samples
     with ``fold_in(key(seed), position)``, independent of the batch.
@@ -23,6 +21,9 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
     ``models/config.py``.
   * Structured outputs: a constrained slot's matcher (``serving.grammar_rows``) masks its
     sampling; its last ids are read before the mask is filled, while the model runs.
+  * Speculative decoding (``spec_tokens``; lag 0, one packing pool): a step whose decode rows
+    carry draft ids runs them as one verify call (``serving.spec_verify``), the rows with
+    penalties, a grammar or logprobs as a plain decode beside it.
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from models.paged_kv import PagedKV, ring_entries
+from models.paged_kv import ring_entries
 from models.step import PhaseDecode, Step, Transfer
 from models.transformer import bucket
 from models.weights import Params, untile
 from serving.engine_api import EngineApi
+from serving.engine_pool import Pool
 from serving.engine_calls import (Part, Pending, decode_call, packed_call,
                                   prefill_call, sample_call, want_lp)
 from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
@@ -50,10 +51,11 @@ from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packe
 from serving.grammar_rows import GrammarRows
 from serving import host_moves
 from serving.host_tier import HostStore
-from serving.penalties import PenaltyState, count_first, fill_slot, warm_penalties
+from serving.penalties import fill_slot, warm_penalties
 from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
+from serving.spec_verify import pack_verify, verify_call, verify_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,40 +69,14 @@ class EngineConfig:
   lag: int = 1
   sinks: bool = False  # a sink pool: slots may run the attention-sink policy
   pack_prefill: bool = True  # pack a step's chunks where attention allows (see Engine.packed)
+  # Speculative decoding (serving.spec_verify): the most draft ids a decode row carries (0: off)
+  # and the most rows a verify call holds (its warmed sizes).
+  spec_tokens: int = 0
+  spec_rows: int = 8
 
   @property
   def pages_per_seq(self) -> int:
     return -(-self.max_seq_tokens // self.page_size)
-
-
-@dataclasses.dataclass
-class Pool:
-  """One KV pool and what runs on it: the step, its params, the paged KV, each slot's last
-  sampled id ``last_X`` and penalty state ``pen`` (``serving.penalties``; on the pool's
-  devices)."""
-  step: Step
-  params: Params
-  kv: PagedKV
-  last_X: jax.Array
-  pen: PenaltyState
-
-  @property
-  def shards(self) -> int:
-    return self.step.kv_shards
-
-  @classmethod
-  def create(cls, step: Step, params: Params, config: EngineConfig, sinks: bool = False
-             ) -> "Pool":
-    kv = step.init_kv(config.max_slots, config.num_pages, config.page_size,
-                      config.pages_per_seq, jnp.dtype(config.kv_dtype),
-                      **({"sink_pool": True} if sinks else {}))
-    # Committed from the start, as every later step's outputs are: the warm-up's first program
-    # would otherwise compile for uncommitted inputs and the first real step compile it again.
-    kv = jax.tree.map(lambda a: jax.device_put(a, a.sharding), kv)
-    last_X = jax.device_put(jnp.zeros((config.max_slots,), jnp.int32), kv.lengths.sharding)
-    vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
-    pen = PenaltyState.create(config.max_slots, vocab, kv.lengths.sharding)
-    return cls(step, step.place_params(params), kv, last_X, pen)
 
 
 class Engine(EngineApi):
@@ -112,10 +88,16 @@ class Engine(EngineApi):
       raise ValueError("attention sinks run on one pool (mode single); not disaggregated")
     self.config = config
     self.host_store = host_store
-    self.prefill_pool = Pool.create(step, params, config, config.sinks)
+    self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
+
+    def pool(step: Step, params: Params, sinks: bool = False) -> Pool:
+      return Pool.create(step, params, slots=config.max_slots, num_pages=config.num_pages,
+                         page_size=config.page_size, pages_per_seq=config.pages_per_seq,
+                         kv_dtype=config.kv_dtype, vocab=self.valid_vocab, sinks=sinks)
+    self.prefill_pool = pool(step, params, config.sinks)
     # Decode params placed from the prefill ones as stored (no-op for equal shardings).
     self.decode_pool = self.prefill_pool if decode is None else \
-        Pool.create(decode.step, untile(self.prefill_pool.params), config)
+        pool(decode.step, untile(self.prefill_pool.params))
     self.transfer: Transfer | None = None if decode is None else decode.transfer
     self.pools = [self.prefill_pool] + ([self.decode_pool] if decode is not None else [])
     if any(config.num_pages % p.shards for p in self.pools):
@@ -124,7 +106,6 @@ class Engine(EngineApi):
     self._samp_host = [SamplingParams()] * config.max_slots
     self._policy_host = np.zeros((2, config.max_slots), np.int32)  # sinks, window per slot
     self._samp = SamplingArrays.from_params(self._samp_host)
-    self.valid_vocab = min(config.valid_vocab or step.cfg.vocab_size, step.cfg.vocab_size)
     # Per phase, whether attention's cost follows the positions (the native kernel): then one
     # attended length (the cap) per program, not a bucket per power of two.
     n = step.cfg.num_heads
@@ -136,6 +117,9 @@ class Engine(EngineApi):
     self.packed = (config.pack_prefill and self.prefill_pool.shards == 1
                    and self.prefill_pool.kv.native_attention(n, 1))
     self._prefill_rows = 1  # a packed call's logits rows, at least (warm-up: the plans' most)
+    if config.spec_tokens and not (self.packed and decode is None and config.lag == 0):
+      raise ValueError("speculative decoding needs lag 0 and one pool that packs prefill (one "
+                       "kv shard, the native attention kernel, no attention sinks)")
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
     self._held: collections.deque[Pending] = collections.deque()
@@ -240,25 +224,12 @@ class Engine(EngineApi):
     return Part(tok_R, rows, lp)
 
   def insert(self, chunks: Sequence[PrefillChunk]) -> None:
-    """One pool: nothing to re-lay. Two: the pages of each sequence whose prompt is complete go
-    to the decode pool (one transfer per sequence, all its table entries, null ones padding),
-    with its first sampled id."""
-    if self.transfer is None:
-      return
-    src, dst = self.prefill_pool, self.decode_pool
+    """One pool: nothing to re-lay. Two: each sequence whose prompt is complete moves to the
+    decode pool (``Pool.receive``)."""
     done = [c.slot for c in chunks if c.sample]
-    for slot in done:
-      ids_M = self._table_XM[slot]
-      dst.kv = self.transfer(src.kv, dst.kv, ids_M, ids_M)
-    if done:
-      mask_X = np.zeros((self.config.max_slots,), bool)
-      mask_X[done] = True
-      sharding = dst.kv.lengths.sharding  # per-slot state on the decode chips
-      dst.last_X = jax.block_until_ready(jnp.where(  # read before the next sampling donates it
-          jax.device_put(mask_X, sharding), jax.device_put(src.last_X, sharding), dst.last_X))
-      mask_X &= np.array([p.penalized for p in self._samp_host])  # its first id counted
-      if mask_X.any():
-        dst.pen = count_first(dst.pen, mask_X, dst.last_X)
+    if self.transfer is not None and done:
+      self.decode_pool.receive(self.prefill_pool, done, self._table_XM, self.transfer,
+                               np.array([p.penalized for p in self._samp_host]))
 
   def generate(self, rows: Sequence[DecodeRow]) -> Part:
     pool = self.decode_pool
@@ -288,6 +259,31 @@ class Engine(EngineApi):
         *self._masks([(r.request_id, r.slot, i) for r, i in zip(rows, row_of)], n),
         valid_vocab=self.valid_vocab)
     return Part(tok_R, out_rows, lp)
+
+  def _decode(self, rows: Sequence[DecodeRow]) -> list[Part]:
+    """Plain decode; with draft ids, a verify call of the rows it computes fully (no penalties,
+    grammar or logprobs: the scheduler drafts only for those) and a plain decode of the rest."""
+    if not any(r.draft for r in rows):
+      return [self.generate(rows)]
+    plain = lambda s: s.penalized or s.logprobs or s.grammar is not None
+    rest = [r for r in rows if plain(self._samp_host[r.slot])]
+    assert not any(r.draft for r in rest), "a draft for a row the verify call cannot compute"
+    return [self._verify([r for r in rows if not plain(self._samp_host[r.slot])])] + (
+        [self.generate(rest)] if rest else [])
+
+  def _verify(self, rows: Sequence[DecodeRow]) -> Part:
+    pool = self.decode_pool
+    n = verify_tokens(len(rows), sum(len(r.draft) for r in rows))
+    _, n, attend = self.program_set.cover(("verify", n, self._attend(1, "decode")),
+                                          pad_rows=True)
+    a = pack_verify(rows, n, self.config.max_slots)
+    self.program_set.dispatch(("verify", n, attend))
+    pool.kv, pool.last_X, tok_R, acc_R = verify_call(
+        pool.params, pool.kv, pool.last_X, self._samp, a.tokens_N, a.first_N, a.slot_N,
+        a.pos_N, a.next_N, a.slots_R, a.start_R, a.k_R, step=pool.step, attend_len=attend,
+        valid_vocab=self.valid_vocab, k=self.config.spec_tokens)
+    return Part(tok_R, [(r.request_id, i, 0) for i, r in enumerate(rows)], acc=acc_R,
+                drafts=[r.draft for r in rows])
 
   def _masks(self, rows: list[tuple[str, int, int]], n: int) -> tuple[np.ndarray, np.ndarray]:
     """A sampling call's structured-output masks for (request id, slot, row) ``rows``: the
@@ -341,8 +337,11 @@ class Engine(EngineApi):
                      for n in range(1, self.config.max_slots + 1)}):
       out += [("decode", n * self.decode_pool.shards, 0, a) for a in attends["decode"]]
     rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
+    spec = self.config.spec_tokens  # verify calls: every token count up to spec_rows' drafts
+    verify = [("verify", v, 0, attends["decode"][-1]) for v in powers(4, verify_tokens(
+        self.config.spec_rows, self.config.spec_rows * spec))] if spec else []
     return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
-                  for r in rows(phase)]
+                  for r in rows(phase)] + verify
 
   def _warm_call(self, bucket: tuple) -> tuple[Any, tuple, dict, Pool]:
     """The jitted call that runs ``bucket`` with every row inactive, on the current arrays:
@@ -365,6 +364,12 @@ class Engine(EngineApi):
       pool = self.decode_pool
       args = (pool.params, pool.kv, pool.last_X, none_R, z_R, z_R.astype(bool))
       return decode_call, args, dict(step=pool.step, n=r, attend_len=attend), pool
+    if phase == "verify":  # r tokens, every one padding
+      pool, v = self.decode_pool, pack_verify([], r, self.config.max_slots)
+      args = (pool.params, pool.kv, pool.last_X, self._samp, v.tokens_N, v.first_N, v.slot_N,
+              v.pos_N, v.next_N, v.slots_R, v.start_R, v.k_R)
+      return verify_call, args, dict(step=pool.step, attend_len=attend, k=self.config.spec_tokens,
+                                     valid_vocab=self.valid_vocab), pool
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
     args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, pool.pen, self._samp,
@@ -380,7 +385,7 @@ class Engine(EngineApi):
     before = self.program_set.count
     self._prefill_rows = bucket(max_prefill_rows, minimum=1)
     buckets = list(self.buckets(max_prefill_rows, max_chunk, max_tokens))
-    model = [b for b in buckets if b[0] in ("prefill", "decode")]
+    model = [b for b in buckets if b[0] in ("prefill", "decode", "verify")]
     if threads is None:
       threads = min(4, os.cpu_count() or 1)
     if threads > 1 and len(model) > 1:
@@ -392,16 +397,22 @@ class Engine(EngineApi):
     for key in buckets:  # model programs first: the sampling ones run on their logits
       phase, r, t, attend = key
       self.program_set.shapes.add(
-          {"prefill": ("prefill", r, t, attend), "decode": ("decode", r, attend)}
+          {"prefill": ("prefill", r, t, attend), "decode": ("decode", r, attend),
+           "verify": ("verify", r, attend)}
           .get(phase, ("sample", r, phase[len("sample_"):])))
       fn, args, kw, pool = self._warm_call(key)
       out = fn(*args, **kw)
       if phase in ("prefill", "decode"):
         pool.kv, self._warm_logits[(phase, r)] = out
+      elif phase == "verify":
+        pool.kv, pool.last_X = out[:2]
       else:
         pool.last_X, pool.pen = out[:2]
     self._warm_logits = {}
-    extra = self._warm_host_tier() if self.host_store is not None else 0
+    extra = 0
+    if self.host_store is not None:
+      pool = self.prefill_pool
+      pool.kv, extra = host_moves.warm(pool.kv, self._tier_cap, self.config.num_pages)
     for pool in self.pools:  # the penalty state's programs (a second pool's: count_first too)
       pool.pen = warm_penalties(pool.pen, pool.last_X if pool is not self.prefill_pool else None)
     extra += len(self.pools) + (self.transfer is not None)
@@ -411,11 +422,6 @@ class Engine(EngineApi):
         extra += count
     jax.block_until_ready(self.prefill_pool.last_X)
     return self.program_set.count - before + extra
-
-  def _warm_host_tier(self) -> int:
-    pool = self.prefill_pool
-    pool.kv, count = host_moves.warm(pool.kv, self._tier_cap, self.config.num_pages)
-    return count
 
   def seal(self) -> None:
     """Readiness: every program a plan can reach is compiled; any other is a hole to report."""
@@ -436,7 +442,9 @@ class Engine(EngineApi):
       if self.config.sinks:
         self._push_policy()
     if plan.spills or plan.forget or plan.loads:
-      self._host_tier(plan)
+      assert self.host_store is not None, "a plan with host-tier moves needs a host_store"
+      self.prefill_pool.kv = host_moves.run(self.host_store, self.prefill_pool.kv, plan,
+                                            self._tier_cap, self.config.num_pages)
     if plan.copies:  # rare (prefix pages into another sub-pool): timed, so it waits for them
       t0 = time.perf_counter()
       for pool in self.pools:
@@ -455,12 +463,12 @@ class Engine(EngineApi):
           pool.kv = pool.kv.replace(
               page_table=jax.device_put(table_XM, pool.kv.page_table.sharding))
     if plan.decode:
-      parts.append(self.generate(plan.decode))
+      parts += self._decode(plan.decode)
     if plan.prefill:
       parts.append(self.prefill(plan.prefill))
     for part in parts:
       wanted = part.lp if part.lp is not None and any(k for _, _, k in part.rows) else ()
-      for arr in (part.ids, *wanted):
+      for arr in (part.ids, *wanted, *(() if part.acc is None else (part.acc,))):
         arr.copy_to_host_async()
     self._held.append(Pending(plan.step, parts))
     if len(self._held) > self.config.lag:
@@ -475,13 +483,6 @@ class Engine(EngineApi):
     if not p.accepted and self.grammar.active:
       self.grammar.accept(p.result().tokens)
     p.accepted = True
-
-  def _host_tier(self, plan: StepPlan) -> None:
-    """Spills, forgets, then loads, on the prefill pool (``serving.host_moves``)."""
-    assert self.host_store is not None, "a plan with host-tier moves needs a host_store"
-    pool = self.prefill_pool
-    pool.kv = host_moves.run(self.host_store, pool.kv, plan, self._tier_cap,
-                             self.config.num_pages)
 
   @property
   def _tier_cap(self) -> int:

@@ -158,10 +158,13 @@ def want_lp(rows: Sequence[Row]) -> np.bool_:
 
 @dataclasses.dataclass
 class Part:
-  """One call's sampled ids [R] (and logprobs), and which request each row answers."""
+  """One call's sampled ids [R] (and logprobs), and which request each row answers; a verify
+  call's also its accepted draft counts [R] and each answered row's draft ids."""
   ids: jax.Array
   rows: list[Row]
   lp: LogprobArrays | None = None
+  acc: jax.Array | None = None
+  drafts: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -180,16 +183,20 @@ class Pending:
   def _read(self) -> StepResult:
     tokens: dict[str, int] = {}
     lps: dict[str, TokenLogprobs] = {}
+    accepted: dict[str, tuple[int, ...]] = {}
     wait = 0.0
     for part in self.parts:
       t0 = time.perf_counter()
       host = to_host(part.ids)
       lp = None if part.lp is None or not any(k for _, _, k in part.rows) else \
           [to_host(a) for a in part.lp]
+      acc = None if part.acc is None else to_host(part.acc)
       wait += time.perf_counter() - t0
-      for rid, i, k in part.rows:
+      for j, (rid, i, k) in enumerate(part.rows):
         tokens[rid] = int(host[i])
+        if acc is not None and acc[i]:
+          accepted[rid] = part.drafts[j][:int(acc[i])]
         if lp is not None and k:
           lps[rid] = TokenLogprobs(int(host[i]), float(lp[0][i]),
                                    tuple(zip(lp[1][i, :k].tolist(), lp[2][i, :k].tolist())))
-    return StepResult(self.step, tokens, lps, wait_s=wait)
+    return StepResult(self.step, tokens, lps, wait_s=wait, accepted=accepted)

@@ -101,7 +101,7 @@ class FakeEngine(EngineApi):
         ctx = self._context(table, ch.start + len(ch.token_ids))
         tokens[ch.request_id] = self.last[ch.slot] = next_id(ctx, int(self.seed[ch.slot]),
                                                              self.vocab)
-    self._held.append(StepResult(plan.step, tokens, accepted))
+    self._held.append(StepResult(plan.step, tokens, accepted=accepted))
     if len(self._held) > self._lag:
       return self._held.popleft()
     return None

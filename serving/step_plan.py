@@ -82,11 +82,11 @@ class StepPlan:
 class StepResult:
   step: int
   tokens: dict[str, int]  # request id -> id sampled by this step
+  logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+  wait_s: float = 0.0  # host time spent waiting for these ids (device time not hidden)
   # request id -> the draft ids the step accepted, which come before ``tokens[id]`` (speculative
   # decoding; absent: none accepted)
   accepted: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-  logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
-  wait_s: float = 0.0  # host time spent waiting for these ids (device time not hidden)
 
 
 __all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult"]
