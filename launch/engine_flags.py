@@ -100,6 +100,16 @@ SINKS = flags.DEFINE_bool("attention_sinks", False, "a sink KV pool: requests ma
 COMPILE_CACHE = flags.DEFINE_string(
     "compile_cache_dir", None, "JAX's persistent compilation cache (default: "
     "~/.cache/phaseserve/jax/<this CPU>; '' turns it off; JAX_COMPILATION_CACHE_DIR wins)")
+SPEC_TOKENS = flags.DEFINE_integer(
+    "num_speculative_tokens", 0, "speculative decoding: draft ids (n-gram prompt lookup) "
+    "verified per decode row and step (0: off)", lower_bound=0, upper_bound=16)
+SPEC_MAX_ROWS = flags.DEFINE_integer(
+    "speculative_max_rows", 8, "speculate only while at most this many sequences decode",
+    lower_bound=1)
+LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the longest "
+                                  "suffix looked up in the context", lower_bound=1)
+LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 1, "n-gram proposer: the shortest "
+                                  "suffix looked up", lower_bound=1)
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -196,7 +206,9 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         host_tier_bytes=HOST_TIER.value,
         kv_dtype=None if KV_DTYPE.value == "auto" else KV_DTYPE.value,
         attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
-        min_prefill_tokens=MIN_PREFILL.value, pack_prefill=PACK_PREFILL.value)
+        min_prefill_tokens=MIN_PREFILL.value, pack_prefill=PACK_PREFILL.value,
+        spec_tokens=SPEC_TOKENS.value, spec_max_rows=SPEC_MAX_ROWS.value,
+        prompt_lookup_max=LOOKUP_MAX.value, prompt_lookup_min=LOOKUP_MIN.value)
     deployment = Deployment(mode,  # type: ignore[arg-type]  # an enum flag: one of the modes
                             PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,

@@ -12,7 +12,9 @@ Contract:
   * ``chrome_trace(traces)``: Chrome-trace JSON (Perfetto), one process per request, one track
     per phase (queue, prefill, transfer, decode, session).
   * ``Metrics(registry)``: the ``prometheus_client`` histograms, gauges and fault counters in the
-    given registry (no global state); ``observe(trace)`` records a finished request.
+    given registry (no global state); ``observe(trace)`` records a finished request;
+    ``watch_timeline`` / ``watch_spec`` export the step timeline's and speculative decoding's
+    totals at scrape time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable, Iterable
 import prometheus_client as prom
 import prometheus_client.core as prom_core
 
+from serving.speculative import SpecCounts
 from serving.step_timeline import PHASES, StepTimeline
 
 EVENT_KINDS = ("arrival", "queued", "prefill_start", "prefill_end", "kv_transfer_start",
@@ -179,6 +182,27 @@ class _TimelineCollector(prom.registry.Collector):
                                         value=tl.prefill_tokens)
 
 
+class _SpecCollector(prom.registry.Collector):
+  def __init__(self, counts: Callable[[], SpecCounts]):
+    self._counts = counts
+
+  def collect(self) -> Iterable[prom_core.Metric]:
+    c = self._counts()
+    name = "phaseserve_spec_decode_num_"  # vLLM's spec_decode counters, by the same names
+    yield prom_core.CounterMetricFamily(name + "drafts", "decode rows that carried draft ids",
+                                        value=c.drafts)
+    yield prom_core.CounterMetricFamily(name + "draft_tokens", "draft ids proposed",
+                                        value=c.draft_tokens)
+    yield prom_core.CounterMetricFamily(name + "accepted_tokens", "draft ids accepted",
+                                        value=c.accepted_tokens)
+    per_pos = prom_core.CounterMetricFamily(name + "accepted_tokens_per_pos",
+                                            "draft ids accepted by position in the draft",
+                                            labels=["position"])
+    for i, n in enumerate(list(c.accepted_per_pos)):
+      per_pos.add_metric([str(i)], n)
+    yield per_pos
+
+
 class Metrics:
   """The serving metrics, registered in ``registry`` (one per engine or server)."""
 
@@ -232,6 +256,12 @@ class Metrics:
     decode-only steps' count and seconds (``phaseserve_decode_only_step*``), and the decode rows
     and prefill tokens summed over steps (``phaseserve_step_{rows_decoded,tokens_prefilled}_total``)."""
     self.registry.register(_TimelineCollector(timeline))
+
+  def watch_spec(self, counts: Callable[[], SpecCounts]) -> None:
+    """Exports the speculative-decoding totals ``counts()`` returns at scrape time
+    (``phaseserve_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
+    ``..._accepted_tokens_per_pos_total`` by position)."""
+    self.registry.register(_SpecCollector(counts))
 
   def observe(self, trace: RequestTrace) -> None:
     t = trace.timings()

@@ -111,6 +111,7 @@ class ServingLoop:
     self.timeline = StepTimeline()  # where each busy step's time goes (serving.step_timeline)
     if metrics is not None:
       metrics.watch_timeline(self.timeline)
+      metrics.watch_spec(lambda: self.scheduler.spec)  # the scheduler's, rebuilt or not
     self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()

@@ -37,6 +37,7 @@ from serving.loop import ServingLoop
 from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler, StepPlan
+from serving.speculative import NgramProposer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,13 @@ class ServingConfig:
   tpot_target_ms: float = 0.0
   min_prefill_tokens: int = 32
   pack_prefill: bool = True  # a step's chunks end to end (serving.engine): off is an A/B switch
+  # Speculative decoding (serving.speculative): draft ids per decode row and step (0: off; on:
+  # results lag 0), proposed by n-gram prompt lookup over suffixes of prompt_lookup_max down to
+  # prompt_lookup_min ids, while at most spec_max_rows sequences decode.
+  spec_tokens: int = 0
+  spec_max_rows: int = 8
+  prompt_lookup_max: int = 4
+  prompt_lookup_min: int = 1
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -80,6 +88,9 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   metrics = Metrics(registry or prom.CollectorRegistry())
   guard, cost_model = Guard(metrics.internal_errors), StepCostModel()
 
+  proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
+                           config.prompt_lookup_min) if config.spec_tokens else None
+
   def make_scheduler() -> Scheduler:
     """A fresh KV manager (pool, prefix cache, sessions, host tier emptied) and scheduler (at
     start and on a loop restart)."""
@@ -94,7 +105,8 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                       max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
                       max_waiting=config.max_waiting, max_context=context,
                       max_prefill_chunks=config.max_prefill_chunks,
-                      sinks=config.attention_sinks)
+                      sinks=config.attention_sinks, proposer=proposer,
+                      spec_max_rows=config.spec_max_rows)
     if config.tpot_target_ms > 0:  # a cost-model failure means no budget this step
       sched.prefill_limit = guard.wrap("cost_model", tpot_prefill_limit(
           cost_model, config.tpot_target_ms / 1e3, config.min_prefill_tokens))
@@ -103,7 +115,9 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=config.lag, sinks=config.attention_sinks, pack_prefill=config.pack_prefill),
+      lag=0 if config.spec_tokens else config.lag, sinks=config.attention_sinks,
+      pack_prefill=config.pack_prefill, spec_tokens=config.spec_tokens,
+      spec_rows=config.spec_max_rows),
       decode=decode, host_store=store)
   return ServingLoop(make_scheduler(), engine if wrap_engine is None else wrap_engine(engine),
                      metrics, max_traces=max_traces, fault_hook=fault_hook,
@@ -135,4 +149,14 @@ def describe(loop: ServingLoop) -> dict[str, object]:
           "max_slots": c.max_slots, "max_context": c.max_context,
           "max_step_tokens": c.max_step_tokens, "max_prefill_chunks": c.max_prefill_chunks,
           "prefix_cache": c.prefix_cache, "attention_sinks": c.attention_sinks,
-          "host_tier_pages": c.host_tier_pages, "step": loop.engine.describe()}
+          "host_tier_pages": c.host_tier_pages, "speculative": spec_describe(loop),
+          "step": loop.engine.describe()}
+
+
+def spec_describe(loop: ServingLoop) -> dict[str, object] | None:
+  """The scheduler's proposer (None: no speculative decoding)."""
+  p = loop.scheduler.proposer
+  if not isinstance(p, NgramProposer):
+    return None
+  return {"method": "ngram", "num_speculative_tokens": p.k, "prompt_lookup_max": p.max_n,
+          "prompt_lookup_min": p.min_n, "max_rows": loop.scheduler.spec_max_rows}
