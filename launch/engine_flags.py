@@ -104,7 +104,8 @@ SPEC_TOKENS = flags.DEFINE_integer(
     "num_speculative_tokens", 0, "speculative decoding: draft ids (n-gram prompt lookup) "
     "verified per decode row and step (0: off)", lower_bound=0, upper_bound=16)
 SPEC_MAX_ROWS = flags.DEFINE_integer(
-    "speculative_max_rows", 8, "speculate only while at most this many sequences decode",
+    "speculative_max_rows", 4, "speculate only while at most this many sequences decode "
+    "(measured: beyond 4 a verify step costs more than it saves)",
     lower_bound=1)
 LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the longest "
                                   "suffix looked up in the context", lower_bound=1)

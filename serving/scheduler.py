@@ -79,7 +79,7 @@ class Scheduler:
                prefix_cache: BasePrefixCache | None = None, cache_generated: bool = True,
                sessions: Sessions | None = None, sinks: bool = False,
                prefill_limit: Callable[[int], int | None] | None = None,
-               proposer: Proposer | None = None, spec_max_rows: int = 8):
+               proposer: Proposer | None = None, spec_max_rows: int = 4):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     if isinstance(kv, PagePool):

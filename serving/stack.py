@@ -67,7 +67,7 @@ class ServingConfig:
   # results lag 0), proposed by n-gram prompt lookup over suffixes of prompt_lookup_max down to
   # prompt_lookup_min ids, while at most spec_max_rows sequences decode.
   spec_tokens: int = 0
-  spec_max_rows: int = 8
+  spec_max_rows: int = 4
   prompt_lookup_max: int = 4
   prompt_lookup_min: int = 1
 

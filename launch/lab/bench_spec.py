@@ -6,7 +6,8 @@
 The benchmark writes its own tasks (``TASKS``, ``--tasks``): correct the spelling of a paragraph
 (``spelling``), rename a variable in a function (``rename``), turn a list into a table
 (``table``), summarize a paragraph (``summary``), each a chat prompt whose answer copies some of
-its input (what n-gram prompt lookup, ``--prompt_lookup_min`` / ``_max``, is for). Each batch size of
+its input (what n-gram prompt lookup, ``--prompt_lookup_min`` / ``_max``, is for); a prompt
+longer than the model's context less ``--max_tokens`` keeps its tail. Each batch size of
 ``--batches`` runs that many requests at once (``max_slots``; at least one request per task,
 tasks cycled, greedy, EOS honoured, ``--max_tokens``) through the serving stack (``serving.stack.build``, the server's scheduler,
 engine and defaults but ``--max_slots``), once without speculation and once with
@@ -112,6 +113,10 @@ def run() -> dict[str, object]:
   if unknown or not _TASKS.value:
     raise CliError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
   prompts = [tok.encode_chat([{"role": "user", "content": TASKS[t]}]) for t in _TASKS.value]
+  if _MAX_TOKENS.value >= cfg.max_seq_len:
+    raise CliError(f"--max_tokens {_MAX_TOKENS.value}: the model's context is {cfg.max_seq_len}")
+  room = cfg.max_seq_len - _MAX_TOKENS.value  # a small model's context: each prompt's tail
+  prompts = [p[-room:] for p in prompts]
   context = min(cfg.max_seq_len, max(map(len, prompts)) + _MAX_TOKENS.value + 64)
   out: dict[str, object] = {}
   for b in batches:

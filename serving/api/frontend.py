@@ -212,7 +212,7 @@ class Frontend(StreamOwner):
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       # Only sample 0 of a session continues it (one conversation, one pinned path).
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
-                    v.session_id if i == 0 else "", v.sinks)
+                    v.session_id if i == 0 else "", v.sinks, speculate=v.speculative)
       trace = RequestTrace(sid, self.loop.clock, self.loop.guard.report)
       trace.record("arrival")
       stream.add_sample(i, req, trace, defer=share and i > 0)

@@ -97,6 +97,7 @@ class GenerateArgs:
   frequency_penalty: float | None = None
   repetition_penalty: float | None = None
   logit_bias: Mapping[int, float] | None = None  # token id -> bias
+  speculative: bool = True  # False: this request never verifies draft ids (a server that drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Validated:
   slo_class: str
   session_id: str = ""
   sinks: Sinks | None = None
+  speculative: bool = True
 
 
 _ROLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -342,4 +344,5 @@ def _rest(args: GenerateArgs, ids: list[int], max_tokens: int, limits: Limits, b
                       stop_strings=tuple(stops), min_tokens=min_tokens,
                       ignore_eos=args.ignore_eos, include_stop_str=args.include_stop_str,
                       keep_special=not args.skip_special_tokens)
-  return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo, args.session_id)
+  return Validated(tuple(ids), sampling, stop, n, int(args.priority), slo, args.session_id,
+                   speculative=args.speculative)

@@ -300,3 +300,18 @@ def test_invalid_utf8_and_json_are_400_naming_the_field(raw, param):
   assert e.value.status == 400 and e.value.param == param
   assert e.value.message == (f"{param}: invalid UTF-8" if param else e.value.message)
   assert http_errors.decode_body('{"prompt": "hé"}'.encode()) == {"prompt": "hé"}
+
+
+def test_speculative_opt_out_reaches_the_request():
+  from serving.api.validation import Limits, validate
+  assert parse_completion({"model": M, "prompt": "x"}).prompts[0].speculative is True
+  off = parse_chat({"model": M, "messages": [{"role": "user", "content": "x"}],
+                    "speculative": False}).prompts[0]
+  assert off.speculative is False
+  with pytest.raises(ApiError) as e:
+    parse_completion({"model": M, "prompt": "x", "speculative": "no"})
+  assert e.value.status == 400 and e.value.param == "speculative"
+  v = validate(parse_completion({"model": M, "prompt": [1, 2], "speculative": False,
+                                 "max_tokens": 2}).prompts[0], ByteTokenizer(),
+               Limits(max_context=64))
+  assert v.speculative is False

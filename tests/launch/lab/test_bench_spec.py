@@ -1,0 +1,33 @@
+"""A tiny-size smoke run of launch.lab.bench_spec: a batch of 2 runs, the ids agree (f32) and the
+acceptance fields add up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.refenv import REPO
+
+
+def test_bench_spec_smoke():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run(
+      [sys.executable, "-m", "launch.lab.bench_spec", "--model", "tiny", "--dtype", "float32",
+       "--batches", "2", "--max_tokens", "12", "--rounds", "1", "--tasks", "spelling,rename",
+       "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert sorted(out["batches"]) == ["2"] and out["machine"]["cpu"]
+  for b in out["batches"].values():
+    assert b["plain_tok_s"] > 0 and b["spec_tok_s"] > 0 and b["same_ids"] is True
+    assert sum(b["accepted_per_pos"]) == b["accepted_tokens"] <= b["draft_tokens"]
+    assert b["programs_after_ready"] == 0
+
+
+def test_bench_spec_bad_task_exits_2():
+  r = subprocess.run([sys.executable, "-m", "launch.lab.bench_spec", "--model", "tiny",
+                      "--tasks", "poetry"], cwd=REPO, capture_output=True, text=True,
+                     timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2 and "--tasks" in r.stderr
