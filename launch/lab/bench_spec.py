@@ -129,9 +129,11 @@ def run() -> dict[str, object]:
              "spec": stack.build(step, params, tok, dataclasses.replace(
                  base, spec_tokens=_K.value, spec_max_rows=_MAX_ROWS.value or b,
                  prompt_lookup_min=_LOOKUP_MIN.value, prompt_lookup_max=_LOOKUP_MAX.value))}
-    for loop in loops.values():
+    sealed = {}
+    for name, loop in loops.items():
       stack.warmup(loop)
       loop.engine.seal()
+      sealed[name] = loop.engine.programs
     rates: dict[str, list[float]] = {"plain": [], "spec": []}
     ids: dict[str, dict[str, list[int]]] = {}
     for r in range(_ROUNDS.value):
@@ -150,7 +152,7 @@ def run() -> dict[str, object]:
         "acceptance": round(c.accepted_tokens / max(1, c.draft_tokens), 3),
         "accepted_per_pos": list(c.accepted_per_pos),
         "tokens_per_step": round(1 + c.accepted_tokens / verified, 3),
-        "programs_after_ready": sum(lp.engine.program_set.unwarmed for lp in loops.values())}
+        "programs_after_ready": sum(lp.engine.programs - sealed[n] for n, lp in loops.items())}
   return {"model": _MODEL.value, "dtype": _DTYPE.value, "k": _K.value, "tasks": _TASKS.value,
           "prompt_lookup": [_LOOKUP_MIN.value, _LOOKUP_MAX.value],
           "max_tokens": _MAX_TOKENS.value, "machine": machine.describe(),
