@@ -104,12 +104,12 @@ SPEC_TOKENS = flags.DEFINE_integer(
     "num_speculative_tokens", 0, "speculative decoding: draft ids (n-gram prompt lookup) "
     "verified per decode row and step (0: off)", lower_bound=0, upper_bound=16)
 SPEC_MAX_ROWS = flags.DEFINE_integer(
-    "speculative_max_rows", 4, "speculate only while at most this many sequences decode "
-    "(measured: beyond 4 a verify step costs more than it saves)",
-    lower_bound=1)
+    "speculative_max_rows", 0, "speculate only while at most this many sequences decode (0: "
+    "while a step's verify call holds at most 20 tokens, where it was measured to pay)",
+    lower_bound=0)
 LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the longest "
                                   "suffix looked up in the context", lower_bound=1)
-LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 1, "n-gram proposer: the shortest "
+LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 2, "n-gram proposer: the shortest "
                                   "suffix looked up", lower_bound=1)
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",

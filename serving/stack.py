@@ -37,7 +37,7 @@ from serving.loop import ServingLoop
 from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler, StepPlan
-from serving.speculative import NgramProposer
+from serving.speculative import NgramProposer, auto_max_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,11 @@ class ServingConfig:
   pack_prefill: bool = True  # a step's chunks end to end (serving.engine): off is an A/B switch
   # Speculative decoding (serving.speculative): draft ids per decode row and step (0: off; on:
   # results lag 0), proposed by n-gram prompt lookup over suffixes of prompt_lookup_max down to
-  # prompt_lookup_min ids, while at most spec_max_rows sequences decode.
+  # prompt_lookup_min ids, while at most spec_max_rows sequences decode (0: auto_max_rows(k)).
   spec_tokens: int = 0
-  spec_max_rows: int = 4
+  spec_max_rows: int = 0
   prompt_lookup_max: int = 4
-  prompt_lookup_min: int = 1
+  prompt_lookup_min: int = 2
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -90,6 +90,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
 
   proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
                            config.prompt_lookup_min) if config.spec_tokens else None
+  spec_rows = config.spec_max_rows or auto_max_rows(config.spec_tokens)
 
   def make_scheduler() -> Scheduler:
     """A fresh KV manager (pool, prefix cache, sessions, host tier emptied) and scheduler (at
@@ -106,7 +107,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                       max_waiting=config.max_waiting, max_context=context,
                       max_prefill_chunks=config.max_prefill_chunks,
                       sinks=config.attention_sinks, proposer=proposer,
-                      spec_max_rows=config.spec_max_rows)
+                      spec_max_rows=spec_rows)
     if config.tpot_target_ms > 0:  # a cost-model failure means no budget this step
       sched.prefill_limit = guard.wrap("cost_model", tpot_prefill_limit(
           cost_model, config.tpot_target_ms / 1e3, config.min_prefill_tokens))
@@ -117,7 +118,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=0 if config.spec_tokens else config.lag, sinks=config.attention_sinks,
       pack_prefill=config.pack_prefill, spec_tokens=config.spec_tokens,
-      spec_rows=config.spec_max_rows),
+      spec_rows=spec_rows),
       decode=decode, host_store=store)
   return ServingLoop(make_scheduler(), engine if wrap_engine is None else wrap_engine(engine),
                      metrics, max_traces=max_traces, fault_hook=fault_hook,

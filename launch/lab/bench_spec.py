@@ -12,7 +12,7 @@ longer than the model's context less ``--max_tokens`` keeps its tail. Each batch
 tasks cycled, greedy, EOS honoured, ``--max_tokens``) through the serving stack (``serving.stack.build``, the server's scheduler,
 engine and defaults but ``--max_slots``), once without speculation and once with
 ``--num_speculative_tokens`` draft ids a row (``--speculative_max_rows``: 0, the default,
-speculates at every batch; the server's value measures its off-switch), interleaved for ``--rounds`` rounds; generated tok/s is the
+speculates at every batch; -1 takes the server's default, its measured off-switch), interleaved for ``--rounds`` rounds; generated tok/s is the
 median over rounds. Per batch: ``plain_tok_s``, ``spec_tok_s``, ``speedup``, ``same_ids`` (every
 request got identical ids with and without speculation), and the acceptance: ``drafts``,
 ``draft_tokens``, ``accepted_tokens``, ``acceptance`` (accepted / proposed),
@@ -42,13 +42,13 @@ _K = flags.DEFINE_integer("num_speculative_tokens", 4, "draft ids per row", lowe
 _BATCHES = flags.DEFINE_list("batches", ["1", "32"], "requests at once")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 128, "tokens per request", lower_bound=1)
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved rounds", lower_bound=1)
-_LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 1, "n-gram proposer: shortest suffix",
+_LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 2, "n-gram proposer: shortest suffix",
                                    lower_bound=1)
 _LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: longest suffix",
                                    lower_bound=1)
 _MAX_ROWS = flags.DEFINE_integer("speculative_max_rows", 0, "speculate while at most this many "
-                                 "sequences decode (0: every batch; else the server's switch)",
-                                 lower_bound=0)
+                                 "sequences decode (0: at every batch; -1: the server's default)",
+                                 lower_bound=-1)
 _TASKS = flags.DEFINE_list("tasks", ["spelling", "rename", "table", "summary"], "tasks to run")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 
@@ -127,7 +127,7 @@ def run() -> dict[str, object]:
                                kv_pages=max(64, b * (-(-context // 64) + 1)))
     loops = {"plain": stack.build(step, params, tok, base),
              "spec": stack.build(step, params, tok, dataclasses.replace(
-                 base, spec_tokens=_K.value, spec_max_rows=_MAX_ROWS.value or b,
+                 base, spec_tokens=_K.value, spec_max_rows={0: b, -1: 0}.get(_MAX_ROWS.value, _MAX_ROWS.value),
                  prompt_lookup_min=_LOOKUP_MIN.value, prompt_lookup_max=_LOOKUP_MAX.value))}
     sealed = {}
     for name, loop in loops.items():
