@@ -9,10 +9,11 @@ The benchmark writes its own tasks (``TASKS``, ``--tasks``): correct the spellin
 its input (what n-gram prompt lookup, ``--prompt_lookup_min`` / ``_max``, is for); a prompt
 longer than the model's context less ``--max_tokens`` keeps its tail. Each batch size of
 ``--batches`` runs that many requests at once (``max_slots``; at least one request per task,
-tasks cycled, greedy, EOS honoured, ``--max_tokens``) through the serving stack (``serving.stack.build``, the server's scheduler,
-engine and defaults but ``--max_slots``), once without speculation and once with
-``--num_speculative_tokens`` draft ids a row (``--speculative_max_rows``: 0, the default,
-speculates at every batch; -1 takes the server's default, its measured off-switch), interleaved for ``--rounds`` rounds; generated tok/s is the
+tasks cycled, greedy, EOS honoured, ``--max_tokens``) through the serving stack
+(``serving.stack.build``: the server's scheduler, engine and defaults but ``--max_slots``), once
+without speculation and once with ``--num_speculative_tokens`` draft ids a row
+(``--speculative_max_rows``: 0, the default, speculates at every batch; -1 takes the server's
+default, its measured off-switch), interleaved for ``--rounds`` rounds; generated tok/s is the
 median over rounds. Per batch: ``plain_tok_s``, ``spec_tok_s``, ``speedup``, ``same_ids`` (every
 request got identical ids with and without speculation), and the acceptance: ``drafts``,
 ``draft_tokens``, ``accepted_tokens``, ``acceptance`` (accepted / proposed),
@@ -127,7 +128,8 @@ def run() -> dict[str, object]:
                                kv_pages=max(64, b * (-(-context // 64) + 1)))
     loops = {"plain": stack.build(step, params, tok, base),
              "spec": stack.build(step, params, tok, dataclasses.replace(
-                 base, spec_tokens=_K.value, spec_max_rows={0: b, -1: 0}.get(_MAX_ROWS.value, _MAX_ROWS.value),
+                 base, spec_tokens=_K.value,
+                 spec_max_rows={0: b, -1: 0}.get(_MAX_ROWS.value, _MAX_ROWS.value),
                  prompt_lookup_min=_LOOKUP_MIN.value, prompt_lookup_max=_LOOKUP_MAX.value))}
     sealed = {}
     for name, loop in loops.items():
