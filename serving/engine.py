@@ -117,7 +117,7 @@ class Engine(EngineApi):
     self.packed = (config.pack_prefill and self.prefill_pool.shards == 1
                    and self.prefill_pool.kv.native_attention(n, 1))
     self._prefill_rows = 1  # a packed call's logits rows, at least (warm-up: the plans' most)
-    if config.spec_tokens and not (self.packed and decode is None and config.lag == 0):
+    if config.spec_tokens and (not self.packed or decode or config.lag or config.sinks):
       raise ValueError("speculative decoding needs lag 0 and one pool that packs prefill (one "
                        "kv shard, the native attention kernel, no attention sinks)")
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,

@@ -130,7 +130,11 @@ def test_control_accepting_every_draft_changes_the_ids(params, reference, monkey
   assert got != want
 
 
-def test_engine_refuses_speculation_without_lag_0(params):
+def test_engine_refuses_speculation_without_lag_0_or_with_sinks(params):
   with pytest.raises(ValueError, match="lag 0"):
     Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
         max_slots=2, num_pages=8, page_size=Z, max_seq_tokens=64, lag=1, spec_tokens=2))
+  with pytest.raises(ValueError, match="attention sinks"):
+    Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
+        max_slots=2, num_pages=8, page_size=Z, max_seq_tokens=64, lag=0, spec_tokens=2,
+        sinks=True))
