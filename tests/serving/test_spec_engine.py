@@ -31,6 +31,11 @@ from tests.sched_steps import serve_all
 
 CFG = get_preset("tiny").replace(max_seq_len=128)
 SLOTS, Z, CHUNK = 8, 8, 32
+# Speculate while at most 3 rows decode: a verify call then holds at most 16 tokens, the rows
+# the native f32 kernel takes (DEFAULT policy), as a plain decode's 8 do. A random model's
+# logits are nearly tied, and a 32- or 64-row call through XLA's dot summed them in another
+# order: in one suite run two requests' ids flipped after a near-tie (isolated runs agreed).
+SPEC_ROWS = 3
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +59,10 @@ def _requests(n=12):
 def _serve(params, reqs, *, proposer=None, pages=64, slots=SLOTS, k=4):
   pool = PagePool(PageBudget(Z, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=slots, max_step_tokens=64, max_chunk=CHUNK,
-                    max_prefill_chunks=2, proposer=proposer, spec_max_rows=slots)
+                    max_prefill_chunks=2, proposer=proposer, spec_max_rows=SPEC_ROWS)
   engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
       max_slots=slots, num_pages=pages, page_size=Z, max_seq_tokens=CFG.max_seq_len, lag=0,
-      spec_tokens=k if proposer else 0, spec_rows=slots))
+      spec_tokens=k if proposer else 0, spec_rows=SPEC_ROWS))
   engine.warmup(2, CHUNK, max_tokens=64)
   engine.seal()
   got = serve_all(sched, engine, reqs)
@@ -97,7 +102,7 @@ def test_oracle_drafts_give_the_same_ids(params, reference):
   got, sched = _serve(params, reqs, proposer=_Oracle(reqs, want))
   assert got == want
   c = sched.spec
-  assert c.drafts > 20 and 0 < c.accepted_tokens < c.draft_tokens
+  assert c.drafts >= 8 and 0 < c.accepted_tokens < c.draft_tokens
   assert c.accepted_per_pos[0] > c.accepted_per_pos[1] > 0  # the corruption bites at the second
   assert c.accepted_per_pos[3] > 0  # whole proposals accepted
 
