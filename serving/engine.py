@@ -265,7 +265,7 @@ class Engine(EngineApi):
     grammar or logprobs: the scheduler drafts only for those) and a plain decode of the rest."""
     if not any(r.draft for r in rows):
       return [self.generate(rows)]
-    plain = lambda s: s.penalized or s.logprobs or s.grammar is not None
+    plain = lambda s: s.penalized or s.logit_bias or s.logprobs or s.grammar is not None
     rest = [r for r in rows if plain(self._samp_host[r.slot])]
     assert not any(r.draft for r in rest), "a draft for a row the verify call cannot compute"
     return [self._verify([r for r in rows if not plain(self._samp_host[r.slot])])] + (

@@ -13,8 +13,8 @@ greedy or sampled, up to the numerics of a k+1-token call against a one-token on
     longest suffix of ``max_n`` down to ``min_n`` ids that also occurs earlier in the last
     ``window`` ids of the context; the ids that followed its latest earlier occurrence.
   * ``speculable(request)``: whether a request's rows may carry drafts: not opted out
-    (``Request.speculate``), and nothing the verify call leaves out (penalties, a grammar,
-    logprobs, attention sinks).
+    (``Request.speculate``), and nothing the verify call leaves out (penalties, logit bias, a
+    grammar, logprobs, attention sinks).
   * ``SpecCounts``: the proposed and accepted totals the scheduler keeps.
   * ``auto_max_rows(k)``: the decoding sequences up to which speculation pays, measured: while a
     step's verify call holds at most ``AUTO_VERIFY_TOKENS`` tokens (BUILD_NOTES, "Speculative
@@ -76,8 +76,8 @@ class NgramProposer:
 
 def speculable(req: Request) -> bool:
   s = req.sampling
-  return (req.speculate and not s.penalized and s.grammar is None and not s.logprobs
-          and req.sinks is None)
+  return (req.speculate and not s.penalized and not s.logit_bias and s.grammar is None
+          and not s.logprobs and req.sinks is None)
 
 
 

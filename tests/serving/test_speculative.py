@@ -48,6 +48,7 @@ def test_speculable_leaves_out_what_the_verify_call_does_not_compute():
   assert not speculable(Request("b", (1,), speculate=False))
   assert not speculable(Request("c", (1,), SamplingParams(logprobs=2)))
   assert not speculable(Request("d", (1,), SamplingParams(presence_penalty=0.5)))
+  assert not speculable(Request("e", (1,), SamplingParams(logit_bias=((3, 5.0),))))
 
 
 def test_shrink_frees_the_pages_that_empty():
