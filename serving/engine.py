@@ -262,7 +262,7 @@ class Engine(EngineApi):
 
   def _decode(self, rows: Sequence[DecodeRow]) -> list[Part]:
     """Plain decode; with draft ids, a verify call of the rows it computes fully (no penalties,
-    grammar or logprobs: the scheduler drafts only for those) and a plain decode of the rest."""
+    bias, grammar or logprobs: the scheduler drafts only for those), a plain decode of the rest."""
     if not any(r.draft for r in rows):
       return [self.generate(rows)]
     plain = lambda s: s.penalized or s.logit_bias or s.logprobs or s.grammar is not None
