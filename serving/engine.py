@@ -56,6 +56,7 @@ from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
 from serving.spec_verify import pack_verify, verify_call, verify_tokens
+from serving.speculative import verifiable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,10 +266,9 @@ class Engine(EngineApi):
     bias, grammar or logprobs: the scheduler drafts only for those), a plain decode of the rest."""
     if not any(r.draft for r in rows):
       return [self.generate(rows)]
-    plain = lambda s: s.penalized or s.logit_bias or s.logprobs or s.grammar is not None
-    rest = [r for r in rows if plain(self._samp_host[r.slot])]
+    rest = [r for r in rows if not verifiable(self._samp_host[r.slot])]
     assert not any(r.draft for r in rest), "a draft for a row the verify call cannot compute"
-    return [self._verify([r for r in rows if not plain(self._samp_host[r.slot])])] + (
+    return [self._verify([r for r in rows if verifiable(self._samp_host[r.slot])])] + (
         [self.generate(rest)] if rest else [])
 
   def _verify(self, rows: Sequence[DecodeRow]) -> Part:

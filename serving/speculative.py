@@ -29,6 +29,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from serving.request import Request
+from serving.sampling import SamplingParams
 
 
 # SmolLM2 bf16 on an AMD EPYC Zen 4: k = 4 gains up to 4 rows (20 tokens a call), loses at 8;
@@ -74,10 +75,13 @@ class NgramProposer:
     return ()
 
 
+def verifiable(s: SamplingParams) -> bool:
+  """Sampling the verify call computes in full: no penalties, bias, grammar or logprobs."""
+  return not (s.penalized or s.logit_bias or s.grammar is not None or s.logprobs)
+
+
 def speculable(req: Request) -> bool:
-  s = req.sampling
-  return (req.speculate and not s.penalized and not s.logit_bias and s.grammar is None
-          and not s.logprobs and req.sinks is None)
+  return req.speculate and verifiable(req.sampling) and req.sinks is None
 
 
 
@@ -101,5 +105,5 @@ class SpecCounts:
       self.accepted_per_pos[i] += 1
 
 
-__all__ = ["Proposer", "NgramProposer", "SpecCounts", "speculable", "auto_max_rows",
+__all__ = ["Proposer", "NgramProposer", "SpecCounts", "speculable", "verifiable", "auto_max_rows",
            "AUTO_VERIFY_TOKENS"]
