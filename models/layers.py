@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from models import quant
+from models import lora, quant
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
 
@@ -68,9 +68,11 @@ def glu(gate: jax.Array, up: jax.Array, activation: str, dtype) -> jax.Array:
   return (act * up.astype(jnp.float32)).astype(dtype)
 
 
-def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig, backend: CpuBackend = CpuBackend()
-        ) -> jax.Array:
+def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig, backend: CpuBackend = CpuBackend(),
+        lw: lora.LayerLora | None = None) -> jax.Array:
+  """The GLU MLP; ``lw``: each token's low-rank adapter terms (``models.lora``)."""
   gate_BTF, up_BTF = quant.einsums(("btd,df->btf",) * 2, x_BTD, (layer["gate"], layer["up"]),
                                    backend)
+  gate_BTF, up_BTF = lora.add(gate_BTF, x_BTD, lw, "gate"), lora.add(up_BTF, x_BTD, lw, "up")
   h_BTF = glu(gate_BTF, up_BTF, cfg.activation, x_BTD.dtype)
-  return quant.einsum("btf,fd->btd", h_BTF, layer["down"], backend)
+  return lora.add(quant.einsum("btf,fd->btd", h_BTF, layer["down"], backend), h_BTF, lw, "down")

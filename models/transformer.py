@@ -23,11 +23,12 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-from models import kv_cache, quant
+from models import kv_cache, lora as lora_mod, quant
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
 from models.kv_cache import KVStore
 from models.layers import Rotation, mlp, rms_norm, rotate, rotation
+from models.lora import LayerLora, LoraBatch
 from models.weights import Params, is_stacked
 
 Store = TypeVar("Store", bound=KVStore)  # KVCache or paged_kv.PagedKV
@@ -52,21 +53,26 @@ def _unembed(params: Params, x_BTD: jax.Array, cfg: ModelConfig, backend: CpuBac
 
 
 def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q: Rotation,
-           cfg: ModelConfig, attend_len: int, backend: CpuBackend) -> tuple[jax.Array, Store]:
+           cfg: ModelConfig, attend_len: int, backend: CpuBackend, lw: LayerLora | None = None
+           ) -> tuple[jax.Array, Store]:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
   q_BTNH, k_BTKH, v_BTKH = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"),
                                          h_BTD, (layer["q"], layer["k"], layer["v"]), backend)
+  if lw is not None:
+    q_BTNH, k_BTKH, v_BTKH = (lora_mod.add(y, h_BTD, lw, t) for y, t in
+                              ((q_BTNH, "q"), (k_BTKH, "k"), (v_BTKH, "v")))
   q_BTNH = rotate(q_BTNH, rot_q)
   k_BTKH = rotate(k_BTKH, rot)
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
-  attn_BTD = quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"], backend)
+  attn_BTD = lora_mod.add(quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"], backend),
+                          attn_BTNH, lw, "o")
   if cfg.parallel_block:
-    x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg, backend)
+    x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg, backend, lw)
   else:
     x_BTD = x_BTD + attn_BTD
     x_BTD = x_BTD + mlp(rms_norm(x_BTD, layer["mlp_norm"], cfg.norm_eps, cfg.norm_plus_one),
-                        layer, cfg, backend)
+                        layer, cfg, backend, lw)
   return x_BTD, cache
 
 
@@ -76,9 +82,11 @@ _jit_block = jax.jit(_block, static_argnames=("cfg", "attend_len", "backend"))
 def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Array | None,
             lens_B: jax.Array, *, cfg: ModelConfig, attend_len: int | None = None,
             all_logits: bool = False, backend: CpuBackend = CpuBackend(),
-            logits_at: jax.Array | None = None) -> tuple[jax.Array, Store]:
+            logits_at: jax.Array | None = None, lora: LoraBatch | None = None
+            ) -> tuple[jax.Array, Store]:
   """Returns (logits [B, V] of each row's last valid token, or [B, T, V], or with
-  ``logits_at`` (rows [R]) those rows' only: [R, V]; updated cache)."""
+  ``logits_at`` (rows [R]) those rows' only: [R, V]; updated cache). ``lora``: each token's
+  adapter (``models.lora``)."""
   b, t = tokens_BT.shape
   attend_len = attend_len or cache.max_len
   dtype = params["final_norm"].dtype  # activation dtype = float param dtype (never quantized)
@@ -88,12 +96,13 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
   rot = rotation(c.pos_BT, cfg.head_dim, cfg.rope_theta)
   rot_q = rotation(cache.rope_positions(c.pos_BT), cfg.head_dim, cfg.rope_theta) \
       if cache.sink_pool else rot
+  view = lora_mod.layer_view(lora, dtype)
   if is_stacked(params):  # one traced layer in a loop: compile time independent of depth
     def body(carry, xs):
       x, store = carry
       layer, l = xs
       return _block(x, layer, l, store, c.pos_BT, c.wpos_BT, rot, rot_q, cfg, attend_len,
-                    backend), None
+                    backend, lora_mod.layer(view, l)), None
 
     (x_BTD, cache), _ = jax.lax.scan(
         body, (x_BTD, cache), (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32)))
@@ -102,7 +111,7 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
     # once per layer; XLA inlines the calls, so the program is the unrolled loop's.
     for l, layer in enumerate(params["layers"]):
       x_BTD, cache = _jit_block(x_BTD, layer, jnp.int32(l), cache, c.pos_BT, c.wpos_BT, rot,
-                                rot_q, cfg, attend_len, backend)
+                                rot_q, cfg, attend_len, backend, lora_mod.layer(view, l))
   if not all_logits:
     x_BTD = jnp.take_along_axis(x_BTD, c.last_B[:, None, None], axis=1)
     if logits_at is not None:
@@ -114,11 +123,15 @@ def prefill(params: Params, tokens_BT: jax.Array, cache: Store, start_B: jax.Arr
 
 def decode_step(params: Params, tokens_B: jax.Array, cache: Store, *, cfg: ModelConfig,
                 attend_len: int | None = None, active_B: jax.Array | None = None,
-                backend: CpuBackend = CpuBackend()) -> tuple[jax.Array, Store]:
-  """One token per active row at position ``cache.lengths[b]``; returns (logits [B, V], cache)."""
+                backend: CpuBackend = CpuBackend(), lora: LoraBatch | None = None
+                ) -> tuple[jax.Array, Store]:
+  """One token per active row at position ``cache.lengths[b]``; returns (logits [B, V], cache).
+  ``lora``: each row's adapter, ``slot_BT`` [B] or [B, 1]."""
   ones = jnp.ones_like(cache.lengths) if active_B is None else active_B.astype(jnp.int32)
+  if lora is not None and lora.slot_BT.ndim == 1:
+    lora = lora._replace(slot_BT=lora.slot_BT[:, None])
   return prefill(params, tokens_B[:, None], cache, None, ones, cfg=cfg,
-                 attend_len=attend_len, backend=backend)
+                 attend_len=attend_len, backend=backend, lora=lora)
 
 
 jit_prefill = jax.jit(prefill, static_argnames=("cfg", "attend_len", "all_logits", "backend"),
@@ -128,14 +141,15 @@ jit_decode_step = jax.jit(decode_step, static_argnames=("cfg", "attend_len", "ba
 
 
 def forward(params: Params, tokens_BT: jax.Array, *, cfg: ModelConfig,
-            backend: CpuBackend = CpuBackend()) -> jax.Array:
+            backend: CpuBackend = CpuBackend(), lora: LoraBatch | None = None) -> jax.Array:
   """Full causal forward of unpadded sequences from position 0: logits [B, T, V] (reference)."""
   from models.kv_cache import init_cache
   b, t = tokens_BT.shape
   dtype = params["final_norm"].dtype
   cache = init_cache(cfg, b, t, dtype, backend)
   logits, _ = prefill(params, tokens_BT, cache, jnp.zeros((b,), jnp.int32),
-                      jnp.full((b,), t, jnp.int32), cfg=cfg, all_logits=True, backend=backend)
+                      jnp.full((b,), t, jnp.int32), cfg=cfg, all_logits=True, backend=backend,
+                      lora=lora)
   return logits
 
 
