@@ -9,6 +9,8 @@ static).
     call is ``T = 1``: each token its own row (its own table row and position).
   * ``decode(params, tokens_B, kv, active_B, attend_len=) -> (logits_BV, kv)``: one token per
     active row at position ``kv.lengths[b]``.
+  * Both take ``lora`` (``models.lora.LoraBatch``): each token's adapter; a step that cannot
+    run adapters raises ``ValueError`` when given one.
   * ``place_params`` / ``param_sharding(path, sds)``: the step's resident layout, per param (what
     ``models.io.placement`` loaders make params straight into); ``stacked_params``: it wants
     ``models.weights.stack_layers``' form (the unsharded step adds ``tile_params``' copies where
@@ -30,6 +32,7 @@ import numpy as np
 from models import transformer
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
+from models.lora import LoraBatch
 from models.paged_kv import PagedKV, init_paged
 from models.weights import Params, is_stacked, stack_layers, tile_params
 
@@ -45,11 +48,11 @@ class Step(Protocol):
   def kv_shards(self) -> int: ...
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
-              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None
-              ) -> tuple[jax.Array, PagedKV]: ...
+              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None,
+              lora: LoraBatch | None = None) -> tuple[jax.Array, PagedKV]: ...
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
-             attend_len: int) -> tuple[jax.Array, PagedKV]: ...
+             attend_len: int, lora: LoraBatch | None = None) -> tuple[jax.Array, PagedKV]: ...
 
   def place_params(self, params: Params) -> Params: ...
 
@@ -83,13 +86,15 @@ class UnshardedStep:
   scan_layers: bool = False
   backend: CpuBackend = CpuBackend()
 
-  def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len, logits_at=None):
+  def prefill(self, params, tokens_BT, kv, start_B, lens_B, *, attend_len, logits_at=None,
+              lora=None):
     return transformer.prefill(params, tokens_BT, kv, start_B, lens_B, cfg=self.cfg,
-                               attend_len=attend_len, backend=self.backend, logits_at=logits_at)
+                               attend_len=attend_len, backend=self.backend, logits_at=logits_at,
+                               lora=lora)
 
-  def decode(self, params, tokens_B, kv, active_B, *, attend_len):
+  def decode(self, params, tokens_B, kv, active_B, *, attend_len, lora=None):
     return transformer.decode_step(params, tokens_B, kv, cfg=self.cfg, attend_len=attend_len,
-                                   active_B=active_B, backend=self.backend)
+                                   active_B=active_B, backend=self.backend, lora=lora)
 
   @property
   def stacked_params(self) -> bool:

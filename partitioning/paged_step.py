@@ -33,6 +33,7 @@ from models import kv_cache
 from models.kv_cache import KVStore
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
+from models.lora import LoraBatch
 from models.paged_kv import PagedKV, Pages, init_paged, is_int8, pages_dtype
 from models.quant import QuantArray
 from models.weights import Params, abstract_params
@@ -43,6 +44,11 @@ from partitioning.layouts import (
     make_plan, param_fallbacks, param_shardings, spec_entry)
 from partitioning.mesh import mesh_shape
 from partitioning.planner import Candidate
+
+
+def _no_lora(lora: LoraBatch | None) -> None:
+  if lora is not None:
+    raise ValueError("LoRA adapters run on the unsharded step (one device), not a mesh layout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +94,16 @@ class PagedShardedStep:
   # -- the Step protocol --------------------------------------------------------------------
 
   def prefill(self, params: Params, tokens_BT: jax.Array, kv: PagedKV, start_B: jax.Array,
-              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None
-              ) -> tuple[jax.Array, PagedKV]:
+              lens_B: jax.Array, *, attend_len: int, logits_at: jax.Array | None = None,
+              lora: LoraBatch | None = None) -> tuple[jax.Array, PagedKV]:
+    _no_lora(lora)
     logits_BV, kv = self._forward(params, tokens_BT, kv, start_B, lens_B, attend_len)
     # Computed with rows sharded over the kv axes: every row's logits, then the rows asked for.
     return self._replicated(logits_BV if logits_at is None else logits_BV[logits_at]), kv
 
   def decode(self, params: Params, tokens_B: jax.Array, kv: PagedKV, active_B: jax.Array, *,
-             attend_len: int) -> tuple[jax.Array, PagedKV]:
+             attend_len: int, lora: LoraBatch | None = None) -> tuple[jax.Array, PagedKV]:
+    _no_lora(lora)
     ones = jnp.ones_like(kv.lengths) if active_B is None else active_B.astype(jnp.int32)
     logits_BV, kv = self._forward(params, tokens_B[:, None], kv, None, ones, attend_len)
     return self._replicated(logits_BV), kv

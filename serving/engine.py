@@ -29,11 +29,9 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -46,12 +44,14 @@ from serving.engine_api import EngineApi
 from serving.engine_pool import Pool
 from serving.engine_calls import (Part, Pending, decode_call, packed_call,
                                   prefill_call, sample_call, want_lp)
-from serving.engine_shapes import (ProgramSet, arrange, decode_rows, pack, packed, packed_sizes,
-                                   powers)
+from serving.engine_lora import DeviceLoras
+from serving.engine_shapes import ProgramSet, arrange, decode_rows, pack, packed
+from serving.engine_warmup import EngineWarmup
 from serving.grammar_rows import GrammarRows
 from serving import host_moves
 from serving.host_tier import HostStore
-from serving.penalties import fill_slot, warm_penalties
+from serving.lora import LoraRegistry
+from serving.penalties import fill_slot
 from serving.request import Sinks
 from serving.sampling import SamplingArrays, SamplingParams
 from serving.scheduler import DecodeRow, PrefillChunk, StepPlan, StepResult
@@ -74,17 +74,19 @@ class EngineConfig:
   # and the most rows a verify call holds (its warmed sizes).
   spec_tokens: int = 0
   spec_rows: int = 8
+  max_loras: int = 0  # LoRA adapters resident on the device at once (0: none served)
 
   @property
   def pages_per_seq(self) -> int:
     return -(-self.max_seq_tokens // self.page_size)
 
 
-class Engine(EngineApi):
+class Engine(EngineWarmup, EngineApi):
   """Executes plans; see the module contract."""
 
   def __init__(self, step: Step, params: Params, config: EngineConfig,
-               decode: PhaseDecode | None = None, host_store: HostStore | None = None):
+               decode: PhaseDecode | None = None, host_store: HostStore | None = None,
+               loras: LoraRegistry | None = None):
     if config.sinks and decode is not None:
       raise ValueError("attention sinks run on one pool (mode single); not disaggregated")
     self.config = config
@@ -121,6 +123,12 @@ class Engine(EngineApi):
     if config.spec_tokens and (not self.packed or decode or config.lag or config.sinks):
       raise ValueError("speculative decoding needs lag 0 and one pool that packs prefill (one "
                        "kv shard, the native attention kernel, no attention sinks)")
+    if config.max_loras and (decode or loras is None or self.prefill_pool.shards > 1):
+      raise ValueError("LoRA adapters need a registry and one unsharded pool")
+    self.lora = DeviceLoras.create(
+        step.cfg, loras, slots=config.max_loras, max_slots=config.max_slots,
+        dtype=self.prefill_pool.params["final_norm"].dtype,
+        sharding=self.prefill_pool.kv.lengths.sharding) if config.max_loras and loras else None
     self._table_XM = np.full((config.max_slots, config.pages_per_seq), config.num_pages,
                              np.int32)
     self._held: collections.deque[Pending] = collections.deque()
@@ -144,8 +152,13 @@ class Engine(EngineApi):
 
   # -- one call per phase -------------------------------------------------------------------
 
-  def setup(self, slot: int, sampling: SamplingParams, sinks: Sinks | None = None) -> None:
+  def setup(self, slot: int, sampling: SamplingParams, sinks: Sinks | None = None,
+            lora: int = -1) -> None:
     self._samp_host[slot] = sampling
+    if self.lora is not None:
+      self.lora.setup(slot, lora)
+    elif lora >= 0:
+      raise ValueError("this engine serves no LoRA adapters (EngineConfig.max_loras)")
     if sinks is not None and not self.config.sinks:
       raise ValueError("this engine's pool has no attention sinks (EngineConfig.sinks)")
     self._policy_host[:, slot] = (sinks.sinks, sinks.window) if sinks else (0, 0)
@@ -189,7 +202,7 @@ class Engine(EngineApi):
             for c, i in zip(chunks, row_of) if c.sample]
     self.program_set.dispatch(("prefill", r, t, attend))
     pool.kv, logits_RV = prefill_call(pool.params, pool.kv, toks, slots, start, lens,
-                                      step=pool.step, attend_len=attend)
+                                      self._loras(), step=pool.step, attend_len=attend)
     return self._sample_prefill(chunks, logits_RV, slots, start + lens, want, want_lp(rows),
                                 rows)
 
@@ -206,8 +219,8 @@ class Engine(EngineApi):
             for j, c in enumerate(chunks) if c.sample]
     self.program_set.dispatch(("prefill", r, n, attend))
     pool.kv, logits_RV = packed_call(pool.params, pool.kv, p.tokens_N, p.slot_N, p.pos_N,
-                                     p.slots_R, p.end_R, p.last_R, step=pool.step,
-                                     attend_len=attend)
+                                     p.slots_R, p.end_R, p.last_R, self._loras(),
+                                     step=pool.step, attend_len=attend)
     return self._sample_prefill(chunks, logits_RV, p.slots_R, p.end_R, p.want_R,
                                 want_lp(rows), rows)
 
@@ -254,7 +267,7 @@ class Engine(EngineApi):
     self.program_set.dispatch(("decode", n, attend))
     self.program_set.dispatch(("sample", n, "decode"))
     pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots, pos, active,
-                                     step=pool.step, n=n, attend_len=attend)
+                                     self._loras(), step=pool.step, n=n, attend_len=attend)
     pool.last_X, pool.pen, tok_R, lp = sample_call(
         logits_RV, pool.last_X, pool.pen, self._samp, slots, pos + 1, active, want_lp(out_rows),
         *self._masks([(r.request_id, r.slot, i) for r, i in zip(rows, row_of)], n),
@@ -280,7 +293,8 @@ class Engine(EngineApi):
     self.program_set.dispatch(("verify", n, attend))
     pool.kv, pool.last_X, tok_R, acc_R = verify_call(
         pool.params, pool.kv, pool.last_X, self._samp, a.tokens_N, a.first_N, a.slot_N,
-        a.pos_N, a.next_N, a.slots_R, a.start_R, a.k_R, step=pool.step, attend_len=attend,
+        a.pos_N, a.next_N, a.slots_R, a.start_R, a.k_R, self._loras(), step=pool.step,
+        attend_len=attend,
         valid_vocab=self.valid_vocab, k=self.config.spec_tokens)
     return Part(tok_R, [(r.request_id, i, 0) for i, r in enumerate(rows)], acc=acc_R,
                 drafts=[r.draft for r in rows])
@@ -304,129 +318,6 @@ class Engine(EngineApi):
     a = bucket(end, minimum=max(16, z), maximum=cap)
     return min(-(-a // z) * z, cap)
 
-  # -- warm-up ------------------------------------------------------------------------------
-
-  def buckets(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-              max_tokens: int | None = None) -> list[tuple[str, int, int, int]]:
-    """Every (phase, rows, chunk length (prefill) or 0, attended length) program the scheduler's
-    plans can reach with at most ``max_prefill_rows`` chunks per step of at most ``max_chunk``
-    tokens, ``max_tokens`` in all (packed: one logits row count, every ``packed`` size up to
-    the most tokens a step's chunks hold; decode rows: every power of two up to the slots), then
-    the sampling programs of each row count (``sample_prefill`` / ``sample_decode``, chunk and
-    attended length 0)."""
-    cap = self.config.pages_per_seq * self.config.page_size
-    attends = {p: sorted({self._attend(e, p) for e in powers(1, cap)})
-               for p in ("prefill", "decode")}
-    chunk_cap = min(max_chunk or self.config.max_seq_tokens, self.config.max_seq_tokens)
-    out = []
-    if self.packed:
-      most = max_prefill_rows * chunk_cap if max_tokens is None else min(
-          max_tokens, max_prefill_rows * chunk_cap)
-      out += [("prefill", bucket(max_prefill_rows, minimum=1), n, attends["prefill"][-1])
-              for n in packed_sizes(most)]
-    else:
-      chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
-                       for c in powers(1, chunk_cap)})
-      for r in sorted({bucket(n, minimum=1) for n in powers(1, max_prefill_rows)}):
-        for t in chunks:
-          out += [("prefill", r * self.prefill_pool.shards, t, a) for a in attends["prefill"]
-                  if a >= min(t, cap) or a == attends["prefill"][-1]]
-    one = self.decode_pool.shards == 1  # more shards: a power of two a shard (arrange)
-    for n in sorted({decode_rows(n, self.config.max_slots) if one
-                     else min(bucket(n, minimum=1), self.config.max_slots)
-                     for n in range(1, self.config.max_slots + 1)}):
-      out += [("decode", n * self.decode_pool.shards, 0, a) for a in attends["decode"]]
-    rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
-    spec = self.config.spec_tokens  # verify calls: every token count up to spec_rows' drafts
-    verify = [("verify", v, 0, attends["decode"][-1]) for v in powers(4, verify_tokens(
-        self.config.spec_rows, self.config.spec_rows * spec))] if spec else []
-    return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
-                  for r in rows(phase)] + verify
-
-  def _warm_call(self, bucket: tuple) -> tuple[Any, tuple, dict, Pool]:
-    """The jitted call that runs ``bucket`` with every row inactive, on the current arrays:
-    (function, args, kwargs, the pool whose state its outputs replace)."""
-    phase, r, t, attend = bucket
-    # Host arrays, as ``execute`` passes them (the same jit signature).
-    none_R = np.full((r,), self.config.max_slots, np.int32)  # out of range: null pages
-    z_R = np.zeros((r,), np.int32)
-    if phase == "prefill" and self.packed:  # t tokens, every one padding
-      pool = self.prefill_pool
-      none_N = np.full((t,), self.config.max_slots, np.int32)
-      args: tuple = (pool.params, pool.kv, np.zeros((t,), np.int32), none_N,
-                     np.full((t,), -1, np.int32), none_R, z_R, z_R)
-      return packed_call, args, dict(step=pool.step, attend_len=attend), pool
-    if phase == "prefill":
-      pool = self.prefill_pool
-      args = (pool.params, pool.kv, np.zeros((r, t), np.int32), none_R, z_R, z_R)
-      return prefill_call, args, dict(step=pool.step, attend_len=attend), pool
-    if phase == "decode":
-      pool = self.decode_pool
-      args = (pool.params, pool.kv, pool.last_X, none_R, z_R, z_R.astype(bool))
-      return decode_call, args, dict(step=pool.step, n=r, attend_len=attend), pool
-    if phase == "verify":  # r tokens, every one padding
-      pool, v = self.decode_pool, pack_verify([], r, self.config.max_slots)
-      args = (pool.params, pool.kv, pool.last_X, self._samp, v.tokens_N, v.first_N, v.slot_N,
-              v.pos_N, v.next_N, v.slots_R, v.start_R, v.k_R)
-      return verify_call, args, dict(step=pool.step, attend_len=attend, k=self.config.spec_tokens,
-                                     valid_vocab=self.valid_vocab), pool
-    # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
-    pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool
-    args = (self._warm_logits[(phase[len("sample_"):], r)], pool.last_X, pool.pen, self._samp,
-            none_R, z_R, z_R.astype(bool), want_lp([]), *self._masks([], r))
-    return sample_call, args, dict(valid_vocab=self.valid_vocab), pool
-
-  def warmup(self, max_prefill_rows: int = 1, max_chunk: int | None = None,
-             threads: int | None = None, max_tokens: int | None = None) -> int:
-    """Compiles every program of ``buckets`` by running it with every row inactive (no state
-    changes). With ``threads`` > 1 (default: the CPU count, at most 4) the model programs are
-    first compiled side by side (``lower(...).compile()`` in a thread pool), then each is run
-    once. Returns the number of programs compiled."""
-    before = self.program_set.count
-    self._prefill_rows = bucket(max_prefill_rows, minimum=1)
-    buckets = list(self.buckets(max_prefill_rows, max_chunk, max_tokens))
-    model = [b for b in buckets if b[0] in ("prefill", "decode", "verify")]
-    if threads is None:
-      threads = min(4, os.cpu_count() or 1)
-    if threads > 1 and len(model) > 1:
-      def compile_one(key: tuple) -> None:
-        fn, args, kw, _ = self._warm_call(key)
-        fn.lower(*args, **kw).compile()
-      with concurrent.futures.ThreadPoolExecutor(threads) as executor:
-        list(executor.map(compile_one, model))  # re-raises the first error
-    for key in buckets:  # model programs first: the sampling ones run on their logits
-      phase, r, t, attend = key
-      self.program_set.shapes.add(
-          {"prefill": ("prefill", r, t, attend), "decode": ("decode", r, attend),
-           "verify": ("verify", r, attend)}
-          .get(phase, ("sample", r, phase[len("sample_"):])))
-      fn, args, kw, pool = self._warm_call(key)
-      out = fn(*args, **kw)
-      if phase in ("prefill", "decode"):
-        pool.kv, self._warm_logits[(phase, r)] = out
-      elif phase == "verify":
-        pool.kv, pool.last_X = out[:2]
-      else:
-        pool.last_X, pool.pen = out[:2]
-    self._warm_logits = {}
-    extra = 0
-    if self.host_store is not None:
-      pool = self.prefill_pool
-      pool.kv, extra = host_moves.warm(pool.kv, self._tier_cap, self.config.num_pages)
-    for pool in self.pools:  # the penalty state's programs (a second pool's: count_first too)
-      pool.pen = warm_penalties(pool.pen, pool.last_X if pool is not self.prefill_pool else None)
-    extra += len(self.pools) + (self.transfer is not None)
-    if max(p.shards for p in self.pools) > 1:  # prefix pages copied across sub-pools
-      for pool in self.pools:
-        pool.kv, count = host_moves.warm_copies(pool.kv, self._tier_cap, self.config.num_pages)
-        extra += count
-    jax.block_until_ready(self.prefill_pool.last_X)
-    return self.program_set.count - before + extra
-
-  def seal(self) -> None:
-    """Readiness: every program a plan can reach is compiled; any other is a hole to report."""
-    self.program_set.seal()
-
   # -- one scheduler step -------------------------------------------------------------------
 
   def execute(self, plan: StepPlan) -> StepResult | None:
@@ -434,13 +325,16 @@ class Engine(EngineApi):
       self.host_store.materialize()  # the last spills: host arrays now, device buffers freed
     if plan.setups:
       for s in plan.setups:
-        self.setup(s.slot, s.sampling, s.sinks)
+        self.setup(s.slot, s.sampling, s.sinks, s.lora)
         self.grammar.setup(s.slot, s.request_id, s.sampling.grammar, s.output_ids)
         for pool in self.pools if s.sampling.penalized else ():
           pool.pen = fill_slot(pool.pen, s.slot, s.prompt_ids, s.output_ids)
       self._samp = SamplingArrays.from_params(self._samp_host)
       if self.config.sinks:
         self._push_policy()
+    if plan.lora_loads:
+      assert self.lora is not None, "adapter loads for an engine without LoRA slots"
+      self.lora.load(plan.lora_loads)
     if plan.spills or plan.forget or plan.loads:
       assert self.host_store is not None, "a plan with host-tier moves needs a host_store"
       self.prefill_pool.kv = host_moves.run(self.host_store, self.prefill_pool.kv, plan,

@@ -25,6 +25,7 @@ import numpy as np
 from models.paged_kv import PagedKV, Pages, copy_pages
 from models.step import Step
 from models.weights import Params
+from serving.engine_lora import SlotLoras, lora_rows
 from serving.penalties import PenaltyState, apply_if, count
 from serving.request import TokenLogprobs
 from serving.sampling import LOGPROBS_MAX, SamplingArrays, logprobs_if, sample
@@ -73,10 +74,12 @@ def write_pages(kv: PagedKV, ids_C: jax.Array, k: Pages, v: Pages) -> PagedKV:
 # program (each XLA:CPU kernel costs ~3 memory mappings: BUILD_NOTES "Staying in service").
 @functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
 def prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax.Array,
-                 start_R: jax.Array, lens_R: jax.Array, *, step: Step, attend_len: int):
+                 start_R: jax.Array, lens_R: jax.Array, lora: SlotLoras | None = None, *,
+                 step: Step, attend_len: int):
   sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages),
                    lengths=rows(kv.lengths, slots_R, 0), **_policy_rows(kv, slots_R))
-  logits_RV, out = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len)
+  logits_RV, out = step.prefill(params, tokens_RT, sub, start_R, lens_R, attend_len=attend_len,
+                                lora=lora_rows(lora, slots_R[:, None]))
   kv = kv.replace(k_pages=out.k_pages, v_pages=out.v_pages,
                   lengths=kv.lengths.at[slots_R].set(out.lengths, mode="drop"))
   return kv, logits_RV
@@ -84,8 +87,8 @@ def prefill_call(params: Params, kv: PagedKV, tokens_RT: jax.Array, slots_R: jax
 
 @functools.partial(jax.jit, static_argnames=("step", "attend_len"), donate_argnames=("kv",))
 def packed_call(params: Params, kv: PagedKV, tokens_N: jax.Array, slot_N: jax.Array,
-                pos_N: jax.Array, slots_R: jax.Array, end_R: jax.Array, last_R: jax.Array, *,
-                step: Step, attend_len: int):
+                pos_N: jax.Array, slots_R: jax.Array, end_R: jax.Array, last_R: jax.Array,
+                lora: SlotLoras | None = None, *, step: Step, attend_len: int):
   """A prefill of ``R`` chunks packed into ``N`` tokens, each token its own row (T = 1): token n
   of slot ``slot_N[n]`` at position ``pos_N[n]`` (-1: padding, no work, no write); chunk r
   (slot ``slots_R[r]``) ends at ``end_R[r]`` and samples from token ``last_R[r]``."""
@@ -93,7 +96,8 @@ def packed_call(params: Params, kv: PagedKV, tokens_N: jax.Array, slot_N: jax.Ar
                    lengths=rows(kv.lengths, slot_N, 0))
   valid_N = (pos_N >= 0).astype(jnp.int32)
   logits_RV, out = step.prefill(params, tokens_N[:, None], sub, pos_N, valid_N,
-                                attend_len=attend_len, logits_at=last_R)
+                                attend_len=attend_len, logits_at=last_R,
+                                lora=lora_rows(lora, slot_N[:, None]))
   kv = kv.replace(k_pages=out.k_pages, v_pages=out.v_pages,
                   lengths=kv.lengths.at[slots_R].set(end_R, mode="drop"))
   return kv, logits_RV
@@ -101,12 +105,13 @@ def packed_call(params: Params, kv: PagedKV, tokens_N: jax.Array, slot_N: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("step", "n", "attend_len"), donate_argnames=("kv",))
 def decode_call(params: Params, kv: PagedKV, last_X: jax.Array, slots_R: jax.Array,
-                pos_R: jax.Array, active_R: jax.Array, *, step: Step, n: int, attend_len: int):
+                pos_R: jax.Array, active_R: jax.Array, lora: SlotLoras | None = None, *,
+                step: Step, n: int, attend_len: int):
   # Row r runs slot slots_R[r] (padding rows: slot X, the null page, inactive).
   sub = kv.replace(page_table=rows(kv.page_table, slots_R, kv.num_pages), lengths=pos_R,
                    **_policy_rows(kv, slots_R))
   logits_RV, out = step.decode(params, rows(last_X, slots_R, 0), sub, active_R,
-                               attend_len=attend_len)
+                               attend_len=attend_len, lora=lora_rows(lora, slots_R))
   keep_R = rows(kv.lengths, slots_R, 0)
   lengths = kv.lengths.at[slots_R].set(jnp.where(active_R, out.lengths, keep_R), mode="drop")
   return kv.replace(k_pages=out.k_pages, v_pages=out.v_pages, lengths=lengths), logits_RV

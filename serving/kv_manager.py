@@ -33,6 +33,11 @@ from serving.request import Request, Sinks
 from serving.sessions import SessionPolicy, Sessions
 
 
+def namespace(req: Request) -> int:
+  """The prefix cache's namespace of ``req``'s KV: its LoRA adapter's uid, 0 for the base."""
+  return req.lora.uid if req.lora is not None else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Admission:
   start: int  # positions reused from the cache: the sequence computes from here
@@ -117,12 +122,13 @@ class KVManager:
   def page_table(self, rids: Sequence[Hashable | None]) -> np.ndarray:
     return self.pool.page_table(rids)
 
-  def cached_prefix(self, tokens: Sequence[int]) -> int:
-    """Tokens of ``tokens`` the cache holds now (an estimate; counts no lookup)."""
-    shard = self.prefix_cache.best_shard(tokens)
+  def cached_prefix(self, tokens: Sequence[int], ns: int = 0) -> int:
+    """Tokens of ``tokens`` the cache holds now (an estimate; counts no lookup); ``ns``: the
+    namespace (``namespace(req)``)."""
+    shard = self.prefix_cache.best_shard(tokens, ns)
     if shard is None:
       return 0
-    return self.prefix_cache.match(tokens, shard, count=False).tokens(self.page_size)
+    return self.prefix_cache.match(tokens, shard, count=False, ns=ns).tokens(self.page_size)
 
   @property
   def host_tier_bytes(self) -> int:
@@ -140,7 +146,7 @@ class KVManager:
     is counted once, on success. ``first`` (not a re-admission after preemption): the
     session's pin, if any, is taken over by this sequence's own lock."""
     ring = self.ring_pages(req.sinks)
-    hit = None if ring else self._lookup(tokens)
+    hit = None if ring else self._lookup(tokens, namespace(req))
     start = self._allocate(req, tokens, max_new, hit, ring)
     if start is None:
       return None
@@ -151,9 +157,9 @@ class KVManager:
       paused_at = self.sessions.take(req.session_id)
     return Admission(start, paused_at)
 
-  def _lookup(self, tokens: Sequence[int]) -> Match | None:
-    shard = self.prefix_cache.best_shard(tokens)
-    return None if shard is None else self.prefix_cache.match(tokens, shard, count=False)
+  def _lookup(self, tokens: Sequence[int], ns: int) -> Match | None:
+    shard = self.prefix_cache.best_shard(tokens, ns)
+    return None if shard is None else self.prefix_cache.match(tokens, shard, count=False, ns=ns)
 
   def _room(self, shard: int, usage: tuple[ShardUsage, ...]) -> int:
     """Pages ``shard`` could give a new sequence now: free, or cached and reclaimable."""
@@ -243,7 +249,8 @@ class KVManager:
     n = min(len(tokens), self.pool.tokens(rid))
     if not self.cache_generated:
       n = min(n, len(held.req.prompt_ids))
-    self.prefix_cache.insert(tokens[:n], self.pool.table(rid), self.pool.shard_of(rid))
+    self.prefix_cache.insert(tokens[:n], self.pool.table(rid), self.pool.shard_of(rid),
+                             namespace(held.req))
 
   def finish(self, rid: Hashable, tokens: Sequence[int]) -> None:
     """A sequence ended well with context ``tokens`` (the last id's KV is not written): its
@@ -253,7 +260,8 @@ class KVManager:
       self.cache(rid, tokens[:len(tokens) - 1])
       if self.sessions is not None and held.req.session_id:
         self.sessions.pin(held.req.session_id,
-                          self.prefix_cache.match(tokens, self.pool.shard_of(rid), count=False))
+                          self.prefix_cache.match(tokens, self.pool.shard_of(rid), count=False,
+                                                  ns=namespace(held.req)))
     self.free(rid)
 
   def free(self, rid: Hashable) -> None:

@@ -2,7 +2,7 @@
 
 Contract: ``encode(value) -> bytes`` and ``decode(bytes) -> value`` round-trip ``StepPlan``s and
 everything in them (``PrefillChunk``, ``DecodeRow``, ``SlotSetup``, ``SamplingParams``,
-``Sinks``, ``PageCopy``, ``PageSpill``, ``PageLoad``), ints, floats, strings, bools, None,
+``Sinks``, ``PageCopy``, ``PageSpill``, ``PageLoad``, ``LoraLoad``), ints, floats, strings, bools, None,
 tuples, lists, str-keyed dicts and numpy arrays (dtype and shape kept), exactly:
 ``decode(encode(p)) == p`` field by field, arrays bit for bit. JSON underneath, so nothing but
 these types can come out of ``decode`` (no pickle: a message from the coordinator's key-value
@@ -19,6 +19,7 @@ import json
 import numpy as np
 
 from serving.kv_pages import PageCopy
+from serving.lora import LoraLoad
 from serving.prefix_cache import PageLoad, PageSpill
 from serving.request import Sinks
 from serving.sampling import SamplingParams
@@ -26,7 +27,7 @@ from serving.scheduler import DecodeRow, PrefillChunk, SlotSetup, StepPlan
 
 _TYPES: dict[str, type] = {t.__name__: t for t in (
     StepPlan, PrefillChunk, DecodeRow, SlotSetup, SamplingParams, Sinks, PageCopy, PageSpill,
-    PageLoad)}
+    PageLoad, LoraLoad)}
 
 
 def _to_json(x: object) -> object:

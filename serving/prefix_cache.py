@@ -13,6 +13,8 @@ Contract: ``BasePrefixCache`` is the interface the KV manager (``serving.kv_mana
     while the tier has room (its own LRU), keeping its place in the tree; device nodes form the
     top of a path, host nodes hang below. The device copies to plan come from ``take_spills``,
     the loads back from ``promote``, the host keys to drop from ``take_forgotten``.
+  * Namespaces: ``ns`` > 0 (a LoRA adapter's uid: its KV differs from the base model's) keys
+    a separate tree under the same root; 0 is the base model's.
   * Counters (hits, misses, evictions, spills, loads) are plain ints; ``check()`` verifies the
     tree's invariants. Pure host bookkeeping: no JAX.
 """
@@ -76,7 +78,8 @@ class BasePrefixCache(abc.ABC):
   host_hits = host_hit_tokens = spilled = loaded = host_evicted = 0
 
   @abc.abstractmethod
-  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
+  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True, ns: int = 0
+            ) -> Match:
     """The longest cached path of whole pages covering ``tokens`` on ``shard``, never all of
     them (the last token is left to compute: its logits start decoding), so at most
     ``(len - 1) // page_size`` pages: the device part, then the host part. ``count=False``: not
@@ -87,7 +90,7 @@ class BasePrefixCache(abc.ABC):
     """Counts one lookup (``None``: a miss) and marks its path used now."""
 
   @abc.abstractmethod
-  def best_shard(self, tokens: Sequence[int]) -> int | None:
+  def best_shard(self, tokens: Sequence[int], ns: int = 0) -> int | None:
     """The sub-pool holding the longest cached prefix of ``tokens`` (None: no hit anywhere)."""
 
   @abc.abstractmethod
@@ -95,7 +98,8 @@ class BasePrefixCache(abc.ABC):
     """Pages of ``shard`` that ``evict`` could free now."""
 
   @abc.abstractmethod
-  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int) -> int:
+  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int, ns: int = 0
+             ) -> int:
     """Caches the whole pages of ``tokens`` (``pages[i]`` holds positions ``[i Z, (i+1) Z)``,
     written, or written by a step planned before any step that reads them); a block already
     cached keeps its page (the caller's stays private). Returns the pages newly cached."""
@@ -136,19 +140,21 @@ class NullPrefixCache(BasePrefixCache):
   """Caches nothing (prefix caching off): every lookup misses, nothing is held or evicted."""
   enabled = False
 
-  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
+  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True, ns: int = 0
+            ) -> Match:
     return Match(shard, ())
 
   def record(self, m: Match | None) -> None:
     pass
 
-  def best_shard(self, tokens: Sequence[int]) -> int | None:
+  def best_shard(self, tokens: Sequence[int], ns: int = 0) -> int | None:
     return None
 
   def reclaimable(self, shard: int) -> int:
     return 0
 
-  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int) -> int:
+  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int, ns: int = 0
+             ) -> int:
     return 0
 
   def lock(self, m: Match) -> None:
@@ -193,13 +199,18 @@ class PrefixCache(BasePrefixCache):
     self.hits = self.misses = self.hit_tokens = self.evicted = 0
     self.host_hits = self.host_hit_tokens = self.spilled = self.loaded = self.host_evicted = 0
 
-  def _blocks(self, tokens: Sequence[int], n: int) -> list[tuple[int, ...]]:
+  def _blocks(self, tokens: Sequence[int], n: int, ns: int) -> list[tuple[int, ...]]:
+    """Edge keys: a page's ids each; the first led by ``-ns`` in a namespace (ids are >= 0)."""
     z = self.page_size
-    return [tuple(tokens[i * z:(i + 1) * z]) for i in range(n)]
+    out = [tuple(tokens[i * z:(i + 1) * z]) for i in range(n)]
+    if ns and out:
+      out[0] = (-ns,) + out[0]
+    return out
 
-  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True) -> Match:
+  def match(self, tokens: Sequence[int], shard: int, *, count: bool = True, ns: int = 0
+            ) -> Match:
     node, path = self._roots[shard], []
-    for key in self._blocks(tokens, (len(tokens) - 1) // self.page_size):
+    for key in self._blocks(tokens, (len(tokens) - 1) // self.page_size, ns):
       child = node.children.get(key)
       if child is None:
         break
@@ -255,20 +266,21 @@ class PrefixCache(BasePrefixCache):
     out, self.forgotten = self.forgotten, []
     return out
 
-  def best_shard(self, tokens: Sequence[int]) -> int | None:
+  def best_shard(self, tokens: Sequence[int], ns: int = 0) -> int | None:
     """The sub-pool holding the longest cached prefix of ``tokens`` (None: no hit anywhere)."""
     best, best_len = None, 0
     for s in range(len(self._roots)):
-      m = self.match(tokens, s, count=False)
+      m = self.match(tokens, s, count=False, ns=ns)
       k = len(m.nodes) + len(m.host)
       if k > best_len:
         best, best_len = s, k
     return best
 
-  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int) -> int:
+  def insert(self, tokens: Sequence[int], pages: Sequence[int], shard: int, ns: int = 0
+             ) -> int:
     n = min(len(tokens) // self.page_size, len(pages))
     node, added, tick = self._roots[shard], 0, next(self._tick)
-    for key, page in zip(self._blocks(tokens, n), pages):
+    for key, page in zip(self._blocks(tokens, n, ns), pages):
       child = node.children.get(key)
       if child is None:
         child = _Node(key, page, node)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.lora import LoraRef
 from serving.sampling import SamplingParams, fresh_seed
 from serving.stop import FinishReason, StopCriteria
 
@@ -47,6 +48,7 @@ class Request:
   session_id: str = ""  # multi-turn: this turn's KV stays pinned for the next (serving.sessions)
   sinks: Sinks | None = None  # the attention-sink cache policy; None: the whole context
   speculate: bool = True  # False: never verify draft ids for it (serving.speculative)
+  lora: LoraRef | None = None  # the LoRA adapter it runs under (serving.lora); None: the base
 
   def __post_init__(self):
     if self.sampling.seed is None:  # the client gave no seed: draw one now, once

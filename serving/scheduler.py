@@ -30,6 +30,7 @@ from models.text.tokenizer import Tokenizer
 from serving.kv_manager import KVManager
 from serving.kv_pages import PagePool, Refusal
 from serving.lifecycle import RequestTrace
+from serving.lora import LoraSlots
 from serving.prefix_cache import BasePrefixCache
 from serving.request import MAX_STREAM_TOKENS, Request, RequestOutput, TokenLogprobs, Usage
 from serving.sessions import Sessions
@@ -59,6 +60,7 @@ class _Seq:
   preemptions: int = 0
   cached: int = 0  # prompt tokens reused at its first admission
   drafted: int = 0  # draft ids of its verification in flight (positions to give back)
+  lora_slot: int = -1  # the device slot of its LoRA adapter while it runs (-1: none)
 
   @property
   def generated(self) -> int:
@@ -79,7 +81,8 @@ class Scheduler:
                prefix_cache: BasePrefixCache | None = None, cache_generated: bool = True,
                sessions: Sessions | None = None, sinks: bool = False,
                prefill_limit: Callable[[int], int | None] | None = None,
-               proposer: Proposer | None = None, spec_max_rows: int = 4):
+               proposer: Proposer | None = None, spec_max_rows: int = 4,
+               loras: LoraSlots | None = None):
     if min(max_slots, max_step_tokens, max_chunk, max_waiting) < 1:
       raise ValueError("max_slots, max_step_tokens, max_chunk and max_waiting must be >= 1")
     if isinstance(kv, PagePool):
@@ -100,6 +103,7 @@ class Scheduler:
     self.proposer = proposer
     self.spec_max_rows = spec_max_rows  # speculate while at most this many sequences decode
     self.spec = SpecCounts()
+    self.loras = loras  # multi-LoRA: the device's adapter slots (None: no adapters served)
     self.last_prefill_limit: int | None = None  # what prefill_limit said for the last plan
     self._seqs: dict[str, _Seq] = {}
     self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, order, id)
@@ -124,6 +128,9 @@ class Scheduler:
       reason = f"the waiting queue is full ({self.max_waiting} requests)"
     elif req.sinks is not None:
       reason = self._sinks_refusal(req)
+    elif req.lora is not None and self.loras is None:
+      reason = f"LoRA adapter {req.lora.name!r} requested, but this server serves none"
+
     elif need > self.max_context:
       reason = (f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.stop.max_tokens}) "
                 f"exceeds the context ({self.max_context} tokens)")
@@ -230,15 +237,20 @@ class Scheduler:
         break
       if seq.state is _State.RUNNING and not seq.decoding:
         budget -= self._plan_chunk(seq, budget, prefill)
+    skipped: list[tuple[int, int, str]] = []  # their adapters wait for a device slot
     while (budget > 0 and self._waiting and self._free_slots and not self._short
            and len(prefill) < self.max_prefill_chunks):
       _, _, rid = self._waiting[0]
       seq = self._seqs[rid]
       if seq.inflight:  # preempted with an id still in flight: wait for it
         break
+      if not self._acquire_lora(seq):
+        skipped.append(heapq.heappop(self._waiting))  # later requests of other adapters may run
+        continue
       got = self.kv.admit(seq.req, seq.tokens, min(budget, self.max_chunk),
                           first=not seq.preemptions)
       if got is None:
+        self._release_lora(seq)
         break  # no pages now: admit later (running sequences are never preempted for this)
       seq.computed = got.start
       if not seq.preemptions:
@@ -254,6 +266,8 @@ class Scheduler:
         seq.trace.record("paused", seq.req.session_id, t=got.paused_at)
         seq.trace.record("resume", f"{got.start} cached tokens")
       budget -= self._plan_chunk(seq, budget, prefill, reserved=True)
+    for item in skipped:
+      heapq.heappush(self._waiting, item)
     self._step += 1
     seqs: list[str | None] = [None] * self.max_slots
     for seq in self._running:
@@ -261,7 +275,25 @@ class Scheduler:
     moves = self.kv.take_moves()
     return StepPlan(self._step, tuple(prefill), tuple(decode), tuple(setups),
                     self.kv.page_table(seqs), moves.copies, spills=moves.spills,
-                    forget=moves.forget, loads=moves.loads)
+                    forget=moves.forget, loads=moves.loads,
+                    lora_loads=self.loras.take_loads() if self.loras is not None else ())
+
+  def _acquire_lora(self, seq: _Seq) -> bool:
+    """Its adapter's device slot (``seq.lora_slot``); False while every slot serves others."""
+    if seq.req.lora is None:
+      return True
+    assert self.loras is not None, "checked at arrival"
+    slot = self.loras.acquire(seq.req.lora)
+    if slot is None:
+      return False
+    seq.lora_slot = slot
+    return True
+
+  def _release_lora(self, seq: _Seq) -> None:
+    if seq.lora_slot >= 0:
+      assert self.loras is not None
+      self.loras.release(seq.lora_slot)
+      seq.lora_slot = -1
 
   def _draft(self, seq: _Seq, budget: int) -> tuple[int, ...]:
     """Draft ids for a decoding ``seq`` whose ids are all known (none in flight): at most what
@@ -277,10 +309,10 @@ class Scheduler:
     counts' start, its grammar's replay)."""
     req = seq.req
     if not (req.sampling.penalized or req.sampling.grammar is not None):
-      return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks)
+      return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks, lora=seq.lora_slot)
     n = len(req.prompt_ids)
     return SlotSetup(seq.slot, req.request_id, req.sampling, req.sinks, req.prompt_ids,
-                     tuple(seq.tokens[n:]))
+                     tuple(seq.tokens[n:]), lora=seq.lora_slot)
 
   def _plan_chunk(self, seq: _Seq, budget: int, out: list[PrefillChunk],
                   reserved: bool = False) -> int:
@@ -340,6 +372,7 @@ class Scheduler:
 
   def _drop_running(self, seq: _Seq) -> None:
     self.kv.free(seq.req.request_id)
+    self._release_lora(seq)
     if seq.slot >= 0:
       heapq.heappush(self._free_slots, seq.slot)
       seq.slot = -1

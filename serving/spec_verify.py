@@ -28,6 +28,7 @@ from models.step import Step
 from models.transformer import bucket
 from models.weights import Params
 from serving.engine_calls import rows
+from serving.engine_lora import SlotLoras, lora_rows
 from serving.sampling import SamplingArrays, sample
 from serving.step_plan import DecodeRow
 
@@ -75,15 +76,17 @@ def pack_verify(decode: Sequence[DecodeRow], n: int, null_slot: int) -> VerifyAr
                    donate_argnames=("kv", "last_X"))
 def verify_call(params: Params, kv: PagedKV, last_X: jax.Array, samp: SamplingArrays,
                 tokens_N: jax.Array, first_N: jax.Array, slot_N: jax.Array, pos_N: jax.Array,
-                next_N: jax.Array, slots_R: jax.Array, start_R: jax.Array, k_R: jax.Array, *,
-                step: Step, attend_len: int, valid_vocab: int, k: int):
+                next_N: jax.Array, slots_R: jax.Array, start_R: jax.Array, k_R: jax.Array,
+                lora: SlotLoras | None = None, *, step: Step, attend_len: int, valid_vocab: int,
+                k: int):
   """-> (kv, last_X, tok_R, acc_R); see the module contract."""
   tok_N = jnp.where(first_N, rows(last_X, slot_N, 0), tokens_N)
   sub = kv.replace(page_table=rows(kv.page_table, slot_N, kv.num_pages),
                    lengths=rows(kv.lengths, slot_N, 0))
   valid_N = (pos_N >= 0).astype(jnp.int32)
   logits_NV, out = step.prefill(params, tok_N[:, None], sub, pos_N, valid_N,
-                                attend_len=attend_len)  # T = 1: every token's logits, [N, V]
+                                attend_len=attend_len,  # T = 1: every token's logits, [N, V]
+                                lora=lora_rows(lora, slot_N[:, None]))
   s_N = jax.tree.map(lambda a: rows(a, slot_N, 0), samp)
   got_N = sample(logits_NV[:, :valid_vocab], pos_N + 1, s_N, greedy_only=False)
   # Row r accepts its i-th draft id while every one before it and it equal the ids sampled.

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from serving.kv_pages import PageCopy
+from serving.lora import LoraLoad
 from serving.prefix_cache import PageLoad, PageSpill
 from serving.request import Sinks, TokenLogprobs
 from serving.sampling import SamplingParams
@@ -52,6 +53,7 @@ class SlotSetup:
   # preemption), whatever the prefix cache reuses.
   prompt_ids: tuple[int, ...] = ()
   output_ids: tuple[int, ...] = ()
+  lora: int = -1  # the device slot of its LoRA adapter (``serving.lora``; -1: the base model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,7 @@ class StepPlan:
   spills: tuple[PageSpill, ...] = ()
   forget: tuple[int, ...] = ()
   loads: tuple[PageLoad, ...] = ()
+  lora_loads: tuple[LoraLoad, ...] = ()  # adapters into device slots, before the step
 
   @property
   def num_tokens(self) -> int:

@@ -308,8 +308,8 @@ def test_control_a_wrong_page_in_the_cache_changes_the_output(monkeypatch):
   a request reusing them differ from the reference."""
   original = PrefixCache.insert
 
-  def shifted(self, tokens, pages, shard):
-    return original(self, tokens, list(pages[1:]) + list(pages[:1]), shard)
+  def shifted(self, tokens, pages, shard, ns=0):
+    return original(self, tokens, list(pages[1:]) + list(pages[:1]), shard, ns)
 
   monkeypatch.setattr(PrefixCache, "insert", shifted)
   pool, sched, eng = _setup()

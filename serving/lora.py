@@ -1,0 +1,194 @@
+"""Multi-LoRA serving's host side: which adapters exist, and which sit in the device's slots.
+
+Contract:
+  * ``LoraRef(name, uid)``: an adapter as a request names it; ``uid`` is unique per load, so
+    an adapter unloaded and loaded again under its name is a new adapter (its KV is never
+    reused: the prefix cache keys on ``uid``).
+  * ``LoraRegistry(cfg, max_rank=, max_cpu_loras=)``: thread-safe. ``load(name, path)`` reads a
+    PEFT adapter (``models.io.peft``; rank at most ``max_rank``, the device slots' rank);
+    ``unload(name)``; ``resolve(name)`` -> ``LoraRef`` or ``LookupError`` naming the adapters
+    there are; ``weights(uid)`` the adapter's arrays padded to ``max_rank``. At most
+    ``max_cpu_loras`` adapters' arrays stay in host memory (least recently used dropped, read
+    again from their files when next used).
+  * ``LoraSlots(max_loras)``: the scheduler's view of the ``max_loras`` device slots: an
+    adapter holds a slot while a running sequence uses it (``acquire`` / ``release``); a slot
+    nobody uses is given to another adapter, least recently used first; ``take_loads()``: the
+    slots to fill before the next step (``LoraLoad``). Pure bookkeeping: no JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import threading
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.io.peft import Adapter, load_peft_adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraRef:
+  name: str
+  uid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLoad:
+  """Fill device slot ``slot`` with adapter ``uid`` before the step runs."""
+  slot: int
+  uid: int
+
+
+@dataclasses.dataclass
+class _Entry:
+  ref: LoraRef
+  path: str
+  rank: int
+  adapter: Adapter | None  # None: dropped from host memory (read again when used)
+
+
+class LoraRegistry:
+  """See the module contract."""
+
+  def __init__(self, cfg: ModelConfig, *, max_rank: int, max_cpu_loras: int):
+    if max_rank < 1 or max_cpu_loras < 1:
+      raise ValueError("max_lora_rank and max_cpu_loras must be >= 1")
+    self.cfg = cfg
+    self.max_rank = max_rank
+    self.max_cpu_loras = max_cpu_loras
+    self._lock = threading.Lock()
+    self._by_name: dict[str, _Entry] = {}
+    self._by_uid: dict[int, _Entry] = {}
+    self._host: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order
+    self._uids = itertools.count(1)
+
+  def _read(self, path: str) -> Adapter:
+    ad = load_peft_adapter(path, self.cfg)
+    if ad.rank > self.max_rank:
+      raise ValueError(f"adapter {path} has rank {ad.rank}, above --max_lora_rank "
+                       f"{self.max_rank}")
+    return ad
+
+  def load(self, name: str, path: str | os.PathLike) -> LoraRef:
+    """Reads and registers an adapter (``ValueError`` / ``FileNotFoundError`` with the cause;
+    ``KeyError`` for a name already loaded)."""
+    if not name or any(c.isspace() for c in name):
+      raise ValueError(f"adapter name {name!r} must be non-empty, without spaces")
+    ad = self._read(str(path))  # outside the lock: file reads
+    with self._lock:
+      if name in self._by_name:
+        raise KeyError(f"adapter {name!r} is already loaded")
+      e = _Entry(LoraRef(name, next(self._uids)), str(path), ad.rank, ad)
+      self._by_name[name] = self._by_uid[e.ref.uid] = e
+      self._touch(e)
+      return e.ref
+
+  def unload(self, name: str) -> LoraRef:
+    """Forgets ``name`` (``LookupError`` if unknown); requests already holding it finish."""
+    with self._lock:
+      e = self._by_name.pop(name, None)
+      if e is None:
+        raise LookupError(self._unknown(name))
+      return e.ref
+
+  def resolve(self, name: str) -> LoraRef:
+    with self._lock:
+      e = self._by_name.get(name)
+      if e is None:
+        raise LookupError(self._unknown(name))
+      return e.ref
+
+  def _unknown(self, name: str) -> str:
+    have = ", ".join(sorted(self._by_name)) or "none"
+    return f"unknown LoRA adapter {name!r} (loaded: {have})"
+
+  def names(self) -> list[LoraRef]:
+    with self._lock:
+      return sorted((e.ref for e in self._by_name.values()), key=lambda r: r.name)
+
+  def path(self, name: str) -> str:
+    with self._lock:
+      return self._by_name[name].path
+
+  def weights(self, uid: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Adapter ``uid``'s ``a`` / ``b`` at ``max_rank`` (read again if dropped from memory)."""
+    with self._lock:
+      e = self._by_uid[uid]
+      ad = e.adapter
+    if ad is None:
+      ad = self._read(e.path)
+    with self._lock:
+      e.adapter = ad
+      self._touch(e)
+    return ad.padded(self.max_rank)
+
+  def _touch(self, e: _Entry) -> None:
+    """Most recently used; drops arrays beyond ``max_cpu_loras`` (an unloaded adapter's
+    entry goes once no request can reach it: its uid is only in ``_by_uid``)."""
+    self._host[e.ref.uid] = None
+    self._host.move_to_end(e.ref.uid)
+    while len(self._host) > self.max_cpu_loras:
+      uid, _ = self._host.popitem(last=False)
+      old = self._by_uid[uid]
+      old.adapter = None
+      if old.ref.name not in self._by_name or self._by_name[old.ref.name] is not old:
+        del self._by_uid[uid]
+
+  @property
+  def host_adapters(self) -> int:
+    with self._lock:
+      return len(self._host)
+
+
+class LoraSlots:
+  """See the module contract."""
+
+  def __init__(self, max_loras: int):
+    if max_loras < 1:
+      raise ValueError("max_loras must be >= 1")
+    self.max_loras = max_loras
+    self._uid: list[int | None] = [None] * max_loras  # slot -> adapter uid
+    self._users = [0] * max_loras
+    self._used = [0] * max_loras  # last acquire tick
+    self._tick = itertools.count(1)
+    self._loads: list[LoraLoad] = []
+    self.loads = 0  # adapters moved onto the device so far
+
+  def slot_of(self, uid: int) -> int | None:
+    return self._uid.index(uid) if uid in self._uid else None
+
+  def acquire(self, ref: LoraRef) -> int | None:
+    """The device slot holding ``ref`` for one more sequence (filled by a ``LoraLoad`` when it
+    is not there yet), or None while every slot is held by other adapters' sequences."""
+    slot = self.slot_of(ref.uid)
+    if slot is None:
+      free = [s for s in range(self.max_loras) if not self._users[s]]
+      if not free:
+        return None
+      slot = min(free, key=lambda s: (self._uid[s] is not None, self._used[s]))
+      self._uid[slot] = ref.uid
+      self._loads.append(LoraLoad(slot, ref.uid))
+      self.loads += 1
+    self._users[slot] += 1
+    self._used[slot] = next(self._tick)
+    return slot
+
+  def release(self, slot: int) -> None:
+    if self._users[slot] < 1:
+      raise ValueError(f"release of LoRA slot {slot}, which no sequence holds")
+    self._users[slot] -= 1
+
+  def take_loads(self) -> tuple[LoraLoad, ...]:
+    out, self._loads = tuple(self._loads), []
+    return out
+
+  @property
+  def held(self) -> int:
+    return sum(1 for u in self._users if u)
+
+
+__all__ = ["LoraRef", "LoraLoad", "LoraRegistry", "LoraSlots"]
