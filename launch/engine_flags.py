@@ -111,6 +111,18 @@ LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the 
                                   "suffix looked up in the context", lower_bound=1)
 LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 2, "n-gram proposer: the shortest "
                                   "suffix looked up", lower_bound=1)
+LORA_MODULES = flags.DEFINE_multi_string(
+    "lora_modules", [], "LoRA adapters served beside the base model, name=path to a PEFT "
+    "directory (adapter_config.json + adapter_model.safetensors); repeat or give several")
+MAX_LORAS = flags.DEFINE_integer(
+    "max_loras", 0, "LoRA adapters resident on the device at once (0: one per --lora_modules "
+    "adapter, at most 4; give it to serve adapters loaded at run time only)", lower_bound=0)
+MAX_LORA_RANK = flags.DEFINE_integer(
+    "max_lora_rank", 0, "the device slots' LoRA rank (0: the largest --lora_modules adapter's, "
+    "else 16)", lower_bound=0)
+MAX_CPU_LORAS = flags.DEFINE_integer(
+    "max_cpu_loras", 0, "LoRA adapters kept in host memory (0: at least --max_loras and every "
+    "start-up adapter; others are read again from their files)", lower_bound=0)
 MAX_CONTEXT = flags.DEFINE_integer("max_context", 2048,
                                    "longest prompt + output served (capped at the model's)",
                                    lower_bound=2)
@@ -125,6 +137,24 @@ class Built:
   mode: str
   dtype: str  # the float dtype run (``--dtype``, or what ``auto`` chose)
   defaults: str  # what the flags left at auto chose, and why ("" when none was)
+
+
+def lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+  """``--lora_modules`` entries (each ``name=path``, several per entry split by spaces or
+  commas, as vLLM's ``--lora-modules a=x b=y``) -> (name, path) pairs; ``CliError`` naming a bad
+  one."""
+  out = []
+  for entry in values:
+    for item in entry.replace(",", " ").split():
+      name, sep, path = item.partition("=")
+      if not sep or not name or not path:
+        raise CliError(f"--lora_modules: {item!r} is not name=path")
+      out.append((name, path))
+  names = [n for n, _ in out]
+  dup = next((n for n in names if names.count(n) > 1), None)
+  if dup:
+    raise CliError(f"--lora_modules: the name {dup!r} is given twice")
+  return tuple(out)
 
 
 def resolve_defaults() -> tuple[str, int, str]:
@@ -183,6 +213,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
   import jax
   import jax.numpy as jnp
   from models.io.loader import load_config, load_model
+  from serving.lora import LoraConfig
   from serving import stack
   from partitioning.deployment import Deployment, check_multiprocess, make_steps
   cache = compile_cache.configure(COMPILE_CACHE.value)
@@ -209,7 +240,9 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
         attention_sinks=SINKS.value, tpot_target_ms=TPOT_TARGET.value,
         min_prefill_tokens=MIN_PREFILL.value, pack_prefill=PACK_PREFILL.value,
         spec_tokens=SPEC_TOKENS.value, spec_max_rows=SPEC_MAX_ROWS.value,
-        prompt_lookup_max=LOOKUP_MAX.value, prompt_lookup_min=LOOKUP_MIN.value)
+        prompt_lookup_max=LOOKUP_MAX.value, prompt_lookup_min=LOOKUP_MIN.value,
+        lora=LoraConfig(lora_modules(LORA_MODULES.value), MAX_LORAS.value, MAX_LORA_RANK.value,
+                        MAX_CPU_LORAS.value))
     deployment = Deployment(mode,  # type: ignore[arg-type]  # an enum flag: one of the modes
                             PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,

@@ -5,7 +5,8 @@
 One request per line: {"prompt": "..."} or {"prompt_ids": [...]} or {"messages": [...]} (chat,
 rendered with the model's template), plus optional "max_tokens" (default 64), "temperature",
 "top_k", "top_p", "seed" (default: a fresh random seed), "stop" (a string or a list of strings),
-"stop_ids", "min_tokens", "ignore_eos", "priority". Results are written one line each, in input
+"stop_ids", "min_tokens", "ignore_eos", "priority", "lora" (a LoRA adapter of ``--lora_modules``, by
+name). Results are written one line each, in input
 order: {"index", "token_ids", "text", "finish_reason", "message", "ttft_ms", "tpot_ms",
 "queue_ms", "e2e_ms", "prompt_tokens", "completion_tokens"}; a bad line gets {"index", "error"}
 naming the field, and the others still run. The last line is {"summary": {"requests",
@@ -32,6 +33,7 @@ from serving.step_timeline import summarize
 
 if TYPE_CHECKING:
   from models.text.tokenizer import Tokenizer
+  from serving.lora import LoraRegistry
   from serving.request import Request
 
 _REQUESTS = flags.DEFINE_string("requests", None, "JSONL file, one request per line")
@@ -40,10 +42,11 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program befo
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "write the Chrome trace JSON here")
 
 _FIELDS = {"prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_k", "top_p",
-           "seed", "stop", "stop_ids", "min_tokens", "ignore_eos", "priority"}
+           "seed", "stop", "stop_ids", "min_tokens", "ignore_eos", "priority", "lora"}
 
 
-def parse_request(index: int, line: str, tokenizer: "Tokenizer") -> "Request":
+def parse_request(index: int, line: str, tokenizer: "Tokenizer",
+                  loras: "LoraRegistry | None" = None) -> "Request":
   """One JSONL line -> Request; ``ValueError`` naming the bad field."""
   from serving.request import Request, fresh_seed
   from serving.sampling import SamplingParams
@@ -109,7 +112,16 @@ def parse_request(index: int, line: str, tokenizer: "Tokenizer") -> "Request":
                             ignore_eos=ignore_eos)
   except ValueError as e:
     raise ValueError(f"field 'max_tokens' / 'min_tokens': {e}") from None
-  return Request(f"req-{index}", tuple(ids), sampling, criteria, typed("priority", (int,), 0))
+  lora, name = None, typed("lora", (str,), "")
+  if name:
+    try:
+      if loras is None:
+        raise LookupError("this run serves no LoRA adapters (--lora_modules)")
+      lora = loras.resolve(name)
+    except LookupError as e:
+      raise ValueError(f"field 'lora': {e.args[0]}") from None
+  return Request(f"req-{index}", tuple(ids), sampling, criteria, typed("priority", (int,), 0),
+                 lora=lora)
 
 
 def _read_lines(path: str) -> Iterator[str]:
@@ -157,7 +169,7 @@ def run() -> list[dict]:
   start = time.perf_counter()
   for i, line in enumerate(lines):
     try:
-      req = parse_request(i, line, tok)
+      req = parse_request(i, line, tok, loop.loras)
     except ValueError as e:
       results[i] = {"index": i, "error": str(e)}
       continue

@@ -60,7 +60,9 @@ _METRICS_PORT = flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics 
 _MAX_MESSAGE = flags.DEFINE_integer("max_message_bytes", 4 << 20, "largest request message",
                                     lower_bound=1024)
 _API_KEYS = flags.DEFINE_string("api_keys", None, "JSON file: key -> {name, requests_per_min, "
-                                "tokens_per_min}")
+                                "tokens_per_min, admin}")
+_LORA_ADMIN = flags.DEFINE_bool("lora_admin", False, "HTTP: POST /v1/load_lora_adapter and "
+                                "/v1/unload_lora_adapter, for --api_keys keys marked admin")
 _TLS_CERT = flags.DEFINE_string("tls_cert", None, "PEM certificate (TLS)")
 _TLS_KEY = flags.DEFINE_string("tls_key", None, "PEM private key (TLS)")
 _USAGE_LOG = flags.DEFINE_string("usage_log", None, "append one JSON line per request here")
@@ -204,6 +206,9 @@ def main(argv: list[str]) -> None:
     keys = ApiKeys.load(_API_KEYS.value) if _API_KEYS.value else ApiKeys.none()
   except ValueError as e:
     raise CliError(str(e))
+  if _LORA_ADMIN.value and not keys.enabled:
+    raise CliError("--lora_admin needs --api_keys with a key marked \"admin\": true (adapter "
+                   "loading is never open to anonymous callers)")
   if _DEFAULT_SLO.value not in {c.name for c in classes} | {admission.BEST_EFFORT}:
     raise CliError(f"--default_slo_class {_DEFAULT_SLO.value!r} is not in --slo_classes")
   for path in (_TLS_CERT.value, _TLS_KEY.value):
@@ -247,7 +252,7 @@ def main(argv: list[str]) -> None:
       limits, classes, slo_scale=_SLO_SCALE.value, early_reject=_EARLY_REJECT.value,
       max_queue=_MAX_QUEUE.value, stream_buffer_bytes=_STREAM_BYTES.value,
       stream_stall_s=_STALL.value, watchdog_s=_WATCHDOG.value), registry,
-      UsageLog(_USAGE_LOG.value), faults=faults, grammars=_grammars(tok))
+      UsageLog(_USAGE_LOG.value), faults=faults, grammars=_grammars(tok), loras=loop.loras)
   frontend.metrics.watch_programs(programs)
   try:
     version = importlib.metadata.version("phaseserve")
@@ -269,7 +274,7 @@ def main(argv: list[str]) -> None:
       http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
           _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,
           max_context=limits.max_context, defaults=defaults, version=version,
-          tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value))
+          tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value, lora_admin=_LORA_ADMIN.value))
     except OSError as e:
       running.server.stop(None)
       raise CliError(str(e))

@@ -33,6 +33,7 @@ from serving.engine_api import EngineApi
 from serving.guard import Guard
 from serving.kv_pages import Refusal
 from serving.lifecycle import Metrics, RequestTrace
+from serving.lora import LoraRegistry
 from serving.request import Request, RequestOutput, Usage
 from serving.scheduler import Scheduler, StepPlan, StepResult
 from serving.step_cost import StepCostModel
@@ -84,8 +85,10 @@ class ServingLoop:
                clock: Callable[[], float] = time.monotonic, *, max_traces: int | None = None,
                fault_hook: Callable[[StepPlan], None] | None = None, max_faults: int = 3,
                rebuild: Callable[[], Scheduler] | None = None, max_restarts: int = 3,
-               guard: Guard | None = None, cost_model: StepCostModel | None = None):
+               guard: Guard | None = None, cost_model: StepCostModel | None = None,
+               loras: LoraRegistry | None = None):
     self.scheduler = scheduler
+    self.loras = loras  # the LoRA adapters served: the front ends resolve names here
     self.engine = engine
     self.metrics = metrics
     self.clock = clock
@@ -397,13 +400,14 @@ class ServingLoop:
     limit = self.scheduler.prefill_limit
     return None if limit is None or decoding == 0 else limit(decoding)
 
-  def cached_prefix_tokens(self, ids: Sequence[int], timeout: float = 0.1) -> int:
-    """Thread-safe: the leading tokens of ``ids`` the prefix cache holds now (0 without a
-    cache, or when the loop keeps the scheduler longer than ``timeout`` seconds)."""
+  def cached_prefix_tokens(self, ids: Sequence[int], ns: int = 0, timeout: float = 0.1) -> int:
+    """Thread-safe: the leading tokens of ``ids`` the prefix cache holds now in namespace
+    ``ns`` (a LoRA adapter's uid, ``serving.kv_manager.namespace``; 0 without a cache, or when
+    the loop keeps the scheduler longer than ``timeout`` seconds)."""
     if not self._sched_lock.acquire(timeout=timeout):
       return 0
     try:
-      return self.scheduler.kv.cached_prefix(ids)
+      return self.scheduler.kv.cached_prefix(ids, ns)
     finally:
       self._sched_lock.release()
 

@@ -14,6 +14,9 @@ Contract:
     adapter holds a slot while a running sequence uses it (``acquire`` / ``release``); a slot
     nobody uses is given to another adapter, least recently used first; ``take_loads()``: the
     slots to fill before the next step (``LoraLoad``). Pure bookkeeping: no JAX.
+  * ``LoraConfig`` (the flags: ``--lora_modules``, ``--max_loras``, ``--max_lora_rank``,
+    ``--max_cpu_loras``; 0 is auto) and ``build_registry(cfg, LoraConfig)`` -> the registry with
+    the start-up adapters loaded and the device slots to make (None, 0: no adapters served).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import threading
 import numpy as np
 
 from models.config import ModelConfig
-from models.io.peft import Adapter, load_peft_adapter
+from models.io.peft import Adapter, adapter_rank, load_peft_adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,4 +194,34 @@ class LoraSlots:
     return sum(1 for u in self._users if u)
 
 
-__all__ = ["LoraRef", "LoraLoad", "LoraRegistry", "LoraSlots"]
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT directory) loaded at start-up
+  max_loras: int = 0  # device slots (0: auto, one per start-up adapter up to 4; none: off)
+  max_rank: int = 0  # the slots' rank (0: the largest start-up adapter's, 16 without one)
+  max_cpu_loras: int = 0  # adapters' arrays kept in host memory (0: at least max_loras)
+
+
+def build_registry(cfg: ModelConfig, conf: LoraConfig) -> tuple[LoraRegistry | None, int]:
+  """(the registry, device slots); (None, 0) when no adapter is served. Errors name the
+  module (``ValueError``)."""
+  slots = conf.max_loras or min(len(conf.modules), 4)
+  if not slots:
+    return None, 0
+  rank = conf.max_rank
+  if not rank:
+    try:
+      rank = max((adapter_rank(p) for _, p in conf.modules), default=16)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+      raise ValueError(f"--lora_modules: {e}") from None
+  reg = LoraRegistry(cfg, max_rank=rank,
+                     max_cpu_loras=max(conf.max_cpu_loras, slots, len(conf.modules)))
+  for name, path in conf.modules:
+    try:
+      reg.load(name, path)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+      raise ValueError(f"--lora_modules {name}={path}: {e}") from None
+  return reg, slots
+
+
+__all__ = ["LoraRef", "LoraLoad", "LoraRegistry", "LoraSlots", "LoraConfig", "build_registry"]

@@ -6,7 +6,8 @@ kv_shards=1, max_traces=None, wrap_engine=None, fault_hook=None, restarts=True) 
 ``ServingConfig`` sizes the page pool (``kv_pages`` pages of ``page_size`` positions in
 ``kv_shards`` sub-pools), the scheduler and the engine, so they always agree; the prefix cache
 (with session pinning) is on unless ``prefix_cache`` is False, ``host_tier_bytes`` gives it a
-host tier, ``tpot_target_ms`` > 0 a TPOT-aware prefill budget. Hooks are given here, never
+host tier, ``tpot_target_ms`` > 0 a TPOT-aware prefill budget, ``lora`` the LoRA adapters
+served (``serving.lora``: the loop's ``loras`` registry, the scheduler's slots, the engine's). Hooks are given here, never
 assigned later: ``wrap_engine(engine)`` wraps the engine the loop drives (the multi-host
 ``serving.multihost.LeaderEngine``), ``fault_hook`` is the loop's (test-only fault injection),
 ``restarts`` lets the loop rebuild its scheduler after an internal error. ``warmup`` / ``ready``
@@ -37,6 +38,7 @@ from serving.loop import ServingLoop
 from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler, StepPlan
+from serving.lora import LoraConfig, LoraSlots, build_registry
 from serving.speculative import NgramProposer, auto_max_rows
 
 
@@ -70,6 +72,7 @@ class ServingConfig:
   spec_max_rows: int = 0
   prompt_lookup_max: int = 4
   prompt_lookup_min: int = 2
+  lora: LoraConfig = LoraConfig()  # multi-LoRA serving (serving.lora; default: none)
 
 
 def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfig,
@@ -91,6 +94,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
                            config.prompt_lookup_min) if config.spec_tokens else None
   spec_rows = config.spec_max_rows or auto_max_rows(config.spec_tokens)
+  loras, lora_slots = build_registry(cfg, config.lora)
 
   def make_scheduler() -> Scheduler:
     """A fresh KV manager (pool, prefix cache, sessions, host tier emptied) and scheduler (at
@@ -107,7 +111,8 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                       max_waiting=config.max_waiting, max_context=context,
                       max_prefill_chunks=config.max_prefill_chunks,
                       sinks=config.attention_sinks, proposer=proposer,
-                      spec_max_rows=spec_rows)
+                      spec_max_rows=spec_rows,
+                      loras=LoraSlots(lora_slots) if lora_slots else None)
     if config.tpot_target_ms > 0:  # a cost-model failure means no budget this step
       sched.prefill_limit = guard.wrap("cost_model", tpot_prefill_limit(
           cost_model, config.tpot_target_ms / 1e3, config.min_prefill_tokens))
@@ -118,12 +123,12 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
       lag=0 if config.spec_tokens else config.lag, sinks=config.attention_sinks,
       pack_prefill=config.pack_prefill, spec_tokens=config.spec_tokens,
-      spec_rows=spec_rows),
-      decode=decode, host_store=store)
+      spec_rows=spec_rows, max_loras=lora_slots),
+      decode=decode, host_store=store, loras=loras)
   return ServingLoop(make_scheduler(), engine if wrap_engine is None else wrap_engine(engine),
                      metrics, max_traces=max_traces, fault_hook=fault_hook,
                      rebuild=make_scheduler if restarts else None, guard=guard,
-                     cost_model=cost_model)
+                     cost_model=cost_model, loras=loras)
 
 
 def warmup(loop: ServingLoop, threads: int | None = None) -> int:
@@ -151,7 +156,17 @@ def describe(loop: ServingLoop) -> dict[str, object]:
           "max_step_tokens": c.max_step_tokens, "max_prefill_chunks": c.max_prefill_chunks,
           "prefix_cache": c.prefix_cache, "attention_sinks": c.attention_sinks,
           "host_tier_pages": c.host_tier_pages, "speculative": spec_describe(loop),
+          "lora": lora_describe(loop),
           "step": loop.engine.describe()}
+
+
+def lora_describe(loop: ServingLoop) -> dict[str, object] | None:
+  """The LoRA adapters served (None: none)."""
+  reg, slots = loop.loras, loop.scheduler.loras
+  if reg is None or slots is None:
+    return None
+  return {"max_loras": slots.max_loras, "max_lora_rank": reg.max_rank,
+          "max_cpu_loras": reg.max_cpu_loras, "adapters": [r.name for r in reg.names()]}
 
 
 def spec_describe(loop: ServingLoop) -> dict[str, object] | None:

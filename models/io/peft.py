@@ -77,6 +77,11 @@ def _config(root: Path) -> dict:
   return conf
 
 
+def adapter_rank(path: str | os.PathLike) -> int:
+  """The rank ``r`` an adapter's ``adapter_config.json`` declares (reads no weights)."""
+  return int(_config(Path(path))["r"])
+
+
 def load_peft_adapter(path: str | os.PathLike, cfg: ModelConfig) -> Adapter:
   root = Path(path)
   conf = _config(root)
@@ -112,4 +117,4 @@ def load_peft_adapter(path: str | os.PathLike, cfg: ModelConfig) -> Adapter:
   return Adapter(str(root), r, a, b)
 
 
-__all__ = ["Adapter", "load_peft_adapter"]
+__all__ = ["Adapter", "adapter_rank", "load_peft_adapter"]

@@ -1,11 +1,12 @@
 """API keys and per-key quotas.
 
 Contract: ``ApiKeys.load(path)`` reads a JSON object ``{"<key>": {"name": "...",
-"requests_per_min": N, "tokens_per_min": N}}`` (quotas optional, positive integers; a boolean,
+"requests_per_min": N, "tokens_per_min": N, "admin": true}}`` (quotas optional, positive integers; a boolean,
 which Python counts as an int, is refused: a ``ValueError`` naming the key's ``name`` and the
 field, never the key itself); ``ApiKeys.none()`` accepts every caller as ``anonymous``.
 ``authenticate(key) -> KeyInfo`` raises ``Unauthenticated`` for a missing or unknown key (keys
-compared by SHA-256 digest). ``Quotas.admit(info, tokens, now)`` raises ``OverQuota`` when the
+compared by SHA-256 digest). ``admin``: the key may change what is served (the LoRA adapter
+endpoints); only a key file grants it. ``Quotas.admit(info, tokens, now)`` raises ``OverQuota`` when the
 key's sliding 60-second window already holds ``requests_per_min`` requests or the new request's
 ``tokens`` (prompt + n * max_tokens, what it may use) would pass ``tokens_per_min``; otherwise
 it charges the window. ``settle(handle, tokens)`` corrects the charge to what the request really
@@ -34,6 +35,7 @@ class KeyInfo:
   name: str
   requests_per_min: int | None = None
   tokens_per_min: int | None = None
+  admin: bool = False
 
 
 def _digest(key: str) -> str:
@@ -61,7 +63,7 @@ class ApiKeys:
     for key, info in obj.items():
       if not isinstance(info, dict) or not isinstance(info.get("name"), str):
         raise ValueError(f"--api_keys {path!r}: each key needs {{\"name\": ...}}")
-      extra = set(info) - {"name", "requests_per_min", "tokens_per_min"}
+      extra = set(info) - {"name", "requests_per_min", "tokens_per_min", "admin"}
       if extra:
         raise ValueError(f"--api_keys {path!r}: unknown field {sorted(extra)[0]!r}")
       for q in ("requests_per_min", "tokens_per_min"):
@@ -71,7 +73,10 @@ class ApiKeys:
                            f"({json.dumps(info[q])})")
         if q in info and (not isinstance(info[q], int) or info[q] < 1):
           raise ValueError(f"{where} must be a positive integer")
-      keys[key] = KeyInfo(info["name"], info.get("requests_per_min"), info.get("tokens_per_min"))
+      if not isinstance(info.get("admin", False), bool):
+        raise ValueError(f"--api_keys {path!r}: key {info['name']!r}: admin must be a boolean")
+      keys[key] = KeyInfo(info["name"], info.get("requests_per_min"), info.get("tokens_per_min"),
+                          info.get("admin", False))
     return cls(keys)
 
   @property

@@ -4,7 +4,8 @@ Contract: ``Frontend(loop, tokenizer, FrontendConfig, registry, usage_log, fault
 every wire API calls; they only translate messages and statuses. It reads the loop only through
 its read-only face (``capacity``, ``occupancy``, ``cached_prefix_tokens``, ...).
   * ``generate(args, key, client_request_id, api) -> Stream`` checks in order the state
-    (``UNAVAILABLE`` unless serving), the request (``INVALID_ARGUMENT``), the KV budget, the queue
+    (``UNAVAILABLE`` unless serving), the request (``INVALID_ARGUMENT``; an adapter ``loras``
+    does not hold: ``NOT_FOUND``, reason ``model_not_found``), the KV budget, the queue
     bound, the key's quota and the predicted SLO miss (``serving.api.admission``; early rejection
     never on an idle server), then submits its ``n`` samples (seeds ``seed + i``; with the prefix
     cache samples 1..n-1 wait for sample 0's prefill). A refused request gets its usage record.
@@ -38,6 +39,7 @@ from serving.api.faults import FaultInjector
 from serving.kv_pages import ring_entries
 from serving.lifecycle import RequestTrace
 from serving.loop import ServingLoop
+from serving.lora import LoraRef, LoraRegistry
 from serving.request import Request, RequestOutput
 from serving.api.service_metrics import LiveGauges, ServiceMetrics
 from serving.api.stream import ServiceError, Status, Stream, StreamOwner
@@ -63,8 +65,10 @@ class FrontendConfig:
 class Frontend(StreamOwner):
   def __init__(self, loop: ServingLoop, tokenizer: Tokenizer, config: FrontendConfig,
                registry: prom.CollectorRegistry, usage: UsageLog | None = None, *,
-               faults: FaultInjector | None = None, grammars: GrammarCompiler | None = None):
+               faults: FaultInjector | None = None, grammars: GrammarCompiler | None = None,
+               loras: LoraRegistry | None = None):
     self.loop = loop
+    self.loras = loras  # the LoRA adapters served (None: none)
     self.grammars = grammars  # structured outputs (None: refused with a 400)
     self.tokenizer = tokenizer
     self.config = config
@@ -142,6 +146,16 @@ class Frontend(StreamOwner):
       v = validate(args, self.tokenizer, self.config.limits, field_names, self.grammars)
     except InvalidArgument as e:
       refuse(Status.INVALID_ARGUMENT, "invalid_argument", str(e), key, client_request_id, api)
+    lora: LoraRef | None = None
+    if args.lora:
+      try:
+        if self.loras is None:
+          raise LookupError(f"unknown model or LoRA adapter {args.lora!r}: this server serves "
+                            "no adapters")
+        lora = self.loras.resolve(args.lora)
+      except LookupError as e:
+        refuse(Status.NOT_FOUND, "model_not_found", str(e.args[0]), key, client_request_id,
+               api)
     prompt = len(v.prompt_ids)
     loop, cap = self.loop, self.loop.capacity()
     if v.sinks is not None:  # a ring of a fixed size, whatever max_tokens
@@ -165,7 +179,8 @@ class Frontend(StreamOwner):
     slo = self.classes.get(v.slo_class)  # None: best effort, predicted but never judged
     # What this request adds to the prefill backlog: its prompt less the cached prefix it would
     # reuse (the loop's thread-safe answer), and about one token per further sample.
-    new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids) + (v.n - 1)
+    new_tokens = prompt - loop.cached_prefix_tokens(v.prompt_ids, lora.uid if lora else 0) + (
+        v.n - 1)
     load = admission.Load(
         loop.step_s, self._backlog, occ.decoding, cap.max_step_tokens, new_tokens,
         model=loop.cost_model, slot_wait_steps=loop.slot_wait_steps(waiting),
@@ -212,7 +227,7 @@ class Frontend(StreamOwner):
       samp = dataclasses.replace(v.sampling, seed=(v.sampling.seed + i) % 2**32)
       # Only sample 0 of a session continues it (one conversation, one pinned path).
       req = Request(sid, v.prompt_ids, samp, v.stop, v.priority,
-                    v.session_id if i == 0 else "", v.sinks, speculate=v.speculative)
+                    v.session_id if i == 0 else "", v.sinks, speculate=v.speculative, lora=lora)
       trace = RequestTrace(sid, self.loop.clock, self.loop.guard.report)
       trace.record("arrival")
       stream.add_sample(i, req, trace, defer=share and i > 0)

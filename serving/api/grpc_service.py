@@ -42,6 +42,7 @@ STATUS_CODES = {
     Status.SLOW_CONSUMER: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Status.ERROR: grpc.StatusCode.INTERNAL,
     Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 _FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH,
            FinishReason.CANCELLED: pb.CANCELLED}
@@ -127,7 +128,8 @@ def _args(r: pb.GenerateRequest) -> GenerateArgs:
       ignore_eos=r.ignore_eos, logprobs=opt(r, "logprobs"), n=opt(r, "n"), priority=r.priority,
       slo_class=r.slo_class or None, session_id=r.session_id,
       sinks_window=r.attention_sinks.window if r.HasField("attention_sinks") else None,
-      sinks=opt(r.attention_sinks, "sinks") if r.HasField("attention_sinks") else None)
+      sinks=opt(r.attention_sinks, "sinks") if r.HasField("attention_sinks") else None,
+      lora=r.lora_adapter)
 
 
 def _timings(t: Mapping[str, float | None]) -> pb.Timings:

@@ -15,7 +15,8 @@ Contract (``serving.api.http_server`` is the wiring; every guarantee lives in
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and
     ``structured_outputs`` become one ``serving.grammar_spec.Grammar`` (a malformed one: a 400
     naming the field; compiled by the Frontend's grammar compiler).
-  * ``model`` may be absent (the served model); another id is 404 ``model_not_found``.
+  * ``model`` may be absent (the served model) or a LoRA adapter's name (``Served.loras``: the
+    request runs under it, as vLLM); another id is 404 ``model_not_found``.
   * Sampling defaults are ``Served.defaults``: OpenAI's (temperature 1, top_p 1) or the model's
     ``generation_config.json`` (as vLLM reads it); ``n`` 1, a fresh ``seed``; the server's
     ``--default_max_tokens`` and ``--default_slo_class``; a text prompt gets BOS.
@@ -47,6 +48,7 @@ from serving.api.http_errors import ApiError, bad
 from serving.api.tool_calls import ToolSpec
 from serving.api.validation import GenerateArgs, Message
 from serving.grammar_spec import GUIDED_FIELDS, GrammarSpecError, grammar_from_request
+from serving.lora import LoraRegistry
 
 _log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ def defaults_from_generation_config(cfg: Mapping[str, Any], source: str) -> Samp
 class Served:
   model: str  # the served model's id
   defaults: SamplingDefaults = SamplingDefaults()
+  loras: LoraRegistry | None = None  # the LoRA adapters served, by name (None: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,14 +196,23 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], served: Serv
   return ignored
 
 
-def check_model(body: Mapping[str, Any], served: Served) -> None:
-  """``model`` absent, null, empty or the served id; another id is a 404."""
+def check_model(body: Mapping[str, Any], served: Served) -> str:
+  """``model`` absent, null, empty or the served id (-> ""), or a LoRA adapter's name (->
+  it); another id is a 404."""
   got = body.get("model")
   if got is not None and not isinstance(got, str):
     raise bad("model", f"must be a string, got {type(got).__name__}")
-  if got and got != served.model:
-    raise ApiError(404, f"The model {got!r} does not exist; this server serves {served.model!r}",
-                   param="model", code="model_not_found")
+  if not got or got == served.model:
+    return ""
+  try:
+    if served.loras is not None:
+      return served.loras.resolve(got).name
+  except LookupError:
+    pass
+  adapters = [r.name for r in served.loras.names()] if served.loras is not None else []
+  also = f" and the LoRA adapters {', '.join(adapters)}" if adapters else ""
+  raise ApiError(404, f"The model {got!r} does not exist; this server serves {served.model!r}"
+                 f"{also}", param="model", code="model_not_found")
 
 
 def get_bool(body: Mapping[str, Any], name: str) -> bool | None:
@@ -274,7 +286,8 @@ def _common(body: Mapping[str, Any], served: Served) -> dict[str, Any]:
       truncate_prompt_tokens=truncate, n=n, grammar=grammar,
       priority=0 if priority is None else priority,
       slo_class=_get(body, "slo_class", lambda v: isinstance(v, str), "a string"),
-      session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "")
+      session_id=_get(body, "session_id", lambda v: isinstance(v, str), "a string") or "",
+      lora=check_model(body, served))
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:

@@ -47,6 +47,7 @@ STATUS: dict[Status, tuple[int, str]] = {
     Status.DEADLINE_EXCEEDED: (504, "timeout_error"),
     Status.ERROR: (500, "server_error"),
     Status.UNAVAILABLE: (503, "service_unavailable"),
+    Status.NOT_FOUND: (404, "invalid_request_error"),
 }
 # Retry-After (seconds) of a 429 by refusal reason: a quota's window is 60 s, so the requests it
 # holds now have all left it after 60 s; the queue and the SLO predictor change step by step.
@@ -65,6 +66,8 @@ def api_error(e: ServiceError) -> ApiError:
   if e.status is Status.INVALID_ARGUMENT:
     head = e.message.split(":", 1)[0]
     param = head if head and " " not in head else None
+  elif e.status is Status.NOT_FOUND:
+    param = "model"
   return ApiError(status, e.message, type_, param, e.reason or e.status.value, headers)
 
 

@@ -7,9 +7,11 @@ quotas, early rejection, drain, usage and metrics); ``RunningHttp.stop(timeout)`
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (Bearer key, bounded body, parsed
 by ``serving.api.http_api``, shaped by ``serving.api.http_response``; JSON, or server-sent events
 with ``stream: true``; the ``X-Ignored-Fields`` header names fields accepted and ignored), ``GET
-/v1/models`` (each also without ``/v1``), ``POST /tokenize`` and ``/detokenize``
+/v1/models`` (with the LoRA adapters; each also without ``/v1``), ``POST /tokenize`` and
+``/detokenize``
 (``serving.api.http_tokens``), ``GET /version``, ``/health`` (liveness), ``/ready`` (readiness),
-``/metrics``. Errors are OpenAI's JSON shape (``http_errors.ApiError``); an unexpected exception
+``/metrics``; with ``lora_admin``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+for admin keys (``serving.api.http_lora``). Errors are OpenAI's JSON shape (``http_errors.ApiError``); an unexpected exception
 is a logged 500.
 ``Frontend.generate`` runs in a thread pool; streams hold no thread (the loop thread wakes the
 event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
@@ -34,7 +36,7 @@ from typing import Any, AsyncGenerator, Sequence
 import prometheus_client as prom
 from aiohttp import web
 
-from serving.api import http_api, http_errors, http_response, http_tokens
+from serving.api import http_api, http_errors, http_lora, http_response, http_tokens
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
 from models.text.tokenizer import Tokenizer
 from serving.api.frontend import Frontend
@@ -63,6 +65,7 @@ class HttpOptions:
   shutdown_s: float = 2.0
   tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
   tls_key: str | None = None
+  lora_admin: bool = False  # the adapter load / unload routes (admin keys only)
 
 
 def _echo_text(args: GenerateArgs, stream: Stream, tok: Tokenizer) -> str:
@@ -96,7 +99,7 @@ class _Api:
     self.pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrent + 8,
                                                       thread_name_prefix="http")
     self._wakeups_by_loop: dict[asyncio.AbstractEventLoop, Wakeups] = {}
-    self.served = http_api.Served(options.model, options.defaults)
+    self.served = http_api.Served(options.model, options.defaults, frontend.loras)
     self.fingerprint = "fp_" + hashlib.sha256(
         f"{options.model}/{options.version}".encode()).hexdigest()[:10]
 
@@ -212,7 +215,8 @@ class _Api:
         http_api.parse_completion(body, served)
     streams = await self.admit(parsed, key, request)
     tok = self.frontend.tokenizer
-    shape = http_response.Response(parsed, served.model, streams[0].request_id, tok, [
+    shape = http_response.Response(parsed, parsed.prompts[0].lora or served.model,
+                                   streams[0].request_id, tok, [
         http_response.PromptInfo(len(s.validated.prompt_ids), _echo_text(a, s, tok)
                                  if parsed.echo else "")
         for a, s in zip(parsed.prompts, streams)], self.fingerprint)
@@ -296,17 +300,35 @@ class _Api:
     return {"id": self.options.model, "object": "model", "created": self.created,
             "owned_by": "phaseserve", "max_model_len": self.options.max_context}
 
+  def _models(self) -> list[dict[str, Any]]:
+    return [self._model()] + http_lora.cards(self._model(), self.frontend.loras)
+
   async def models(self, request: web.Request) -> web.Response:
     self.authenticate(request)
-    return web.json_response({"object": "list", "data": [self._model()]})
+    return web.json_response({"object": "list", "data": self._models()})
 
   async def model(self, request: web.Request) -> web.Response:
     self.authenticate(request)
     name = request.match_info["name"]
-    if name != self.options.model:
-      raise ApiError(404, f"The model {name!r} does not exist", param="model",
-                     code="model_not_found")
-    return web.json_response(self._model())
+    for card in self._models():
+      if card["id"] == name:
+        return web.json_response(card)
+    raise ApiError(404, f"The model {name!r} does not exist", param="model",
+                   code="model_not_found")
+
+  async def lora_admin(self, request: web.Request) -> web.Response:
+    """Adapter load / unload: an admin key's, on a server that serves adapters."""
+    key = self.authenticate(request)
+    if not key.admin:
+      raise ApiError(403, "loading or unloading LoRA adapters needs an admin API key",
+                     "permission_error")
+    body = await self.body(request)
+    loras = self.frontend.loras
+    if loras is None or not isinstance(body, dict):
+      raise ApiError(400, "this server serves no LoRA adapters (start it with --max_loras)"
+                     if loras is None else "the body must be a JSON object")
+    fn = http_lora.load if request.path.endswith("/load_lora_adapter") else http_lora.unload
+    return web.Response(text=await self.call(fn, body, loras))
 
   async def health(self, request: web.Request) -> web.Response:
     state = self.frontend.state
@@ -344,6 +366,9 @@ class _Api:
                       web.post(f"{prefix}/chat/completions", self.chat_completions),
                       web.get(f"{prefix}/models", self.models),
                       web.get(prefix + "/models/{name:.+}", self.model)])  # ids may hold "/"
+      if self.options.lora_admin:
+        app.add_routes([web.post(f"{prefix}/load_lora_adapter", self.lora_admin),
+                        web.post(f"{prefix}/unload_lora_adapter", self.lora_admin)])
     app.add_routes([web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                     web.get("/version", self.version),
                     web.get("/health", self.health), web.get("/ready", self.ready),

@@ -8,7 +8,8 @@ sample (``num_samples``; 0 means 1), token-id requests get ``token_ids`` only, t
 prepended (text and token requests alike) unless ``has_bos``, when the tokenizer has one.
 Better than JetStream: an over-long prompt (or prompt + max_tokens over the context) is
 INVALID_ARGUMENT, never truncated; ``max_tokens`` 0 is INVALID_ARGUMENT; an unknown
-``lora_adapter_id`` (phaseserve serves no adapters) is INVALID_ARGUMENT, not ignored; a
+``lora_adapter_id`` (a LoRA adapter's name: the request runs under it) is NOT_FOUND, not
+ignored; a
 cancelled stream frees its sequence; the queue is bounded (RESOURCE_EXHAUSTED).
 ``metadata.start_time`` is the client's own clock and is not read. ``HealthCheck`` answers
 ``is_live`` = the service is serving.
@@ -40,21 +41,17 @@ class OrchestratorServicer:
   def Decode(self, request, context) -> Iterator[js.DecodeResponse]:
     key = authenticate(self.keys, context)
     request = parsed(request, context)
-    if request.lora_adapter_id:
-      context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                    f"lora_adapter_id: unknown adapter {request.lora_adapter_id!r} (this server "
-                    "serves no LoRA adapters)")
     tok = self.frontend.tokenizer
     kind = request.WhichOneof("content")
     bos = [tok.bos_id] if not request.has_bos and tok.bos_id is not None else []
     if kind == "token_content":
       ids = list(request.token_content.token_ids)
       args = GenerateArgs(token_ids=bos + ids if ids else ids, max_tokens=request.max_tokens,
-                          n=request.num_samples)
+                          n=request.num_samples, lora=request.lora_adapter_id)
     else:
       args = GenerateArgs(text=request.text_content.text if kind else None,
                           add_bos=not request.has_bos, max_tokens=request.max_tokens,
-                          n=request.num_samples)
+                          n=request.num_samples, lora=request.lora_adapter_id)
     with_text = kind == "text_content"
     try:
       stream = self.frontend.generate(args, key, api="jetstream", field_names=_FIELDS)

@@ -37,6 +37,7 @@ class Status(str, enum.Enum):
   SLOW_CONSUMER = "slow_consumer"
   ERROR = "error"  # an engine fault: INTERNAL
   UNAVAILABLE = "unavailable"  # loading, draining, engine down
+  NOT_FOUND = "not_found"  # a model (LoRA adapter) the server does not serve
 
 
 class ServiceError(Exception):

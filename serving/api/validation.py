@@ -98,6 +98,7 @@ class GenerateArgs:
   repetition_penalty: float | None = None
   logit_bias: Mapping[int, float] | None = None  # token id -> bias
   speculative: bool = True  # False: this request never verifies draft ids (a server that drafts)
+  lora: str = ""  # the LoRA adapter to run under, by name ("": the base model)
 
 
 @dataclasses.dataclass(frozen=True)

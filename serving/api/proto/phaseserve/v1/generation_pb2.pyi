@@ -74,7 +74,7 @@ class AttentionSinks(_message.Message):
     def __init__(self, window: _Optional[int] = ..., sinks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "max_tokens", "sampling", "stop_token_ids", "stop", "logprobs", "n", "priority", "slo_class", "session_id", "client_request_id", "min_tokens", "ignore_eos", "attention_sinks")
+    __slots__ = ("text", "token_ids", "messages", "max_tokens", "sampling", "stop_token_ids", "stop", "logprobs", "n", "priority", "slo_class", "session_id", "client_request_id", "min_tokens", "ignore_eos", "attention_sinks", "lora_adapter")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class GenerateRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_SINKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     messages: Messages
@@ -107,7 +108,8 @@ class GenerateRequest(_message.Message):
     min_tokens: int
     ignore_eos: bool
     attention_sinks: AttentionSinks
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., slo_class: _Optional[str] = ..., session_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., attention_sinks: _Optional[_Union[AttentionSinks, _Mapping]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., priority: _Optional[int] = ..., slo_class: _Optional[str] = ..., session_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., attention_sinks: _Optional[_Union[AttentionSinks, _Mapping]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
