@@ -443,7 +443,7 @@ def test_jetstream_clients_work_unchanged(server, stub, tmp_path):
   assert out["has_bos"] == _run(stub, pb.GenerateRequest(
       token_ids=pb.TokenIds(ids=[bos, 72, 105]), max_tokens=6))[0][0]
   assert out["samples"] == [2]
-  assert out["errors"]["lora"][0] == "INVALID_ARGUMENT" and "lora_adapter_id" in out["errors"]["lora"][1]
+  assert out["errors"]["lora"][0] == "NOT_FOUND" and "my-adapter" in out["errors"]["lora"][1]
   assert out["errors"]["long"][0] == "INVALID_ARGUMENT"  # never truncated
   assert out["errors"]["zero"][0] == "INVALID_ARGUMENT" and "max_tokens" in out["errors"]["zero"][1]
   assert out["live"] is True
