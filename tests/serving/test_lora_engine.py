@@ -32,7 +32,7 @@ from serving.stop import StopCriteria
 from tests.cpu_policies import NATIVE
 from tests.sched_steps import serve_all
 
-CFG = get_preset("tiny").replace(max_seq_len=128)
+CFG = get_preset("tiny").replace(max_seq_len=96)  # not test_engine's programs (it counts compiles)
 SLOTS, Z, CHUNK, PAGES = 4, 8, 32, 64
 
 

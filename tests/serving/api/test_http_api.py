@@ -192,7 +192,7 @@ def test_stream_options_continuous_usage():
 def test_status_mapping():
   want = {Status.INVALID_ARGUMENT: 400, Status.REJECTED: 429, Status.UNAVAILABLE: 503,
           Status.ERROR: 500, Status.SLOW_CONSUMER: 408, Status.DEADLINE_EXCEEDED: 504,
-          Status.CANCELLED: 499}
+          Status.CANCELLED: 499, Status.NOT_FOUND: 404}
   assert {s: http_errors.STATUS[s][0] for s in Status if s is not Status.OK} == want
   e = http_errors.api_error(ServiceError(Status.INVALID_ARGUMENT, "top_p: must be in (0, 1]"))
   assert (e.status, e.param, e.type) == (400, "top_p", "invalid_request_error")
@@ -203,6 +203,8 @@ def test_status_mapping():
     assert e.status == 429 and e.headers == {"Retry-After": after} and e.code == reason
   e = http_errors.api_error(ServiceError(Status.UNAVAILABLE, "the server is shutting down"))
   assert e.status == 503 and e.headers["Retry-After"] == "5"
+  e = http_errors.api_error(ServiceError(Status.NOT_FOUND, "unknown adapter", "model_not_found"))
+  assert (e.status, e.param, e.code) == (404, "model", "model_not_found")
 
 
 class _FakeStream:
