@@ -73,6 +73,7 @@ def mlp(x_BTD: jax.Array, layer: dict, cfg: ModelConfig, backend: CpuBackend = C
   """The GLU MLP; ``lw``: each token's low-rank adapter terms (``models.lora``)."""
   gate_BTF, up_BTF = quant.einsums(("btd,df->btf",) * 2, x_BTD, (layer["gate"], layer["up"]),
                                    backend)
-  gate_BTF, up_BTF = lora.add(gate_BTF, x_BTD, lw, "gate"), lora.add(up_BTF, x_BTD, lw, "up")
+  gate_BTF, up_BTF = lora.adds((gate_BTF, up_BTF), x_BTD, lw, ("gate", "up"), backend)
   h_BTF = glu(gate_BTF, up_BTF, cfg.activation, x_BTD.dtype)
-  return lora.add(quant.einsum("btf,fd->btd", h_BTF, layer["down"], backend), h_BTF, lw, "down")
+  return lora.add(quant.einsum("btf,fd->btd", h_BTF, layer["down"], backend), h_BTF, lw, "down",
+                  backend)

@@ -8,8 +8,12 @@ call applies: the weights and each token's slot ``slot_BT`` (-1: none, the base 
 A projection ``y = x W`` becomes ``y + (x a_s) b_s`` for the token's slot ``s``, computed for all
 slots at once as two dense products, ``x [I] @ a [I, A*E]``, masked to the token's slot, then
 ``@ b [A*E, O]``: one program whatever the batch's mix of adapters (no per-adapter compile), at
-``A * E * (I + O)`` extra multiply-adds per token and projection. Targets: ``TARGETS``, with
-Hugging Face's module names in ``HF_MODULES``. Letters: ``models/config.py``.
+``A * E * (I + O)`` extra multiply-adds per token and projection. Few tokens (decode: at most
+``NATIVE_MAX_ROWS``) go instead, where the backend has it, to one native call per group of
+targets sharing an input (``models.cpu.kernels.lora_group``: each token's own slot only, no
+per-call weight packing; XLA:CPU's small dots cost ~15-25 us each, and 14 a layer made a decode
+step 2.3x the base's). Targets: ``TARGETS``, with Hugging Face's module names in
+``HF_MODULES``. Letters: ``models/config.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.cpu import kernels
+from models.cpu.backend import CpuBackend
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# The most tokens of a call that take the native kernel (more: the dense XLA products, whose
+# per-token cost is lower once the dots are large; measured, BUILD_NOTES "Multi-LoRA serving").
+NATIVE_MAX_ROWS = 64
 HF_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
               "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -54,10 +63,19 @@ class LoraBatch(NamedTuple):
 
 
 class LayerLora(NamedTuple):
-  """One layer's share of a ``LoraBatch``: its weights and the tokens' slot mask [B, T, A*E]."""
-  a: dict[str, jax.Array]  # target -> [I, A, E]
-  b: dict[str, jax.Array]  # target -> [A, E, O]
+  """One layer's share of a ``LoraBatch``: the stacked weights and the layer ``l`` (traced or
+  a Python int: sliced where used, so a native call reads them in place), the tokens' slot
+  mask [B, T, A*E] and slots."""
+  w: LoraWeights
+  l: jax.Array | int
   mask_BTJ: jax.Array  # J = A * E
+  slot_BT: jax.Array  # int32, -1: none
+
+  def a(self, target: str) -> jax.Array:  # [I, A, E]
+    return jax.lax.dynamic_index_in_dim(self.w.a[target], self.l, 0, keepdims=False)
+
+  def b(self, target: str) -> jax.Array:  # [A, E, O]
+    return jax.lax.dynamic_index_in_dim(self.w.b[target], self.l, 0, keepdims=False)
 
 
 def empty_weights(cfg: ModelConfig, slots: int, rank: int, dtype) -> LoraWeights:
@@ -73,30 +91,61 @@ def slot_mask(slot_BT: jax.Array, slots: int, rank: int, dtype) -> jax.Array:
   return (slot_BT[..., None] == owner_J).astype(dtype)
 
 
-def layer_view(batch: LoraBatch | None, dtype) -> tuple[LoraWeights, jax.Array] | None:
+View = tuple[LoraWeights, jax.Array, jax.Array]  # weights, mask_BTJ, slot_BT
+
+
+def layer_view(batch: LoraBatch | None, dtype) -> View | None:
   """The stacked weights and the step's slot mask (computed once for every layer)."""
   if batch is None:
     return None
   w = batch.weights
-  return w, slot_mask(batch.slot_BT, w.slots, w.rank, dtype)
+  return w, slot_mask(batch.slot_BT, w.slots, w.rank, dtype), batch.slot_BT
 
 
-def layer(view: tuple[LoraWeights, jax.Array] | None, l) -> LayerLora | None:
+def layer(view: View | None, l) -> LayerLora | None:
   """Layer ``l``'s weights (``l`` traced or a Python int) with the step's mask."""
   if view is None:
     return None
-  w, mask = view
-  take = lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False)
-  return LayerLora(jax.tree.map(take, w.a), jax.tree.map(take, w.b), mask)
+  w, mask, slot = view
+  return LayerLora(w, l, mask, slot)
 
 
-def add(y: jax.Array, x: jax.Array, lw: LayerLora | None, target: str) -> jax.Array:
+def _native(x: jax.Array, lw: LayerLora, backend: CpuBackend) -> bool:
+  """The native kernel takes this call (static: shapes, dtypes and the backend)."""
+  w = lw.w.a["q"]
+  rows = x.shape[0] * x.shape[1]
+  return (backend.lora and rows <= NATIVE_MAX_ROWS and w.shape[3] % 16 == 0
+          and x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float32))
+
+
+def adds(ys: tuple[jax.Array, ...], x: jax.Array, lw: LayerLora | None,
+         targets: tuple[str, ...], backend: CpuBackend = CpuBackend()) -> tuple[jax.Array, ...]:
+  """``add`` for several targets sharing ``x`` (q / k / v, gate / up): on few rows, one native
+  call for all of them."""
+  if lw is None:
+    return ys
+  if not _native(x, lw, backend):
+    return tuple(add(y, x, lw, t) for y, t in zip(ys, targets))
+  b, t = x.shape[:2]
+  n, i, slots, rank = lw.w.a[targets[0]].shape
+  pairs = [(lw.w.a[g].reshape(n, i, slots * rank), lw.w.b[g].reshape(n, slots * rank, -1))
+           for g in targets]
+  slot_M = jnp.broadcast_to(lw.slot_BT, (b, t)).reshape(-1)
+  ds = kernels.lora_group(x.reshape(b * t, i), slot_M, lw.l, pairs, slots)
+  return tuple((y.astype(jnp.float32) + d.reshape(y.shape)).astype(y.dtype)
+               for y, d in zip(ys, ds))
+
+
+def add(y: jax.Array, x: jax.Array, lw: LayerLora | None, target: str,
+        backend: CpuBackend = CpuBackend()) -> jax.Array:
   """``y`` (the base projection of ``x``, any trailing output shape) plus each token's adapter
   term; ``x``'s trailing axes flatten to the target's ``I``."""
   if lw is None:
     return y
   b, t = x.shape[:2]
-  a_IAE, b_AEO = lw.a[target], lw.b[target]
+  if _native(x, lw, backend):
+    return adds((y,), x.reshape(b, t, -1), lw, (target,), backend)[0]
+  a_IAE, b_AEO = lw.a(target), lw.b(target)
   i, slots, rank = a_IAE.shape
   u_BTJ = jnp.dot(x.reshape(b, t, i), a_IAE.reshape(i, slots * rank),
                   preferred_element_type=jnp.float32)
@@ -129,5 +178,6 @@ def merged(params: dict, a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> 
   return out
 
 
-__all__ = ["TARGETS", "HF_MODULES", "target_dims", "LoraWeights", "LoraBatch", "LayerLora",
-           "empty_weights", "slot_mask", "layer_view", "layer", "add", "place", "merged"]
+__all__ = ["TARGETS", "HF_MODULES", "NATIVE_MAX_ROWS", "target_dims", "LoraWeights",
+           "LoraBatch", "LayerLora", "empty_weights", "slot_mask", "layer_view", "layer", "add",
+           "adds", "place", "merged"]

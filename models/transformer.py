@@ -58,15 +58,14 @@ def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q:
   h_BTD = rms_norm(x_BTD, layer["attn_norm"], cfg.norm_eps, cfg.norm_plus_one)
   q_BTNH, k_BTKH, v_BTKH = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"),
                                          h_BTD, (layer["q"], layer["k"], layer["v"]), backend)
-  if lw is not None:
-    q_BTNH, k_BTKH, v_BTKH = (lora_mod.add(y, h_BTD, lw, t) for y, t in
-                              ((q_BTNH, "q"), (k_BTKH, "k"), (v_BTKH, "v")))
+  q_BTNH, k_BTKH, v_BTKH = lora_mod.adds((q_BTNH, k_BTKH, v_BTKH), h_BTD, lw, ("q", "k", "v"),
+                                          backend)
   q_BTNH = rotate(q_BTNH, rot_q)
   k_BTKH = rotate(k_BTKH, rot)
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
   attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
   attn_BTD = lora_mod.add(quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"], backend),
-                          attn_BTNH, lw, "o")
+                          attn_BTNH, lw, "o", backend)
   if cfg.parallel_block:
     x_BTD = x_BTD + attn_BTD + mlp(h_BTD, layer, cfg, backend, lw)
   else:

@@ -51,25 +51,29 @@ def write_peft_adapter(out: str | Path, cfg: ModelConfig, *, rank: int, seed: in
   return root
 
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m", "the model the adapters are for")
-flags.DEFINE_string("out", None, "the directory to write lora0, lora1, ... into")
-flags.DEFINE_integer("count", 4, "adapters to write")
-flags.DEFINE_integer("rank", 16, "their rank")
-flags.DEFINE_float("strength", 0.5, "each term's scale relative to its input")
+def _define_flags() -> None:
+  """The CLI's flags, defined only when run as a program (the module is imported by the LoRA
+  benchmark and tests, whose own flags share names)."""
+  flags.DEFINE_string("model", "smollm2-135m", "the model the adapters are for")
+  flags.DEFINE_string("out", None, "the directory to write lora0, lora1, ... into")
+  flags.DEFINE_integer("count", 4, "adapters to write", lower_bound=1)
+  flags.DEFINE_integer("rank", 16, "their rank", lower_bound=1)
+  flags.DEFINE_float("strength", 0.5, "each term's scale relative to its input")
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   from models.io.loader import load_config
-  if not FLAGS.out:
+  f = flags.FLAGS
+  if not f.out:
     raise app.UsageError("--out is required")
-  cfg = load_config(FLAGS.model)
-  paths = {f"lora{i}": str(write_peft_adapter(Path(FLAGS.out) / f"lora{i}", cfg,
-                                              rank=FLAGS.rank, seed=i, strength=FLAGS.strength))
-           for i in range(FLAGS.count)}
-  print(json.dumps({"model": FLAGS.model, "rank": FLAGS.rank, "adapters": paths}))
+  cfg = load_config(f.model)
+  paths = {f"lora{i}": str(write_peft_adapter(Path(f.out) / f"lora{i}", cfg, rank=f.rank,
+                                              seed=i, strength=f.strength))
+           for i in range(f.count)}
+  print(json.dumps({"model": f.model, "rank": f.rank, "adapters": paths}))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -5,7 +5,8 @@ Contract:
     which native kernels the model may call: ``matmul_kernels`` (``models.cpu.kernels``),
     ``amx``, ``dpbf16`` (AVX512-BF16), ``tiled`` (AVX512-BF16 on tiled weight copies),
     ``tiled_w8a8`` (AVX512-VNNI on tiled copies of W8A8 weights),
-    ``paged_attention`` and its ``paged_bf16_dot`` path.
+    ``paged_attention`` and its ``paged_bf16_dot`` path, ``lora`` (each row's own LoRA
+    adapter for decode rows, ``models.cpu.kernels.lora_group``).
     Steps and KV stores hold it and the model's functions take it as a static argument, so it
     is part of every jit key;
     nothing reads the environment or a module global at trace time.
@@ -36,6 +37,7 @@ class CpuBackend:
   tiled_w8a8: bool = False
   paged_attention: bool = False
   paged_bf16_dot: bool = False
+  lora: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +51,8 @@ class Resolved:
             "cache_path": c.path, "native_kernels": b.matmul_kernels, "amx_kernel": b.amx,
             "dpbf16_kernel": b.dpbf16, "tiled_kernel": b.tiled,
             "tiled_w8a8_kernel": b.tiled_w8a8,
-            "paged_attention": b.paged_attention, "measurements": c.measurements}
+            "paged_attention": b.paged_attention, "lora_kernel": b.lora,
+            "measurements": c.measurements}
 
 
 def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
@@ -65,7 +68,8 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
                     tiled_w8a8=kernels.available() and kernels.tiled_w8a8_available(),
                     paged_attention=pa,
                     paged_bf16_dot=pa and env.paged_bf16_dot()
-                    and paged_attention.bf16_dot_supported())
+                    and paged_attention.bf16_dot_supported(),
+                    lora=kernels.available() and kernels.lora_available())
 
 
 def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:

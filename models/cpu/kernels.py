@@ -18,6 +18,10 @@ Contract:
   * ``tiled_available()`` / ``tile_weight(w_KN)`` / ``matmul_tiled_group(x_MK, tiles, ns)``: the
     same products from a copy of each weight in column tiles of row pairs (the decode rows are
     the vector lanes: one broadcast weight pair a dot product, no shuffles).
+  * ``lora_available()`` / ``lora_group(x_MI, slot_M, layer, pairs, slots)``: each row's own
+    LoRA adapter's terms at one layer, f32 ``[(x @ a[l]_s) @ b[l]_s ...]`` for stacked pairs
+    ``(a [L, I, A E], b [L, A E, O])`` sharing ``x`` (``models.lora``; punica's SGMV: only the
+    row's slot is read, the stacked weights in place).
 Inside ``shard_map`` the kernels run on each shard's local block; under GSPMD a custom call is
 not partitioned, so the ``partitioning`` layouts use ``shard_map``.
 """
@@ -356,3 +360,28 @@ def matmul_tiled_w8a8_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Seq
                           [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
                           vmap_method="sequential")
   return list(call(x_MK, *tiles))
+
+
+# ---- Multi-LoRA: each row's own adapter (models/cpu/native/lora_matmul.cc) ----
+
+_LORA_TARGET = "phaseserve_lora_group"
+
+
+def lora_available() -> bool:
+  """True when the LoRA kernel is loaded (AVX-512 F / BW / VL). Builds on the first call."""
+  return native_build.load(
+      "lora_matmul", tuple(_FLAGS[:6]), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+      ((_LORA_TARGET, "PhaseserveLoraGroup"),), optional=True) is not None
+
+
+def lora_group(x_MI: jax.Array, slot_M: jax.Array, layer: jax.Array | int,
+               pairs: Sequence[tuple[jax.Array, jax.Array]], slots: int) -> list[jax.Array]:
+  """f32 ``[M, O]`` per pair: row m's ``(x @ a[l, :, s E:(s+1) E]) @ b[l, s E:(s+1) E]`` for its
+  slot ``s = slot_M[m]`` (out of ``[0, slots)``: zeros) at layer ``l = layer``; ``x`` and the
+  weights bf16 or f32, one dtype, ``E % 16 == 0`` (call only when ``lora_available()``)."""
+  m = x_MI.shape[0]
+  call = jax.ffi.ffi_call(_LORA_TARGET, [jax.ShapeDtypeStruct((m, b.shape[2]), jnp.float32)
+                                         for _, b in pairs])
+  flat = [w for pair in pairs for w in pair]
+  return list(call(x_MI, slot_M.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+                   *flat, slots=np.int64(slots)))

@@ -134,3 +134,20 @@ def test_unsupported_adapters_are_refused_by_name(model, ref, tmp_path):
     load_peft_adapter(tmp_path, cfg)
   with pytest.raises(ValueError, match="rank 16 > the slots' 8"):
     load_peft_adapter(ref / "mlp_r16", cfg).padded(8)
+
+
+def test_native_kernel_path_equals_the_dense_path(model, ref):
+  """Few tokens (at most ``lora.NATIVE_MAX_ROWS``) go to the native kernel where the backend has
+  it: the same logits as the dense XLA form within f32 summation-order noise."""
+  from models.cpu import backend as cpu_backend
+  be = cpu_backend.native()
+  if not be.lora:
+    pytest.skip("the native LoRA kernel needs AVX-512 and a C++ compiler")
+  cfg, params, _, w = model
+  tokens, slots, _ = _batch(ref)
+  tokens, slots = tokens[:, :6], slots  # 8 rows x 6 tokens = 48 <= NATIVE_MAX_ROWS
+  assert tokens.size <= lora.NATIVE_MAX_ROWS
+  batch = lora.LoraBatch(w, jnp.asarray(np.repeat(slots[:, None], tokens.shape[1], 1)))
+  dense = np.asarray(forward(params, jnp.asarray(tokens), cfg=cfg, lora=batch))
+  native = np.asarray(forward(params, jnp.asarray(tokens), cfg=cfg, lora=batch, backend=be))
+  np.testing.assert_allclose(native, dense, atol=ATOL, rtol=RTOL)
