@@ -8,11 +8,11 @@ call applies: the weights and each token's slot ``slot_BT`` (-1: none, the base 
 A projection ``y = x W`` becomes ``y + (x a_s) b_s`` for the token's slot ``s``, computed for all
 slots at once as two dense products, ``x [I] @ a [I, A*E]``, masked to the token's slot, then
 ``@ b [A*E, O]``: one program whatever the batch's mix of adapters (no per-adapter compile), at
-``A * E * (I + O)`` extra multiply-adds per token and projection. Few tokens (decode: at most
-``NATIVE_MAX_ROWS``) go instead, where the backend has it, to one native call per group of
-targets sharing an input (``models.cpu.kernels.lora_group``: each token's own slot only, no
-per-call weight packing; XLA:CPU's small dots cost ~15-25 us each, and 14 a layer made a decode
-step 2.3x the base's). Targets: ``TARGETS``, with Hugging Face's module names in
+``A * E * (I + O)`` extra multiply-adds per token and projection. Where the backend has it
+(``CpuBackend.lora``) one native call per group of targets sharing an input does it instead
+(``models.cpu.kernels.lora_group``: each token's own slot only, the stacked weights read in
+place; XLA:CPU's small dots cost ~15-25 us each, and 14 a layer made a decode step 2.4x the
+base's; measured faster from 8 to 512 tokens, BUILD_NOTES "Multi-LoRA serving"). Targets: ``TARGETS``, with Hugging Face's module names in
 ``HF_MODULES``. Letters: ``models/config.py``.
 """
 
@@ -29,9 +29,6 @@ from models.cpu import kernels
 from models.cpu.backend import CpuBackend
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# The most tokens of a call that take the native kernel (more: the dense XLA products, whose
-# per-token cost is lower once the dots are large; measured, BUILD_NOTES "Multi-LoRA serving").
-NATIVE_MAX_ROWS = 64
 HF_MODULES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
               "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -113,15 +110,14 @@ def layer(view: View | None, l) -> LayerLora | None:
 def _native(x: jax.Array, lw: LayerLora, backend: CpuBackend) -> bool:
   """The native kernel takes this call (static: shapes, dtypes and the backend)."""
   w = lw.w.a["q"]
-  rows = x.shape[0] * x.shape[1]
-  return (backend.lora and rows <= NATIVE_MAX_ROWS and w.shape[3] % 16 == 0
-          and x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float32))
+  return (backend.lora and w.shape[3] % 16 == 0 and x.dtype == w.dtype
+          and x.dtype in (jnp.bfloat16, jnp.float32))
 
 
 def adds(ys: tuple[jax.Array, ...], x: jax.Array, lw: LayerLora | None,
          targets: tuple[str, ...], backend: CpuBackend = CpuBackend()) -> tuple[jax.Array, ...]:
-  """``add`` for several targets sharing ``x`` (q / k / v, gate / up): on few rows, one native
-  call for all of them."""
+  """``add`` for several targets sharing ``x`` (q / k / v, gate / up): one native call for all
+  of them where the backend has the kernel."""
   if lw is None:
     return ys
   if not _native(x, lw, backend):
@@ -178,6 +174,6 @@ def merged(params: dict, a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> 
   return out
 
 
-__all__ = ["TARGETS", "HF_MODULES", "NATIVE_MAX_ROWS", "target_dims", "LoraWeights",
+__all__ = ["TARGETS", "HF_MODULES", "target_dims", "LoraWeights",
            "LoraBatch", "LayerLora", "empty_weights", "slot_mask", "layer_view", "layer", "add",
            "adds", "place", "merged"]
