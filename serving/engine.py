@@ -24,6 +24,10 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
   * Speculative decoding (``spec_tokens``; lag 0, one packing pool): a step whose decode rows
     carry draft ids runs them as one verify call (``serving.spec_verify``), the rows with
     penalties, a grammar or logprobs as a plain decode beside it.
+  * LoRA adapters (``max_loras`` device slots, ``loras`` the registry; one unsharded pool):
+    ``serving.engine_lora.DeviceLoras`` fills slots from the plan's ``lora_loads`` and every
+    model call takes each row's adapter from its slot's setup. The warm-up is
+    ``serving.engine_warmup``'s.
 """
 
 from __future__ import annotations

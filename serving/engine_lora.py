@@ -52,7 +52,7 @@ class DeviceLoras:
   @classmethod
   def create(cls, cfg: ModelConfig, registry: LoraRegistry, *, slots: int, max_slots: int,
              dtype, sharding: jax.sharding.Sharding) -> "DeviceLoras":
-    w = jax.device_put(lora.empty_weights(cfg, slots, registry.max_rank, dtype), sharding)
+    w = jax.device_put(lora.empty_weights(cfg, slots, registry.slot_rank, dtype), sharding)
     return cls(registry, w, np.full((max_slots,), -1, np.int32))
 
   def setup(self, slot: int, adapter: int) -> None:

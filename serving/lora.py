@@ -7,9 +7,11 @@ Contract:
   * ``LoraRegistry(cfg, max_rank=, max_cpu_loras=)``: thread-safe. ``load(name, path)`` reads a
     PEFT adapter (``models.io.peft``; rank at most ``max_rank``, the device slots' rank);
     ``unload(name)``; ``resolve(name)`` -> ``LoraRef`` or ``LookupError`` naming the adapters
-    there are; ``weights(uid)`` the adapter's arrays padded to ``max_rank``. At most
+    there are; ``weights(uid)`` the adapter's arrays padded to ``slot_rank`` (``max_rank``
+    rounded up to 16, the native kernel's multiple; zeros change nothing). At most
     ``max_cpu_loras`` adapters' arrays stay in host memory (least recently used dropped, read
-    again from their files when next used).
+    again from their files when next used, also after an unload, for requests admitted
+    before it).
   * ``LoraSlots(max_loras)``: the scheduler's view of the ``max_loras`` device slots: an
     adapter holds a slot while a running sequence uses it (``acquire`` / ``release``); a slot
     nobody uses is given to another adapter, least recently used first; ``take_loads()``: the
@@ -109,6 +111,10 @@ class LoraRegistry:
     have = ", ".join(sorted(self._by_name)) or "none"
     return f"unknown LoRA adapter {name!r} (loaded: {have})"
 
+  @property
+  def slot_rank(self) -> int:
+    return -(-self.max_rank // 16) * 16
+
   def names(self) -> list[LoraRef]:
     with self._lock:
       return sorted((e.ref for e in self._by_name.values()), key=lambda r: r.name)
@@ -127,19 +133,16 @@ class LoraRegistry:
     with self._lock:
       e.adapter = ad
       self._touch(e)
-    return ad.padded(self.max_rank)
+    return ad.padded(self.slot_rank)
 
   def _touch(self, e: _Entry) -> None:
-    """Most recently used; drops arrays beyond ``max_cpu_loras`` (an unloaded adapter's
-    entry goes once no request can reach it: its uid is only in ``_by_uid``)."""
+    """Most recently used; drops arrays beyond ``max_cpu_loras`` (the entry, a path, stays:
+    a request admitted before an unload may still need the adapter)."""
     self._host[e.ref.uid] = None
     self._host.move_to_end(e.ref.uid)
     while len(self._host) > self.max_cpu_loras:
       uid, _ = self._host.popitem(last=False)
-      old = self._by_uid[uid]
-      old.adapter = None
-      if old.ref.name not in self._by_name or self._by_name[old.ref.name] is not old:
-        del self._by_uid[uid]
+      self._by_uid[uid].adapter = None
 
   @property
   def host_adapters(self) -> int:
