@@ -203,6 +203,24 @@ class _SpecCollector(prom.registry.Collector):
     yield per_pos
 
 
+class _LoraCollector(prom.registry.Collector):
+  def __init__(self, info: Callable[[], tuple[int, list[str], list[str], int] | None]):
+    self._info = info
+
+  def collect(self) -> Iterable[prom_core.Metric]:
+    got = self._info()
+    if got is None:
+      return
+    slots, running, waiting, loads = got
+    info = prom_core.GaugeMetricFamily(  # vLLM's lora_requests_info: labels, the time as value
+        "phaseserve_lora_requests_info", "LoRA adapters of running and waiting requests",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(slots), ",".join(running), ",".join(waiting)], time.time())
+    yield info
+    yield prom_core.CounterMetricFamily("phaseserve_lora_loads", "LoRA adapters moved onto "
+                                        "the device's slots", value=loads)
+
+
 class Metrics:
   """The serving metrics, registered in ``registry`` (one per engine or server)."""
 
@@ -262,6 +280,13 @@ class Metrics:
     (``phaseserve_spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
     ``..._accepted_tokens_per_pos_total`` by position)."""
     self.registry.register(_SpecCollector(counts))
+
+  def watch_lora(self, info: Callable[[], tuple[int, list[str], list[str], int] | None]
+                 ) -> None:
+    """Exports ``info()`` (``Scheduler.lora_info``) at scrape time: vLLM's
+    ``lora_requests_info`` as ``phaseserve_lora_requests_info`` and
+    ``phaseserve_lora_loads_total``; nothing without adapters."""
+    self.registry.register(_LoraCollector(info))
 
   def observe(self, trace: RequestTrace) -> None:
     t = trace.timings()

@@ -115,6 +115,7 @@ class ServingLoop:
     if metrics is not None:
       metrics.watch_timeline(self.timeline)
       metrics.watch_spec(lambda: self.scheduler.spec)  # the scheduler's, rebuilt or not
+      metrics.watch_lora(lambda: self.scheduler.lora_info())
     self._timed: collections.deque[tuple[int, int]] = collections.deque()
     self._callbacks: dict[str, OutputFn] = {}
     self._inbox: queue.Queue[tuple[Request, RequestTrace, OutputFn]] = queue.Queue()

@@ -278,6 +278,19 @@ class Scheduler:
                     forget=moves.forget, loads=moves.loads,
                     lora_loads=self.loras.take_loads() if self.loras is not None else ())
 
+  def lora_info(self) -> tuple[int, list[str], list[str], int] | None:
+    """(device slots, adapters of running sequences, of waiting ones, adapters moved onto the
+    device so far); None without adapters. Read from other threads (metrics): copies only."""
+    if self.loras is None:
+      return None
+    running = sorted({s.req.lora.name for s in list(self._running) if s.req.lora is not None})
+    waiting = set()
+    for _, _, rid in list(self._waiting):
+      seq = self._seqs.get(rid)
+      if seq is not None and seq.req.lora is not None:
+        waiting.add(seq.req.lora.name)
+    return self.loras.max_loras, running, sorted(waiting), self.loras.loads
+
   def _acquire_lora(self, seq: _Seq) -> bool:
     """Its adapter's device slot (``seq.lora_slot``); False while every slot serves others."""
     if seq.req.lora is None:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli
 from launch import machine
@@ -128,7 +128,9 @@ def run() -> dict[str, object]:
       stack.warmup(loops[name])
       loops[name].engine.seal()
       sealed[name] = loops[name].engine.programs
-    refs = loops["lora"].loras.names()
+    registry = loops["lora"].loras
+    assert registry is not None  # built with adapters
+    refs = registry.names()
 
     def reqs(tag: str, adapters: bool) -> list[Request]:
       return [Request(f"{tag}-{i}", prompts[i], SamplingParams(),
@@ -158,9 +160,7 @@ def run() -> dict[str, object]:
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.start(argv)
   result = run()
   print(json.dumps(result) if _JSON.value else json.dumps(result, indent=1))
 

@@ -30,7 +30,7 @@ import json
 import statistics
 import time
 
-from absl import flags, logging
+from absl import flags
 
 from launch import cli
 from launch import machine
@@ -163,9 +163,7 @@ def run() -> dict[str, object]:
 
 
 def main(argv: list[str]) -> None:
-  logging.set_verbosity(logging.WARNING)
-  if len(argv) > 1:
-    raise CliError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.start(argv)
   result = run()
   print(json.dumps(result) if _JSON.value else json.dumps(result, indent=1))
 

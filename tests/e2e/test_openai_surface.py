@@ -300,6 +300,9 @@ def test_the_model_field_selects_the_adapter_and_every_api_agrees(server):
           token_content=js.DecodeRequest.TokenContent(token_ids=PROMPT), max_tokens=4,
           lora_adapter_id="nope"), timeout=60, metadata=AUTH))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details()
+  m = server.metrics()  # vLLM's lora_requests_info, and the adapters moved onto the device
+  assert m["phaseserve_lora_loads_total"] >= 2
+  assert any(k.startswith('phaseserve_lora_requests_info{max_lora="2"') for k in m), m.keys()
 
 
 def test_an_unknown_model_is_a_404_naming_the_adapters(server):
