@@ -140,21 +140,12 @@ class Built:
 
 
 def lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
-  """``--lora_modules`` entries (each ``name=path``, several per entry split by spaces or
-  commas, as vLLM's ``--lora-modules a=x b=y``) -> (name, path) pairs; ``CliError`` naming a bad
-  one."""
-  out = []
-  for entry in values:
-    for item in entry.replace(",", " ").split():
-      name, sep, path = item.partition("=")
-      if not sep or not name or not path:
-        raise CliError(f"--lora_modules: {item!r} is not name=path")
-      out.append((name, path))
-  names = [n for n, _ in out]
-  dup = next((n for n in names if names.count(n) > 1), None)
-  if dup:
-    raise CliError(f"--lora_modules: the name {dup!r} is given twice")
-  return tuple(out)
+  """``--lora_modules`` as (name, path) pairs (``serving.lora.parse_modules``); ``CliError``."""
+  from serving.lora import parse_modules
+  try:
+    return parse_modules(values)
+  except ValueError as e:
+    raise CliError(f"--lora_modules: {e}") from None
 
 
 def resolve_defaults() -> tuple[str, int, str]:

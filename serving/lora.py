@@ -205,6 +205,24 @@ class LoraConfig:
   max_cpu_loras: int = 0  # adapters' arrays kept in host memory (0: at least max_loras)
 
 
+def parse_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+  """``--lora_modules`` entries (each ``name=path``, several per entry split by spaces or
+  commas, as vLLM's ``--lora-modules a=x b=y``) -> (name, path) pairs; ``ValueError`` naming a
+  bad one."""
+  out = []
+  for entry in values:
+    for item in entry.replace(",", " ").split():
+      name, sep, path = item.partition("=")
+      if not sep or not name or not path:
+        raise ValueError(f"{item!r} is not name=path")
+      out.append((name, path))
+  names = [n for n, _ in out]
+  dup = next((n for n in names if names.count(n) > 1), None)
+  if dup:
+    raise ValueError(f"the name {dup!r} is given twice")
+  return tuple(out)
+
+
 def build_registry(cfg: ModelConfig, conf: LoraConfig) -> tuple[LoraRegistry | None, int]:
   """(the registry, device slots); (None, 0) when no adapter is served. Errors name the
   module (``ValueError``)."""
@@ -227,4 +245,5 @@ def build_registry(cfg: ModelConfig, conf: LoraConfig) -> tuple[LoraRegistry | N
   return reg, slots
 
 
-__all__ = ["LoraRef", "LoraLoad", "LoraRegistry", "LoraSlots", "LoraConfig", "build_registry"]
+__all__ = ["LoraRef", "LoraLoad", "LoraRegistry", "LoraSlots", "LoraConfig", "parse_modules",
+           "build_registry"]

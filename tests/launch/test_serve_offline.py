@@ -1,5 +1,6 @@
 """launch.serve_offline at tiny size: results in input order, bad lines named, pages back to 0,
-greedy tokens equal the generator's, a Chrome trace that parses with phases in order."""
+greedy tokens equal the generator's, a Chrome trace that parses with phases in order; a line's
+"lora" runs it under a LoRA adapter of ``--lora_modules`` (an unknown one is that line's error)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ LINES = [
     {"prompt": "no", "bogus": 1},
     "not json",
     {"prompt_ids": [1, 2, 999]},
+    {"prompt_ids": [72, 105], "max_tokens": 5, "ignore_eos": True, "lora": "ad0"},
+    {"prompt": "x", "lora": "nope"},
 ]
 
 
@@ -34,11 +37,15 @@ def test_serve_offline_tiny(tmp_path):
   reqs = tmp_path / "reqs.jsonl"
   reqs.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in LINES) + "\n")
   trace = tmp_path / "trace.json"
+  from launch.lab.make_adapters import write_peft_adapter
+  adapter = write_peft_adapter(tmp_path / "ad0", get_preset("tiny"), rank=8, seed=0,
+                               strength=1.0)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
                       "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
                       "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace),
-                      "--max_context", "128", "--max_chunk", "32"],  # few buckets: suite time
+                      "--max_context", "128", "--max_chunk", "32",  # few buckets: suite time
+                      "--lora_modules", f"ad0={adapter}"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
@@ -46,11 +53,13 @@ def test_serve_offline_tiny(tmp_path):
   rows = rows[:-1]
   assert [row["index"] for row in rows] == list(range(len(LINES)))
   errors = {row["index"]: row["error"] for row in rows if "error" in row}
-  assert set(errors) == {2, 4, 5, 6}
+  assert set(errors) == {2, 4, 5, 6, 8}
   assert "max_tokens" in errors[2] and "bogus" in errors[4] and "JSON" in errors[5]
-  assert "prompt_ids" in errors[6]
-  assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 3 and summary["errors"] == 4
+  assert "prompt_ids" in errors[6] and "'nope'" in errors[8] and "ad0" in errors[8]
+  assert summary["kv_pages_in_use"] == 0 and summary["ok"] == 4 and summary["errors"] == 5
+  assert rows[7]["token_ids"] != rows[1]["token_ids"]  # the adapter changes the ids
   assert summary["stack"]["max_prefill_chunks"] == 2
+  assert summary["stack"]["lora"]["adapters"] == ["ad0"]
   assert summary["programs_warmed"] > 0 and summary["mode"] == "single"
   steps = summary["step_breakdown"]  # serving.step_timeline over the run, warmed: no compile
   assert steps["steps"] > 0 and steps["phases_ms"]["dispatch"]["wall"] > 0

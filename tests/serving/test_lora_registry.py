@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from launch.cli import CliError
-from launch.engine_flags import lora_modules
 from launch.lab.make_adapters import write_peft_adapter
 from models.config import get_preset
-from serving.lora import LoraConfig, LoraLoad, LoraRegistry, LoraSlots, build_registry
+from serving.lora import (LoraConfig, LoraLoad, LoraRegistry, LoraSlots, build_registry,
+                          parse_modules)
 
 CFG = get_preset("tiny")
 
@@ -71,9 +70,9 @@ def test_build_registry_sizes_and_errors(paths):
 
 
 def test_lora_modules_flag_parses_vllm_style():
-  assert lora_modules(["a=/p/a b=/p/b", "c=/p/c,d=/p/d"]) == (
+  assert parse_modules(["a=/p/a b=/p/b", "c=/p/c,d=/p/d"]) == (
       ("a", "/p/a"), ("b", "/p/b"), ("c", "/p/c"), ("d", "/p/d"))
-  with pytest.raises(CliError, match="is not name=path"):
-    lora_modules(["a"])
-  with pytest.raises(CliError, match="given twice"):
-    lora_modules(["a=/x", "a=/y"])
+  with pytest.raises(ValueError, match="is not name=path"):
+    parse_modules(["a"])
+  with pytest.raises(ValueError, match="given twice"):
+    parse_modules(["a=/x", "a=/y"])
