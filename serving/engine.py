@@ -170,8 +170,9 @@ class Engine(EngineWarmup, EngineApi):
   def _push_policy(self) -> None:
     pool = self.prefill_pool  # a sink pool is the only pool
     sharding = pool.kv.lengths.sharding
-    pool.kv = pool.kv.replace(sinks=jax.device_put(self._policy_host[0], sharding),
-                              window=jax.device_put(self._policy_host[1], sharding))
+    # Copies: on CPU a numpy argument may be read in place after a later setup changed it.
+    pool.kv = pool.kv.replace(sinks=jax.device_put(self._policy_host[0].copy(), sharding),
+                              window=jax.device_put(self._policy_host[1].copy(), sharding))
 
   def _row_end(self, slot: int, end: int) -> int:
     """Positions a row's attention reads: a window row's ring once it has wrapped."""

@@ -59,7 +59,9 @@ class DeviceLoras:
     self.adapter_X[slot] = adapter
 
   def batch(self) -> SlotLoras:
-    return SlotLoras(self.weights, self.adapter_X)
+    """The call's adapters: ``adapter_X`` copied, since a numpy argument of an asynchronous
+    call may be read in place after ``setup`` changed it for a later step."""
+    return SlotLoras(self.weights, self.adapter_X.copy())
 
   def load(self, loads: Sequence[LoraLoad]) -> None:
     for ld in loads:
