@@ -119,9 +119,10 @@ class LoraRegistry:
     with self._lock:
       return sorted((e.ref for e in self._by_name.values()), key=lambda r: r.name)
 
-  def path(self, name: str) -> str:
+  def listing(self) -> list[tuple[LoraRef, str]]:
+    """(adapter, its directory) by name, read at once (a concurrent unload cannot split it)."""
     with self._lock:
-      return self._by_name[name].path
+      return sorted(((e.ref, e.path) for e in self._by_name.values()), key=lambda x: x[0].name)
 
   def weights(self, uid: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Adapter ``uid``'s ``a`` / ``b`` at ``max_rank`` (read again if dropped from memory)."""

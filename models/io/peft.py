@@ -38,10 +38,6 @@ class Adapter:
   def targets(self) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if np.any(self.b[t]))
 
-  @property
-  def nbytes(self) -> int:
-    return sum(x.nbytes for x in (*self.a.values(), *self.b.values()))
-
   def padded(self, rank: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``a`` and ``b`` zero-padded to ``rank`` (the device slots' rank)."""
     if rank < self.rank:

@@ -20,8 +20,8 @@ from serving.lora import LoraRegistry
 def cards(base: Mapping[str, Any], loras: LoraRegistry | None) -> list[dict[str, Any]]:
   if loras is None:
     return []
-  return [{**base, "id": ref.name, "root": loras.path(ref.name), "parent": base["id"]}
-          for ref in loras.names()]
+  return [{**base, "id": ref.name, "root": path, "parent": base["id"]}
+          for ref, path in loras.listing()]
 
 
 def _name(body: Mapping[str, Any]) -> str:

@@ -27,6 +27,7 @@ def test_registry_names_uids_ranks_and_host_lru(paths):
   reg = LoraRegistry(CFG, max_rank=16, max_cpu_loras=2)
   a, b, c = (reg.load(n, paths[n]) for n in "abc")
   assert [r.name for r in reg.names()] == ["a", "b", "c"] and len({a.uid, b.uid, c.uid}) == 3
+  assert reg.listing()[1] == (b, paths["b"])
   assert reg.slot_rank == 16 and reg.host_adapters == 2  # a's arrays dropped
   wa, _ = reg.weights(a.uid)  # read again from its files
   assert wa["q"].shape == (CFG.num_layers, CFG.embed_dim, 16) and not wa["q"][..., 8:].any()
