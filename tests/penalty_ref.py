@@ -39,5 +39,6 @@ def check_greedy(logits_TV: np.ndarray, prompt: list[int], ids: list[int], p: Sa
     if top2[1] - top2[0] < MARGIN_EPS:
       return "near-tie"
     if int(np.argmax(x)) != tok:
-      return f"differs at {j}: {tok} != {int(np.argmax(x))}"
+      best = int(np.argmax(x))  # the gap says numerics (small) from a wrong row (large)
+      return f"differs at {j}: {tok} != {best} (reference gap {x[best] - x[tok]:.3g})"
   return "equal"
