@@ -9,7 +9,10 @@ Contract: importing this module defines the flags once (``--model``, ``--quantiz
 ``--max_context``,
 ``--prefix_cache``, ``--session_idle_s``,
 ``--session_pages``, ``--host_tier_bytes``, ``--kv_dtype``, ``--attention_sinks``,
-``--scan_layers``, ``--compile_cache_dir``) for ``launch.serve_offline`` and ``launch.server``.
+``--scan_layers``, ``--compile_cache_dir``, speculative decoding's ``--num_speculative_tokens``,
+``--speculative_max_rows``, ``--draft_model``, ``--draft_quantize``, ``--prompt_lookup_max`` /
+``_min``, LoRA's ``--lora_modules``, ``--max_loras``, ``--max_lora_rank``, ``--max_cpu_loras``)
+for ``launch.serve_offline`` and ``launch.server``.
 ``set_fake_devices()`` must run before JAX is imported. ``build(max_waiting, registry,
 max_traces) -> Built`` loads the model, chooses the deployment (the planner's layouts unless
 given) and assembles the serving loop, with JAX's persistent compilation cache on
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
   from models.config import ModelConfig
   from models.cpu.backend import CpuBackend
   from models.text.tokenizer import Tokenizer
+  from serving.draft_model import DraftModel
   from partitioning.deployment import Steps
   from serving.loop import ServingLoop
 
@@ -107,6 +111,12 @@ SPEC_MAX_ROWS = flags.DEFINE_integer(
     "speculative_max_rows", 0, "speculate only while at most this many sequences decode (0: "
     "while a step's verify call holds at most 20 tokens, where it was measured to pay)",
     lower_bound=0)
+DRAFT_MODEL = flags.DEFINE_string(
+    "draft_model", None, "speculative decoding: a draft model proposes the draft ids instead "
+    "of n-gram lookup (a model name as --model; it must share the target's tokenizer; needs "
+    "--num_speculative_tokens)")
+DRAFT_QUANTIZE = flags.DEFINE_enum("draft_quantize", "none", ["none", "int8"],
+                                   "the draft model's weight quantization")
 LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the longest "
                                   "suffix looked up in the context", lower_bound=1)
 LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 2, "n-gram proposer: the shortest "
@@ -197,6 +207,28 @@ def resolve_backend() -> "CpuBackend":
   return backend
 
 
+def load_draft(tok: "Tokenizer", dtype, backend: "CpuBackend") -> "DraftModel":
+  """``--draft_model`` on one device, in the target's dtype; ``CliError`` when it cannot serve
+  as a draft (not loadable, another tokenizer, several processes)."""
+  import jax
+  from models.io.loader import load_model
+  from models.step import UnshardedStep
+  from serving.draft_model import DraftModel, check_tokenizers
+  name = DRAFT_MODEL.value or ""
+  if jax.process_count() > 1:
+    raise CliError("--draft_model runs on one process")
+  try:
+    quantize, int8_mode = DRAFT_QUANTIZE.value, INT8_MODE.value
+    cfg, params, draft_tok = load_model(name, dtype, PARAM_SEED.value,
+                                        quantize=quantize,  # type: ignore[arg-type]  # an enum
+                                        int8_mode=int8_mode)  # type: ignore[arg-type]  # an enum
+    check_tokenizers(tok, draft_tok)
+  except (ValueError, FileNotFoundError) as e:
+    raise CliError(f"--draft_model: {e}")
+  return DraftModel(UnshardedStep(cfg, False, backend), params,
+                    name + (" (int8)" if DRAFT_QUANTIZE.value == "int8" else ""))
+
+
 def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
           max_traces: int | None = None, *, wrap_engine=None, fault_hook=None,
           restarts: bool = True) -> Built:
@@ -255,10 +287,12 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
                                   stack_layers=steps.step.stacked_params)
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
+  draft = load_draft(tok, dtype, backend) if DRAFT_MODEL.value else None
   try:
     loop = stack.build(steps.step, params, tok, config, registry, decode=steps.decode,
                        kv_shards=steps.kv_shards, max_traces=max_traces,
-                       wrap_engine=wrap_engine, fault_hook=fault_hook, restarts=restarts)
+                       wrap_engine=wrap_engine, fault_hook=fault_hook, restarts=restarts,
+                       draft=draft)
   except ValueError as e:
     raise CliError(str(e))
   return Built(cfg, tok, steps, loop, mode, dtype_name, why)

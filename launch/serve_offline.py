@@ -20,6 +20,7 @@ Bad flags exit 2 with one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import TYPE_CHECKING, Iterator
@@ -189,7 +190,8 @@ def run() -> list[dict]:
              "programs": loop.engine.programs, "programs_warmed": warmed,
              "warmup_s": round(warmup_s, 2), "model": cfg.name, "quantize": ef.QUANTIZE.value,
              "dtype": built.dtype, "defaults": built.defaults, "mode": mode, "deployment": steps.description,
-             "stack": stack.describe(loop), "step_breakdown": summarize(loop.timeline.records),
+             "stack": stack.describe(loop),
+             "spec_decode": dataclasses.asdict(loop.scheduler.spec), "step_breakdown": summarize(loop.timeline.records),
              "machine": machine.describe()}
   return [r for r in results if r is not None] + [{"summary": summary}]
 

@@ -34,7 +34,7 @@ from serving.lora import LoraSlots
 from serving.prefix_cache import BasePrefixCache
 from serving.request import MAX_STREAM_TOKENS, Request, RequestOutput, TokenLogprobs, Usage
 from serving.sessions import Sessions
-from serving.speculative import Proposer, SpecCounts, speculable
+from serving.speculative import DraftQuery, Proposer, SpecCounts, propose, speculable
 from serving.step_plan import DecodeRow, PrefillChunk, SlotSetup, StepPlan, StepResult
 from serving.stop import FinishReason, StopChecker
 
@@ -130,7 +130,6 @@ class Scheduler:
       reason = self._sinks_refusal(req)
     elif req.lora is not None and self.loras is None:
       reason = f"LoRA adapter {req.lora.name!r} requested, but this server serves none"
-
     elif need > self.max_context:
       reason = (f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.stop.max_tokens}) "
                 f"exceeds the context ({self.max_context} tokens)")
@@ -211,13 +210,15 @@ class Scheduler:
     decode: list[DecodeRow] = []
     prefill: list[PrefillChunk] = []
     setups: list[SlotSetup] = []
-    speculate = self.proposer is not None and self.num_decoding <= self.spec_max_rows
-    for seq in sorted(self._running, key=lambda s: s.key):
+    order = sorted(self._running, key=lambda s: s.key)
+    drafts = self._drafts(order, budget) if self.proposer is not None and \
+        self.num_decoding <= self.spec_max_rows else {}
+    for seq in order:
       if seq.state is not _State.RUNNING or not seq.decoding or budget < 1 or seq.drafted:
         continue
       if seq.generated + seq.inflight >= seq.req.stop.max_tokens:
         continue  # its last id is in flight; nothing more to compute
-      draft = self._draft(seq, budget) if speculate else ()
+      draft = drafts.get(seq.req.request_id, ())[:budget - 1]
       if draft and self.kv.extend(seq.req.request_id, 1 + len(draft)) is not None:
         draft = ()  # no room for the drafts now: a plain decode (which may preempt)
       if not draft and not self._reserve(seq, 1, preempt=True):
@@ -308,14 +309,23 @@ class Scheduler:
       self.loras.release(seq.lora_slot)
       seq.lora_slot = -1
 
-  def _draft(self, seq: _Seq, budget: int) -> tuple[int, ...]:
-    """Draft ids for a decoding ``seq`` whose ids are all known (none in flight): at most what
-    its max_tokens leaves after the id the step samples anyway, and the step's budget."""
+  def _drafts(self, order: list[_Seq], budget: int) -> dict[str, tuple[int, ...]]:
+    """One proposer call's drafts for the decoding sequences with no id in flight: at most what
+    max_tokens leaves after the step's own id and the budget after the rows before (a proposer
+    that fails turns speculation off for this scheduler: ``speculative.propose``)."""
     assert self.proposer is not None
-    if seq.inflight or not speculable(seq.req):
-      return ()
-    k = min(self.proposer.k, seq.req.stop.max_tokens - seq.generated - 1, budget - 1)
-    return self.proposer.propose(seq.tokens, k) if k > 0 else ()
+    queries = []
+    for seq in order:
+      if (seq.state is _State.RUNNING and seq.decoding and not seq.drafted and not seq.inflight
+          and speculable(seq.req)):
+        k = min(self.proposer.k, seq.req.stop.max_tokens - seq.generated - 1, budget - 1)
+        budget -= 1 + max(k, 0)
+        if k > 0:
+          queries.append(DraftQuery(seq.req.request_id, seq.tokens, k))
+    got = propose(self.proposer, queries, self.spec)
+    if got is None:
+      self.proposer = None
+    return got or {}
 
   def _setup(self, seq: _Seq) -> SlotSetup:
     """The slot's setup; a penalised or constrained request's carries its ids (its penalty
@@ -436,6 +446,8 @@ class Scheduler:
       self._waiting = [w for w in self._waiting if w[2] != seq.req.request_id]
       heapq.heapify(self._waiting)
     seq.state = _State.DONE
+    if self.proposer is not None:
+      self.proposer.forget(seq.req.request_id)
     seq.trace.record("finished", reason.value)
     del self._seqs[seq.req.request_id]
     self._outputs.append(RequestOutput(

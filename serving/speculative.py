@@ -1,8 +1,12 @@
 """Speculative decoding's proposers: draft ids a step verifies on the target model in one call.
 
-Contract: a ``Proposer`` has ``k`` (the most draft ids a row carries) and ``propose(tokens, k)
--> tuple[int, ...]``: at most ``k`` ids to continue the context ``tokens`` (prompt and generated
-ids so far), ``()`` when it has none. A proposal is a deterministic function of the context: the
+Contract: a ``Proposer`` has ``k`` (the most draft ids a row carries) and ``draft(queries)``:
+for each ``DraftQuery`` (a sequence's key, its context ``tokens``: prompt and generated ids so
+far, and ``k``) at most ``k`` ids to continue the context, ``()`` when it has none; all of a
+step's rows in one call. ``forget(key)``: the sequence ended (state kept for it may go).
+``warmup(threads)`` / ``seal()``: its programs compiled before readiness, then closed (a draft
+model's; none for lookup). ``describe()``: what ``/v1/status`` shows of it.
+A proposal is a deterministic function of the context: the
 engine accepts a draft id exactly where the target, sampling that position with the key it
 uses without speculation (``serving.sampling``: seed and position), draws that id, and emits
 the target's own id at the first miss. For a deterministic proposer this is speculative
@@ -12,6 +16,8 @@ greedy or sampled, up to the numerics of a k+1-token call against a one-token on
   * ``NgramProposer(k, max_n=4, min_n=1, window=4096)``: prompt lookup (vLLM's ``ngram``): the
     longest suffix of ``max_n`` down to ``min_n`` ids that also occurs earlier in the last
     ``window`` ids of the context; the ids that followed its latest earlier occurrence.
+    ``ContextProposer`` is the base of proposers that read each context alone;
+    ``serving.draft_model.DraftModelProposer``: a second model's greedy continuation.
   * ``speculable(request)``: whether a request's rows may carry drafts: not opted out
     (``Request.speculate``), and nothing the verify call leaves out (penalties, logit bias, a
     grammar, logprobs, attention sinks).
@@ -24,6 +30,7 @@ greedy or sampled, up to the numerics of a k+1-token call against a one-token on
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -36,20 +43,61 @@ from serving.sampling import SamplingParams
 # k = 7 gains at 2 rows (16), loses at 4 (32).
 AUTO_VERIFY_TOKENS = 20
 
+_log = logging.getLogger(__name__)
+
 
 def auto_max_rows(k: int) -> int:
   return max(1, AUTO_VERIFY_TOKENS // (k + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftQuery:
+  key: str  # the sequence (its request id): a proposer may keep state per key
+  tokens: Sequence[int]  # its context: prompt and generated ids
+  k: int  # the most ids wanted (>= 1)
 
 
 class Proposer(Protocol):
   @property
   def k(self) -> int: ...
 
-  def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]: ...
+  def draft(self, queries: Sequence[DraftQuery]) -> list[tuple[int, ...]]: ...
+
+  def forget(self, key: str) -> None: ...
+
+  def warmup(self, threads: int | None = None) -> int: ...
+
+  def seal(self) -> None: ...
+
+  def describe(self) -> dict[str, object]: ...
+
+
+class ContextProposer:
+  """A proposer that reads each context alone (no state kept, no program): ``propose(tokens,
+  k)`` per row."""
+  k: int
+
+  def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    raise NotImplementedError
+
+  def draft(self, queries: Sequence[DraftQuery]) -> list[tuple[int, ...]]:
+    return [self.propose(q.tokens, q.k) for q in queries]
+
+  def forget(self, key: str) -> None:
+    pass
+
+  def warmup(self, threads: int | None = None) -> int:
+    return 0
+
+  def seal(self) -> None:
+    pass
+
+  def describe(self) -> dict[str, object]:
+    return {"method": type(self).__name__, "num_speculative_tokens": self.k}
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
+class NgramProposer(ContextProposer):
   """Prompt lookup; see the module contract."""
   k: int
   max_n: int = 4
@@ -74,6 +122,25 @@ class NgramProposer:
         return tuple(int(t) for t in ctx[start:start + k])
     return ()
 
+  def describe(self) -> dict[str, object]:
+    return {"method": "ngram", "num_speculative_tokens": self.k, "prompt_lookup_max": self.max_n,
+            "prompt_lookup_min": self.min_n}
+
+
+def propose(proposer: Proposer, queries: Sequence[DraftQuery], counts: SpecCounts
+            ) -> dict[str, tuple[int, ...]] | None:
+  """The drafts by key, at most each query's ``k``; None when the proposer raised (logged and
+  counted: speculation should go off, the step decodes plainly)."""
+  if not queries:
+    return {}
+  try:
+    got = proposer.draft(queries)
+  except Exception:
+    _log.exception("the speculative proposer failed: decoding without drafts from now on")
+    counts.failures += 1
+    return None
+  return {q.key: tuple(d[:q.k]) for q, d in zip(queries, got)}
+
 
 def verifiable(s: SamplingParams) -> bool:
   """Sampling the verify call computes in full: no penalties, bias, grammar or logprobs."""
@@ -84,16 +151,16 @@ def speculable(req: Request) -> bool:
   return req.speculate and verifiable(req.sampling) and req.sinks is None
 
 
-
-
 @dataclasses.dataclass
 class SpecCounts:
   """Running totals (vLLM's ``spec_decode`` counters): rows that carried draft ids, the ids
-  proposed, those accepted, and accepted ones by draft position (0: the first draft id)."""
+  proposed, those accepted, and accepted ones by draft position (0: the first draft id); and
+  proposer failures."""
   drafts: int = 0
   draft_tokens: int = 0
   accepted_tokens: int = 0
   accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+  failures: int = 0  # proposer calls that raised (speculation then off: serving.scheduler)
 
   def record(self, proposed: int, accepted: int) -> None:
     self.drafts += 1
@@ -105,5 +172,5 @@ class SpecCounts:
       self.accepted_per_pos[i] += 1
 
 
-__all__ = ["Proposer", "NgramProposer", "SpecCounts", "speculable", "verifiable", "auto_max_rows",
-           "AUTO_VERIFY_TOKENS"]
+__all__ = ["ContextProposer", "DraftQuery", "Proposer", "NgramProposer", "propose", "SpecCounts",
+           "speculable", "verifiable", "auto_max_rows", "AUTO_VERIFY_TOKENS"]

@@ -1,13 +1,16 @@
 """Assembles a serving stack from a loaded model: page pool, scheduler, engine, loop, metrics.
 
 Contract: ``build(step, params, tokenizer, ServingConfig, registry=None, *, decode=None,
-kv_shards=1, max_traces=None, wrap_engine=None, fault_hook=None, restarts=True) -> ServingLoop``
+kv_shards=1, max_traces=None, wrap_engine=None, fault_hook=None, restarts=True, draft=None)
+-> ServingLoop``
 (``step`` / ``decode`` / ``kv_shards`` from ``partitioning.deployment.make_steps``). One
 ``ServingConfig`` sizes the page pool (``kv_pages`` pages of ``page_size`` positions in
 ``kv_shards`` sub-pools), the scheduler and the engine, so they always agree; the prefix cache
 (with session pinning) is on unless ``prefix_cache`` is False, ``host_tier_bytes`` gives it a
 host tier, ``tpot_target_ms`` > 0 a TPOT-aware prefill budget, ``lora`` the LoRA adapters
-served (``serving.lora``: the loop's ``loras`` registry, the scheduler's slots, the engine's). Hooks are given here, never
+served (``serving.lora``: the loop's ``loras`` registry, the scheduler's slots, the engine's),
+``spec_tokens`` speculative decoding (n-gram lookup, or with a ``draft`` model its own engine:
+``serving.draft_model``, warmed and sealed with the target's). Hooks are given here, never
 assigned later: ``wrap_engine(engine)`` wraps the engine the loop drives (the multi-host
 ``serving.multihost.LeaderEngine``), ``fault_hook`` is the loop's (test-only fault injection),
 ``restarts`` lets the loop rebuild its scheduler after an internal error. ``warmup`` / ``ready``
@@ -26,6 +29,7 @@ from models.step import PhaseDecode, Step
 from models.text.tokenizer import Tokenizer
 from models.weights import Params
 from serving.step_cost import StepCostModel, tpot_prefill_limit
+from serving.draft_model import DraftModel, build_draft
 from serving.compiles import (ProgramCounter, map_count, mapping_warning, max_map_count,
                               trim_heap)
 from serving.engine import Engine, EngineConfig
@@ -39,7 +43,7 @@ from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler, StepPlan
 from serving.lora import LoraConfig, LoraSlots, build_registry
-from serving.speculative import NgramProposer, auto_max_rows
+from serving.speculative import NgramProposer, Proposer, auto_max_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +84,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
           kv_shards: int = 1, max_traces: int | None = None,
           wrap_engine: Callable[[EngineApi], EngineApi] | None = None,
           fault_hook: Callable[[StepPlan], None] | None = None,
-          restarts: bool = True) -> ServingLoop:
+          restarts: bool = True, draft: DraftModel | None = None) -> ServingLoop:
   cfg = step.cfg
   context = min(config.max_context or cfg.max_seq_len, cfg.max_seq_len)
   kv_dtype = config.kv_dtype or jnp.dtype(params["final_norm"].dtype).name
@@ -91,9 +95,17 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   metrics = Metrics(registry or prom.CollectorRegistry())
   guard, cost_model = Guard(metrics.internal_errors), StepCostModel()
 
-  proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
-                           config.prompt_lookup_min) if config.spec_tokens else None
   spec_rows = config.spec_max_rows or auto_max_rows(config.spec_tokens)
+  proposer: Proposer | None = None
+  if draft is not None:
+    if not config.spec_tokens:
+      raise ValueError("a draft model needs num_speculative_tokens >= 1")
+    proposer = build_draft(draft, k=config.spec_tokens, slots=spec_rows, context=context,
+                           chunk=config.max_chunk, valid_vocab=tokenizer.vocab_size,
+                           kv_dtype=jnp.dtype(draft.params["final_norm"].dtype).name)
+  elif config.spec_tokens:
+    proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
+                             config.prompt_lookup_min)
   loras, lora_slots = build_registry(cfg, config.lora)
 
   def make_scheduler() -> Scheduler:
@@ -135,7 +147,9 @@ def warmup(loop: ServingLoop, threads: int | None = None) -> int:
   """Compiles every program the loop's plans can reach, ``threads`` at a time (None: the
   engine's default); returns how many."""
   c = loop.capacity()
-  return loop.engine.warmup(c.max_prefill_chunks, c.max_chunk, threads, c.max_step_tokens)
+  proposer = loop.scheduler.proposer
+  return loop.engine.warmup(c.max_prefill_chunks, c.max_chunk, threads, c.max_step_tokens) + (
+      proposer.warmup(threads) if proposer is not None else 0)
 
 
 def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
@@ -144,6 +158,8 @@ def ready(loop: ServingLoop, programs: ProgramCounter, maps_before: int | None,
   later load shows in ``phaseserve_programs_after_ready``); returns the start-up warning about
   memory mappings, if any (``serving.compiles.mapping_warning``). The C heap is trimmed."""
   loop.engine.seal()
+  if loop.scheduler.proposer is not None:
+    loop.scheduler.proposer.seal()
   programs.mark()
   trim_heap()  # the warm-up's temporaries: freed, but held by the C heap until trimmed
   return mapping_warning(maps_before, map_count(), warmed, max_map_count())
@@ -172,7 +188,4 @@ def lora_describe(loop: ServingLoop) -> dict[str, object] | None:
 def spec_describe(loop: ServingLoop) -> dict[str, object] | None:
   """The scheduler's proposer (None: no speculative decoding)."""
   p = loop.scheduler.proposer
-  if not isinstance(p, NgramProposer):
-    return None
-  return {"method": "ngram", "num_speculative_tokens": p.k, "prompt_lookup_max": p.max_n,
-          "prompt_lookup_min": p.min_n, "max_rows": loop.scheduler.spec_max_rows}
+  return None if p is None else {**p.describe(), "max_rows": loop.scheduler.spec_max_rows}

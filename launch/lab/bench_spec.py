@@ -14,7 +14,9 @@ tasks cycled, greedy, EOS honoured, ``--max_tokens``) through the serving stack
 without speculation and once with ``--num_speculative_tokens`` draft ids a row
 (``--speculative_max_rows``: 0, the default, speculates at every batch; -1 takes the server's
 default, its measured off-switch), interleaved for ``--rounds`` rounds; generated tok/s is the
-median over rounds. Per batch: ``plain_tok_s``, ``spec_tok_s``, ``speedup``, ``same_ids`` (every
+median over rounds. ``--draft_model`` (``--draft_quantize``) proposes with a draft model instead
+of n-gram lookup (``serving.draft_model``). Per batch: ``plain_tok_s``, ``spec_tok_s``,
+``speedup``, ``same_ids`` (every
 request got identical ids with and without speculation), and the acceptance: ``drafts``,
 ``draft_tokens``, ``accepted_tokens``, ``acceptance`` (accepted / proposed),
 ``accepted_per_pos`` and ``tokens_per_step`` (ids a verified row advanced per step).
@@ -50,6 +52,10 @@ _LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: lon
 _MAX_ROWS = flags.DEFINE_integer("speculative_max_rows", 0, "speculate while at most this many "
                                  "sequences decode (0: at every batch; -1: the server's default)",
                                  lower_bound=-1)
+_DRAFT = flags.DEFINE_string("draft_model", None, "a draft model proposes instead of n-gram "
+                             "lookup (a model name; the target's tokenizer)")
+_DRAFT_QUANTIZE = flags.DEFINE_enum("draft_quantize", "none", ["none", "int8"],
+                                    "the draft model's weights")
 _TASKS = flags.DEFINE_list("tasks", ["spelling", "rename", "table", "summary"], "tasks to run")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object")
 
@@ -90,12 +96,20 @@ def _serve(loop, reqs) -> tuple[dict[str, list[int]], float]:
   return got, seconds
 
 
+def _programs(loop) -> int:
+  """Programs the loop's engines dispatched so far (a draft model's engine too)."""
+  from serving.draft_model import DraftModelProposer
+  p = loop.scheduler.proposer
+  return loop.engine.programs + (p.engine.programs if isinstance(p, DraftModelProposer) else 0)
+
+
 def run() -> dict[str, object]:
   import jax.numpy as jnp
   from models.cpu import backend as cpu_backend
   from models.io.loader import load_model
   from models.step import UnshardedStep
   from serving import stack
+  from serving.draft_model import DraftModel, check_tokenizers
   from serving.request import Request
   from serving.sampling import SamplingParams
   from serving.stop import StopCriteria
@@ -109,7 +123,18 @@ def run() -> dict[str, object]:
     cfg, params, tok = load_model(_MODEL.value, jnp.dtype(_DTYPE.value))
   except (ValueError, FileNotFoundError) as e:
     raise CliError(str(e))
-  step = UnshardedStep(cfg, backend=cpu_backend.resolve().backend)
+  backend = cpu_backend.resolve().backend
+  step = UnshardedStep(cfg, backend=backend)
+  draft = None
+  if _DRAFT.value:
+    try:
+      q = _DRAFT_QUANTIZE.value
+      dcfg, dparams, dtok = load_model(_DRAFT.value, jnp.dtype(_DTYPE.value),
+                                       quantize=q)  # type: ignore[arg-type]  # an enum flag
+      check_tokenizers(tok, dtok)
+    except (ValueError, FileNotFoundError) as e:
+      raise CliError(f"--draft_model: {e}")
+    draft = DraftModel(UnshardedStep(dcfg, backend=backend), dparams, _DRAFT.value)
   unknown = sorted(set(_TASKS.value) - set(TASKS))
   if unknown or not _TASKS.value:
     raise CliError(f"--tasks: unknown {unknown}; known: {', '.join(TASKS)}")
@@ -130,12 +155,13 @@ def run() -> dict[str, object]:
              "spec": stack.build(step, params, tok, dataclasses.replace(
                  base, spec_tokens=_K.value,
                  spec_max_rows={0: b, -1: 0}.get(_MAX_ROWS.value, _MAX_ROWS.value),
-                 prompt_lookup_min=_LOOKUP_MIN.value, prompt_lookup_max=_LOOKUP_MAX.value))}
+                 prompt_lookup_min=_LOOKUP_MIN.value, prompt_lookup_max=_LOOKUP_MAX.value),
+                 draft=draft)}
     sealed = {}
     for name, loop in loops.items():
       stack.warmup(loop)
       loop.engine.seal()
-      sealed[name] = loop.engine.programs
+      sealed[name] = _programs(loop)
     rates: dict[str, list[float]] = {"plain": [], "spec": []}
     ids: dict[str, dict[str, list[int]]] = {}
     for r in range(_ROUNDS.value):
@@ -154,8 +180,10 @@ def run() -> dict[str, object]:
         "acceptance": round(c.accepted_tokens / max(1, c.draft_tokens), 3),
         "accepted_per_pos": list(c.accepted_per_pos),
         "tokens_per_step": round(1 + c.accepted_tokens / verified, 3),
-        "programs_after_ready": sum(lp.engine.programs - sealed[n] for n, lp in loops.items())}
+        "programs_after_ready": sum(_programs(lp) - sealed[n] for n, lp in loops.items())}
   return {"model": _MODEL.value, "dtype": _DTYPE.value, "k": _K.value, "tasks": _TASKS.value,
+          "proposer": f"draft_model {_DRAFT.value} ({_DRAFT_QUANTIZE.value})" if draft
+          else "ngram",
           "prompt_lookup": [_LOOKUP_MIN.value, _LOOKUP_MAX.value],
           "max_tokens": _MAX_TOKENS.value, "machine": machine.describe(),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

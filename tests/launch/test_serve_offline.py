@@ -115,3 +115,51 @@ def test_serve_offline_disaggregated_same_tokens(tmp_path):
       dep = rows[-1]["summary"]["deployment"]
       assert dep["mode"] == "disaggregated" and dep["kv_pools"] == 2
   assert runs["single"] == runs["disaggregated"]
+
+
+def test_serve_offline_speculative_flags_same_tokens(tmp_path):
+  """--num_speculative_tokens with n-gram lookup and with --draft_model (tiny: the target's own
+  weights, int8): the greedy ids of the plain run (f32), drafts proposed and accepted."""
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text("\n".join(json.dumps({"prompt_ids": [5 + i, 9, 7, 5 + i, 9, 7, 5 + i, 9],
+                                         "max_tokens": 10, "ignore_eos": True})
+                            for i in range(3)) + "\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  base = [sys.executable, "-m", "launch.serve_offline", "--model", "tiny", "--requests",
+          str(reqs), "--json", "--kv_pages", "32", "--page_size", "16", "--max_slots", "4",
+          "--max_context", "64", "--dtype", "float32", "--max_chunk", "32", "--nowarmup"]
+  runs, summaries = {}, {}
+  for name, extra in (("plain", []), ("ngram", ["--num_speculative_tokens", "3"]),
+                      ("draft", ["--num_speculative_tokens", "3", "--draft_model", "tiny",
+                                 "--draft_quantize", "int8"])):
+    r = subprocess.run(base + extra, cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(l) for l in r.stdout.strip().splitlines()]
+    runs[name], summaries[name] = [row["token_ids"] for row in rows[:-1]], rows[-1]["summary"]
+    assert summaries[name]["kv_pages_in_use"] == 0
+  assert runs["plain"] == runs["ngram"] == runs["draft"]
+  assert summaries["plain"]["stack"]["speculative"] is None
+  spec = summaries["draft"]["stack"]["speculative"]
+  assert spec["method"] == "draft_model" and spec["draft_model"] == "tiny (int8)"
+  assert summaries["ngram"]["stack"]["speculative"]["method"] == "ngram"
+  for name in ("ngram", "draft"):
+    c = summaries[name]["spec_decode"]
+    assert c["drafts"] > 0 and c["failures"] == 0, (name, c)
+  c = summaries["draft"]["spec_decode"]
+  assert c["accepted_tokens"] > 0.5 * c["draft_tokens"], c  # int8 of the same weights
+
+
+def test_draft_model_needs_speculative_tokens_and_the_same_tokenizer(tmp_path):
+  reqs = tmp_path / "reqs.jsonl"
+  reqs.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
+                      "--requests", str(reqs), "--draft_model", "tiny", "--nowarmup"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "num_speculative_tokens" in r.stderr, r.stderr[-2000:]
+  r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
+                      "--requests", str(reqs), "--num_speculative_tokens", "2", "--draft_model",
+                      "smollm2-135m", "--nowarmup"],
+                     cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2 and "share the target's tokenizer" in r.stderr, r.stderr[-2000:]

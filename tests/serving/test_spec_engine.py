@@ -24,7 +24,7 @@ from serving.kv_pages import PageBudget, PagePool
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
-from serving.speculative import NgramProposer
+from serving.speculative import ContextProposer, NgramProposer
 from serving.stop import StopCriteria
 from tests.cpu_policies import NATIVE
 from tests.sched_steps import serve_all
@@ -71,7 +71,7 @@ def _serve(params, reqs, *, proposer=None, pages=64, slots=SLOTS, k=4):
   return got, sched
 
 
-class _Oracle:
+class _Oracle(ContextProposer):
   """Proposes the reference run's next ids for the context (every third proposal corrupted at
   its second id)."""
   k = 4

@@ -19,7 +19,7 @@ from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
-from serving.speculative import NgramProposer, speculable
+from serving.speculative import ContextProposer, NgramProposer, speculable
 from serving.stop import FinishReason, StopCriteria
 
 VOCAB = ByteTokenizer.VOCAB_SIZE
@@ -64,7 +64,7 @@ def test_shrink_frees_the_pages_that_empty():
     pool.shrink("s", 10)
 
 
-class _Oracle:
+class _Oracle(ContextProposer):
   """Proposes the fake engine's own continuation (seed ``SEED``); every third call corrupts
   its second id, so some rows accept one id, others all."""
   k = 4
@@ -188,3 +188,38 @@ def test_a_draft_that_runs_past_eos_stops_at_eos():
   assert got == ids[:ids.index(EOS) + 1]
   assert outs[-1].finish_reason == FinishReason.STOP
   assert sched.spec.drafts > 0 and pool.pages_used == 0
+
+
+class _Failing(_Oracle):
+  """Raises on its fourth call."""
+
+  def draft(self, queries):
+    if self.calls == 3:
+      self.calls += 1
+      raise RuntimeError("draft engine fault")
+    return super().draft(queries)
+
+
+def test_a_failing_proposer_costs_only_its_drafts():
+  """The proposer raising mid-run: the step decodes without drafts, speculation is off for the
+  scheduler from then on, every request still gets its reference ids."""
+  pool = PagePool(PageBudget(4, 40), max_seq_tokens=96)
+  proposer = _Failing()
+  sched = Scheduler(pool, ByteTokenizer(), max_slots=3, max_step_tokens=16, max_chunk=8,
+                    proposer=proposer)
+  engine = FakeEngine(40, 4, VOCAB, 3, lag=0)
+  reqs = [Request(f"f{i}", (10 + i, 20, 30 + i), SamplingParams(seed=SEED),
+                  StopCriteria(max_tokens=12, ignore_eos=True)) for i in range(3)]
+  for r in reqs:
+    assert sched.add(r, RequestTrace(r.request_id)) is None
+  got: dict[str, list[int]] = {}
+  for _ in range(200):
+    if sched.idle:
+      break
+    for o in sched.drain_outputs() + sched.update(engine.execute(sched.schedule())):
+      got.setdefault(o.request_id, []).extend(o.token_ids)
+  for o in sched.drain_outputs():
+    got.setdefault(o.request_id, []).extend(o.token_ids)
+  assert sched.spec.failures == 1 and sched.proposer is None and sched.spec.drafts > 0
+  for r in reqs:
+    assert got[r.request_id] == reference(list(r.prompt_ids), SEED, 12, VOCAB), r.request_id

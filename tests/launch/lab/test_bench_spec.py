@@ -8,22 +8,30 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.refenv import REPO
 
 
-def test_bench_spec_smoke():
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_bench_spec_smoke(proposer):
+  """n-gram lookup; a self-draft (tiny, the same seed: the target's own weights)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  draft = ["--draft_model", "tiny"] if proposer == "draft" else []
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_spec", "--model", "tiny", "--dtype", "float32",
        "--batches", "2", "--max_tokens", "12", "--rounds", "1", "--tasks", "spelling,rename",
-       "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+       "--json", *draft], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert sorted(out["batches"]) == ["2"] and out["machine"]["cpu"]
+  assert out["proposer"] == ("draft_model tiny (none)" if draft else "ngram")
   for b in out["batches"].values():
     assert b["plain_tok_s"] > 0 and b["spec_tok_s"] > 0 and b["same_ids"] is True
     assert sum(b["accepted_per_pos"]) == b["accepted_tokens"] <= b["draft_tokens"]
     assert b["programs_after_ready"] == 0
+    if draft:  # greedy rows, the target's own weights: every draft but after a near-tie
+      assert b["drafts"] > 0 and b["acceptance"] > 0.9, b
 
 
 def test_bench_spec_bad_task_exits_2():
