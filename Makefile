@@ -41,8 +41,9 @@ run: $(VENV)/.stamp
 # on the product packages (tests/test_types.py) and the docs' commands (tests/test_docs_commands.py).
 # Two pytest workers, one test file each at a time (--dist loadfile keeps a module's shared server
 # or engine in one process): a serial run keeps ~1.3 of the 2 cores busy (XLA compiles on one).
+# Modules go out in collection order, which tests/conftest.py sorts heaviest first.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.stamp $(REF_VENV)/.stamp
 	$(PYTEST)

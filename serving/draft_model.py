@@ -71,7 +71,8 @@ def build_draft(draft: DraftModel, *, k: int, slots: int, context: int, chunk: i
   engine = Engine(draft.step, draft.params, EngineConfig(
       max_slots=slots, num_pages=slots * pages_per_seq, page_size=_PAGE,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=valid_vocab,
-      lag=k))  # a call's decode steps held: their ids read once, at its end
+      lag=k,  # a call's decode steps held: their ids read once, at its end
+      min_packed=4))  # a catch-up of one or two ids costs about a decode step, not 16 ids
   return DraftModelProposer(engine, k, chunk, draft.name)
 
 

@@ -79,6 +79,7 @@ class EngineConfig:
   spec_tokens: int = 0
   spec_rows: int = 8
   max_loras: int = 0  # LoRA adapters resident on the device at once (0: none served)
+  min_packed: int = 16  # a packed prefill's fewest tokens (engine_shapes.packed's floor)
 
   @property
   def pages_per_seq(self) -> int:
@@ -218,7 +219,8 @@ class Engine(EngineWarmup, EngineApi):
     r = max(bucket(len(chunks), minimum=1), self._prefill_rows)
     cap = self._attend(1, "prefill")  # packed implies the native kernel: the cap, length-free
     _, r, n, attend = self.program_set.cover(
-        ("prefill", r, packed(sum(len(c.token_ids) for c in chunks)), cap), pad_rows=True)
+        ("prefill", r, packed(sum(len(c.token_ids) for c in chunks), self.config.min_packed), cap),
+        pad_rows=True)
     p = pack(chunks, n, r, self.config.max_slots)
     rows = [(c.request_id, j, self._samp_host[c.slot].logprobs)
             for j, c in enumerate(chunks) if c.sample]

@@ -27,12 +27,13 @@ from serving.step_plan import PrefillChunk
 _log = logging.getLogger(__name__)
 
 
-def packed(n: int) -> int:
+def packed(n: int, floor: int = 16) -> int:
   """A packed prefill's token count ``n`` rounded up to four sizes an octave (16, 32, 48, 64,
   80, ..., 128, 160, ..., 256, 320, ...): at most a quarter of the tokens (below 64: at most
-  15) are padding."""
+  15) are padding. Below 16, powers of two from ``floor`` (a draft model's catch-ups of one or
+  two ids: ``serving.draft_model``)."""
   if n <= 16:
-    return 16
+    return min(16, max(floor, 1 << max(0, n - 1).bit_length()))
   step = max(16, (1 << ((n - 1).bit_length() - 1)) // 4)
   return -(-n // step) * step
 
@@ -46,11 +47,11 @@ def decode_rows(n: int, cap: int) -> int:
   return min(24 if b == 32 and n <= 24 else b, cap)
 
 
-def packed_sizes(cap: int) -> list[int]:
-  """Every ``packed(n)`` for ``1 <= n <= cap``."""
+def packed_sizes(cap: int, floor: int = 16) -> list[int]:
+  """Every ``packed(n, floor)`` for ``1 <= n <= cap``."""
   out, n = [], 1
   while n <= cap:
-    out.append(packed(n))
+    out.append(packed(n, floor))
     n = out[-1] + 1
   return out
 

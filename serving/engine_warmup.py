@@ -75,7 +75,7 @@ class EngineWarmup:
       most = max_prefill_rows * chunk_cap if max_tokens is None else min(
           max_tokens, max_prefill_rows * chunk_cap)
       out += [("prefill", bucket(max_prefill_rows, minimum=1), n, attends["prefill"][-1])
-              for n in packed_sizes(most)]
+              for n in packed_sizes(most, self.config.min_packed)]
     else:
       chunks = sorted({bucket(c, minimum=16, maximum=self.config.max_seq_tokens)
                        for c in powers(1, chunk_cap)})

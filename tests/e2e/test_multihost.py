@@ -179,6 +179,7 @@ def _server_pair(tmp_path, warmup: bool = False) -> Workers:
                  extra=[("--port", "0", "--port_file", port_file), ()])
 
 
+@pytest.mark.slow  # suite time (53 s): the killed-follower pair below serves without warm-up
 def test_two_process_server_warms_up_streams_the_tokens_of_one_and_stops_cleanly(tmp_path):
   """With the default warm-up (process 0 publishes warmup and seal: a TypeError or a program
   run by one process only would fail or hang here)."""
@@ -198,8 +199,13 @@ def test_two_process_server_warms_up_streams_the_tokens_of_one_and_stops_cleanly
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "leader-killed"])
 def test_a_killed_process_takes_the_other_down(tmp_path, victim):
+  """The follower-killed pair first streams the tokens of one process (no warm-up)."""
+  expected = _one_process_tokens() if victim == 1 else None
   with _server_pair(tmp_path) as ws:
-    _wait_port(ws, tmp_path / "port")
+    port = _wait_port(ws, tmp_path / "port")
+    if expected is not None:
+      _wait_serving(ws, port, timeout=300)
+      assert _stream(port) == expected
     survivor = 1 - victim
     ws.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
@@ -214,7 +220,8 @@ def test_a_killed_process_takes_the_other_down(tmp_path, victim):
   print(f"process {survivor} exited (rc {rc}) {elapsed:.1f} s after process {victim} died")
 
 
-@pytest.mark.parametrize("runs", [1, pytest.param(2, marks=pytest.mark.slow)],
+@pytest.mark.slow  # suite time: the sweep's own smoke is tests/launch/lab/test_sweep_partitioning.py
+@pytest.mark.parametrize("runs", [1, 2],
                          ids=["once", "resumed"])
 def test_two_process_partitioning_sweep(tmp_path, runs):
   """launch.lab.sweep_partitioning over 2 x 4 devices: every process runs every cell; process 0's

@@ -172,6 +172,7 @@ def test_build_prompt():
     build_prompt(broken, chat="hi")
 
 
+@pytest.mark.slow  # suite time: int8 quality is gated in tests/launch/lab/test_quality.py
 def test_make_run_chats_in_english_int8():
   """What `make run` does: SmolLM2-135M-Instruct, int8 (the default weight-only mode), a chat
   prompt streamed as text, TTFT and tokens/s on the last line."""

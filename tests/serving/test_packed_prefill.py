@@ -134,6 +134,8 @@ def test_packed_sizes_waste_at_most_a_quarter():
     assert p >= n and ((p - n) * 4 <= p or p - n < 16), n
     assert packed(p) == p  # a size is its own bucket
   assert packed_sizes(100) == [16, 32, 48, 64, 80, 96, 112]  # the last covers 100
+  assert packed_sizes(40, floor=4) == [4, 8, 16, 32, 48]  # a draft engine's small catch-ups
+  assert [packed(n, 4) for n in (1, 4, 5, 9, 17)] == [4, 4, 8, 16, 32]
 
 
 def test_decode_rows_are_powers_of_two_and_24():
