@@ -179,7 +179,6 @@ def _server_pair(tmp_path, warmup: bool = False) -> Workers:
                  extra=[("--port", "0", "--port_file", port_file), ()])
 
 
-@pytest.mark.slow  # suite time (53 s): the killed-follower pair below serves without warm-up
 def test_two_process_server_warms_up_streams_the_tokens_of_one_and_stops_cleanly(tmp_path):
   """With the default warm-up (process 0 publishes warmup and seal: a TypeError or a program
   run by one process only would fail or hang here)."""
@@ -199,13 +198,8 @@ def test_two_process_server_warms_up_streams_the_tokens_of_one_and_stops_cleanly
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "leader-killed"])
 def test_a_killed_process_takes_the_other_down(tmp_path, victim):
-  """The follower-killed pair first streams the tokens of one process (no warm-up)."""
-  expected = _one_process_tokens() if victim == 1 else None
   with _server_pair(tmp_path) as ws:
-    port = _wait_port(ws, tmp_path / "port")
-    if expected is not None:
-      _wait_serving(ws, port, timeout=300)
-      assert _stream(port) == expected
+    _wait_port(ws, tmp_path / "port")
     survivor = 1 - victim
     ws.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()

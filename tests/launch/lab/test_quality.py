@@ -1,14 +1,15 @@
 """Quality gates on real text: SmolLM2-135M-Instruct (trained weights from its GGUF file) on the
-project's own English passages (``tests/data/english_passages.txt``; the first 256 tokens of each
-of its five passages, 1,275 scored positions).
+project's own English passages (``tests/data/english_passages.txt``; the first 128 tokens of each
+of its five passages, 635 scored positions).
 
 Every next token is scored in f32, bf16, int8 weight-only and int8 W8A8 as served (smoothed on
 the calibration text, per-token activations, the unembedding weight-only); each variant is
-compared with f32. Figures (AMD EPYC Zen 4, 2026-12-06): f32 perplexity 22.66; bf16 22.67 (KL
-0.0006, top-1 0.989); int8 22.73 (KL 0.0043, top-1 0.948); W8A8 22.97 (KL 0.013, top-1 0.925;
-unsmoothed, every matmul W8A8: 23.32, KL 0.036, top-1 0.864); over the int8 KV cache (per-token,
-per-head scales) f32+kv8 22.72 (KL 0.0007, top-1 0.984) and int8+kv8 22.77 (+0.16% over int8
-weights alone). The whole passages (2,276 tokens,
+compared with f32. Figures (AMD EPYC Zen 4, 2026-12-06): f32 perplexity 28.72 (the passages'
+openings, with little context yet); bf16 +0.11% (KL 0.0007, top-1 0.989); int8 +0.32% (KL
+0.0045, top-1 0.946); W8A8 +0.61% (KL 0.015, top-1 0.928); over the int8 KV cache (per-token,
+per-head scales) f32+kv8 +0.19% (KL 0.0008, top-1 0.986) and int8+kv8 +0.64% (KL 0.0053, top-1
+0.948). On the first 256 tokens (until session 27; half the suite time now) f32 was 22.66 and
+the others' ratios alike. The whole passages (2,276 tokens,
 ``launch.lab.eval_quality``) give the same picture (BUILD_NOTES.md). The thresholds leave about 2-3x
 headroom for summation-order differences between machines (AMX bf16/int8 on the Xeon) and catch
 broken quantization or precision handling (a scale on the wrong axis moves perplexity by orders of
@@ -30,8 +31,8 @@ TEXT = REPO / "tests" / "data" / "english_passages.txt"
 # variant -> (max perplexity increase over f32 as a fraction, max mean KL, min top-1 agreement)
 GATES = {"bf16": (0.01, 0.003, 0.97), "int8": (0.02, 0.015, 0.90), "w8a8": (0.025, 0.03, 0.88),
          "f32+kv8": (0.01, 0.003, 0.95), "int8+kv8": (0.025, 0.02, 0.90)}
-# Each passage's first tokens only (suite time: 5 x 256 positions instead of 5 x 576 padded).
-TOKENS_PER_PASSAGE = 256
+# Each passage's first tokens only (suite time: 5 x 128 positions instead of 5 x 576 padded).
+TOKENS_PER_PASSAGE = 128
 # The int8 KV cache's own gate: perplexity within this fraction of the same weights' float cache.
 KV8_GATE = 0.01
 
@@ -48,7 +49,7 @@ def scores():
 
 def test_f32_perplexity_is_that_of_a_trained_model(scores):
   # Uniform over the vocabulary would be 49152; a broken import (e.g. Q/K left permuted) > 40.
-  assert 5.0 < scores["f32"].perplexity < 30.0, scores["f32"]
+  assert 5.0 < scores["f32"].perplexity < 36.0, scores["f32"]
 
 
 @pytest.mark.parametrize("variant", sorted(GATES))
