@@ -319,6 +319,7 @@ def test_engine_over_the_sharded_step(mesh8):
         f"{planned.description['decode_choice']}")
 
 
+@pytest.mark.slow  # suite time (32-48 s); the sharded engine's own identity stays (above)
 def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
   """The prefix cache over 8 batch-sharded sub-pools (ws_2d+batch_xyz: a request goes to the
   shard holding its prefix) and over two pools (disaggregated: only prompt pages, which prefill

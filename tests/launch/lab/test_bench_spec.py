@@ -18,7 +18,7 @@ def test_bench_spec_smoke():
   draft = ["--draft_model", "tiny"]
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_spec", "--model", "tiny", "--dtype", "float32",
-       "--batches", "2", "--max_tokens", "12", "--rounds", "1", "--tasks", "spelling,rename",
+       "--batches", "2", "--max_tokens", "8", "--rounds", "1", "--tasks", "spelling,rename",
        "--json", *draft], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -135,6 +135,7 @@ def test_analyze_passes_a_clean_run_and_names_each_failure():
   assert r["assertions"]["no_request_errors"]["by_status"] == {"jetstream/decode: INTERNAL": 1}
 
 
+@pytest.mark.slow  # suite time (87 s): serving changes get the 10-minute soak (BUILD_NOTES)
 def test_short_soak_passes(tmp_path):
   out = tmp_path / "soak"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1")
