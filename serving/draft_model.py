@@ -39,6 +39,9 @@ from serving.speculative import DraftQuery
 from serving.step_plan import DecodeRow, PrefillChunk, SlotSetup, StepPlan
 
 _PAGE = 16  # the draft pool's page size (its own: nothing shared with the target's)
+# The most ids a catch-up step prefills: its packed programs are 4, 8, ..., 64 ids (7 to warm,
+# not the ~20 of the target's 512-id chunks); a first call's prompt takes a few more steps.
+MAX_CATCH_UP = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +69,10 @@ def check_tokenizers(target: Tokenizer, draft: Tokenizer) -> None:
 
 def build_draft(draft: DraftModel, *, k: int, slots: int, context: int, chunk: int,
                 valid_vocab: int, kv_dtype: str) -> "DraftModelProposer":
-  """A proposer over a fresh draft engine: ``slots`` sequences of ``context`` ids."""
+  """A proposer over a fresh draft engine: ``slots`` sequences of ``context`` ids, catch-ups of
+  at most ``chunk`` (and ``MAX_CATCH_UP``) ids a step."""
   pages_per_seq = -(-context // _PAGE)
+  chunk = min(chunk, MAX_CATCH_UP)
   engine = Engine(draft.step, draft.params, EngineConfig(
       max_slots=slots, num_pages=slots * pages_per_seq, page_size=_PAGE,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=valid_vocab,
