@@ -82,18 +82,21 @@ def main() -> None:
       pf = statistics.median(times)
       out["prefill"].append({"batch": b, "tokens": a.prompt, "tok_per_s": b * a.prompt / pf})
 
-      def timed_generate(n: int) -> float:
-        times = []
-        for _ in range(a.repeats):
-          t = time.perf_counter()
-          model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, **gen_kw)
-          times.append(time.perf_counter() - t)
-        return statistics.median(times)
+      def generate(n: int) -> float:
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, **gen_kw)
+        return time.perf_counter() - t
 
-      timed_generate(2)  # warm-up
-      # Decode time per token: (N tokens - 1 token) / (N - 1), so prefill cancels out.
-      ms = (timed_generate(a.new_tokens) - timed_generate(1)) / (a.new_tokens - 1) * 1e3
+      generate(2)  # warm-up
+      # Decode time per token: (N tokens - 1 token) / (N - 1), so prefill cancels out. The two
+      # lengths run interleaved and each keeps its best time: noise only adds, so a stall in one
+      # call can no longer make the difference negative the way a median of separate runs could.
+      long_s, short_s = [], []
+      for _ in range(a.repeats):
+        long_s.append(generate(a.new_tokens))
+        short_s.append(generate(1))
+      ms = (min(long_s) - min(short_s)) / (a.new_tokens - 1) * 1e3
       out["decode"].append({"batch": b, "ms_per_token": ms, "tok_per_s": b * 1e3 / ms})
   print(json.dumps(out) if a.json else json.dumps(out, indent=1))
 

@@ -10,8 +10,9 @@ from tests.refenv import ref_env, ref_python
 
 
 def test_bench_hf_smoke():
-  # --repeats 3: decode ms is a difference of two timings (16 tokens less 1), so a median over
-  # three keeps one stalled call on a busy machine from making it negative.
+  # Decode ms is a difference of two timings (16 tokens less 1): bench_hf interleaves the two
+  # lengths and keeps each one's best of --repeats, so only stalls in every short call could
+  # make it non-positive.
   script = paths.TESTS / "reference" / "bench_hf.py"
   r = subprocess.run([str(ref_python()), str(script), "--hidden", "64", "--layers", "2",
                       "--heads", "4", "--ffn", "128", "--vocab", "300", "--prompt", "16",
