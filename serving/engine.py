@@ -293,7 +293,8 @@ class Engine(EngineWarmup, EngineApi):
 
   def _verify(self, rows: Sequence[DecodeRow]) -> Part:
     pool = self.decode_pool
-    n = verify_tokens(len(rows), sum(len(r.draft) for r in rows))
+    n = verify_tokens(len(rows), sum(len(r.draft) for r in rows), self.config.spec_tokens,
+                      self.config.spec_rows)
     _, n, attend = self.program_set.cover(("verify", n, self._attend(1, "decode")),
                                           pad_rows=True)
     a = pack_verify(rows, n, self.config.max_slots)

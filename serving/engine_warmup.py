@@ -24,7 +24,7 @@ from serving.engine_pool import Pool
 from serving.engine_shapes import ProgramSet, decode_rows, packed_sizes, powers
 from serving.penalties import warm_penalties
 from serving.sampling import SamplingArrays
-from serving.spec_verify import pack_verify, verify_call, verify_tokens
+from serving.spec_verify import pack_verify, verify_call, verify_sizes
 
 
 class EngineWarmup:
@@ -89,9 +89,9 @@ class EngineWarmup:
                      for n in range(1, self.config.max_slots + 1)}):
       out += [("decode", n * self.decode_pool.shards, 0, a) for a in attends["decode"]]
     rows = lambda phase: sorted({b[1] for b in out if b[0] == phase})
-    spec = self.config.spec_tokens  # verify calls: every token count up to spec_rows' drafts
-    verify = [("verify", v, 0, attends["decode"][-1]) for v in powers(4, verify_tokens(
-        self.config.spec_rows, self.config.spec_rows * spec))] if spec else []
+    spec = self.config.spec_tokens  # verify calls: the sizes that hold spec_rows' drafts
+    verify = [("verify", v, 0, attends["decode"][-1])
+              for v in verify_sizes(spec, self.config.spec_rows)] if spec else []
     return out + [(f"sample_{phase}", r, 0, 0) for phase in ("prefill", "decode")
                   for r in rows(phase)] + verify
 

@@ -2,7 +2,7 @@
 model call, sampled at every position, the longest agreeing prefix of each row accepted.
 
 Contract: ``pack_verify(rows, n, null_slot)`` lays decode rows (``serving.step_plan.DecodeRow``,
-each its slot's last id then its ``draft``) end to end in ``N = n`` tokens, ``R = N`` rows
+each its slot's last id then its ``draft``) end to end in ``N = n`` tokens (``verify_sizes``: multiples of ``k + 1``), ``R = N`` rows
 (``VerifyArrays``). ``verify_call(params, kv, last_X, samp, ...)`` runs them as a packed prefill
 (``models.step.Step.prefill`` with ``T = 1``: each token at its own position, KV written for
 every one), samples every position ``p`` with its slot's parameters at key position ``p + 1``
@@ -25,10 +25,10 @@ import numpy as np
 
 from models.paged_kv import PagedKV
 from models.step import Step
-from models.transformer import bucket
 from models.weights import Params
 from serving.engine_calls import rows
 from serving.engine_lora import SlotLoras, lora_rows
+from serving.engine_shapes import powers
 from serving.sampling import SamplingArrays, sample
 from serving.step_plan import DecodeRow
 
@@ -48,10 +48,18 @@ class VerifyArrays:
   k_R: np.ndarray
 
 
-def verify_tokens(num_rows: int, num_drafts: int) -> int:
-  """A verify call's ``N`` for rows holding ``num_drafts`` draft ids in all: a power of two,
-  at least 4."""
-  return bucket(num_rows + num_drafts, minimum=4)
+def verify_sizes(k: int, max_rows: int) -> list[int]:
+  """A verify call's warmed token counts ``N``: ``k + 1`` (one row's full draft) times 1, 2, 4,
+  ... rows, and ``max_rows``. A row's full draft fills its call exactly: at batch 1, k = 4 runs
+  5 tokens, not 8 (each token of a call costs compute once several share the weights' read)."""
+  return [(k + 1) * r for r in powers(1, max(1, max_rows))]
+
+
+def verify_tokens(num_rows: int, num_drafts: int, k: int, max_rows: int) -> int:
+  """The smallest of ``verify_sizes(k, max_rows)`` that holds rows with ``num_drafts`` draft ids
+  in all."""
+  need = num_rows + num_drafts
+  return next((n for n in verify_sizes(k, max_rows) if n >= need), need)
 
 
 def pack_verify(decode: Sequence[DecodeRow], n: int, null_slot: int) -> VerifyArrays:
@@ -100,4 +108,4 @@ def verify_call(params: Params, kv: PagedKV, last_X: jax.Array, samp: SamplingAr
   return kv, last_X.at[slots_R].set(tok_R, mode="drop"), tok_R, acc_R
 
 
-__all__ = ["VerifyArrays", "pack_verify", "verify_call", "verify_tokens"]
+__all__ = ["VerifyArrays", "pack_verify", "verify_call", "verify_sizes", "verify_tokens"]

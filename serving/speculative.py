@@ -15,7 +15,9 @@ the same random numbers as plain decoding, so speculation keeps the target's ids
 greedy or sampled, up to the numerics of a k+1-token call against a one-token one.
   * ``NgramProposer(k, max_n=4, min_n=1, window=4096)``: prompt lookup (vLLM's ``ngram``): the
     longest suffix of ``max_n`` down to ``min_n`` ids that also occurs earlier in the last
-    ``window`` ids of the context; the ids that followed its latest earlier occurrence.
+    ``window`` ids of the context; the ids that followed an earlier occurrence of it: the first
+    at or after the key's copy pointer (where the ids its last proposal copied and the target
+    accepted end: a rewrite copies its source in order), else the latest.
     ``ContextProposer`` is the base of proposers that read each context alone;
     ``serving.draft_model.DraftModelProposer``: a second model's greedy continuation.
   * ``speculable(request)``: whether a request's rows may carry drafts: not opted out
@@ -97,30 +99,68 @@ class ContextProposer:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Copy:
+  """What the n-gram proposer last proposed for a key: the context's length then, the ids, and
+  where in the context they were copied from."""
+  length: int
+  ids: tuple[int, ...]
+  source: int
+
+
+@dataclasses.dataclass(frozen=True)
 class NgramProposer(ContextProposer):
-  """Prompt lookup; see the module contract."""
+  """Prompt lookup with a copy pointer; see the module contract."""
   k: int
   max_n: int = 4
   min_n: int = 1
   window: int = 4096
+  _copies: dict[str, _Copy] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def __post_init__(self):
     if self.k < 1 or not 1 <= self.min_n <= self.max_n or self.window < 2:
       raise ValueError(f"n-gram proposer needs k >= 1, 1 <= min_n <= max_n, window >= 2: {self}")
 
-  def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+  def propose(self, tokens: Sequence[int], k: int, after: int | None = None) -> tuple[int, ...]:
+    return self._lookup(tokens, k, after)[0]
+
+  def _lookup(self, tokens: Sequence[int], k: int, after: int | None
+              ) -> tuple[tuple[int, ...], int]:
+    """(draft ids, the context index they start at); ``after``: prefer the earliest occurrence
+    whose continuation starts there or later (a rewrite copies its source in order), else the
+    latest."""
     k = min(k, self.k)
     if k < 1 or len(tokens) < self.min_n + 1:
-      return ()
+      return (), -1
     ctx = np.asarray(tokens[-self.window:], np.int64)
+    offset = len(tokens) - len(ctx)
     for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
       # Windows that end before the last id: each has at least one id after it.
       windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
-      hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
-      if hits.size:
-        start = int(hits[-1]) + n
-        return tuple(int(t) for t in ctx[start:start + k])
-    return ()
+      starts = np.flatnonzero((windows == ctx[-n:]).all(axis=1)) + n
+      if starts.size:
+        ahead = starts[starts >= after - offset] if after is not None else starts[:0]
+        start = int(ahead[0] if ahead.size else starts[-1])
+        return tuple(int(t) for t in ctx[start:start + k]), offset + start
+    return (), -1
+
+  def draft(self, queries: Sequence[DraftQuery]) -> list[tuple[int, ...]]:
+    out = []
+    for q in queries:
+      last = self._copies.get(q.key)
+      after = None
+      if last is not None and last.source >= 0 and len(q.tokens) > last.length:
+        got = q.tokens[last.length:last.length + len(last.ids)]
+        acc = next((i for i, (a, b) in enumerate(zip(got, last.ids)) if a != b), len(got))
+        after = last.source + acc  # the source id after the last one the target copied
+      ids, source = self._lookup(q.tokens, q.k, after)
+      # No proposal keeps the pointer where it was (the copy resumes once a suffix recurs).
+      self._copies[q.key] = _Copy(len(q.tokens), ids, source if ids else
+                                  (after if after is not None else -1))
+      out.append(ids)
+    return out
+
+  def forget(self, key: str) -> None:
+    self._copies.pop(key, None)
 
   def describe(self) -> dict[str, object]:
     return {"method": "ngram", "num_speculative_tokens": self.k, "prompt_lookup_max": self.max_n,

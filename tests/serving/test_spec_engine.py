@@ -24,6 +24,7 @@ from serving.kv_pages import PageBudget, PagePool
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
+from serving.spec_verify import verify_sizes, verify_tokens
 from serving.speculative import ContextProposer, NgramProposer
 from serving.stop import StopCriteria
 from tests.cpu_policies import NATIVE
@@ -133,6 +134,34 @@ def test_control_accepting_every_draft_changes_the_ids(params, reference, monkey
   monkeypatch.setattr(engine_mod, "verify_call", blind)
   got, _ = _serve(params, reqs, proposer=_Oracle(reqs, want))
   assert got != want
+
+
+def test_verify_sizes_fit_full_drafts_exactly():
+  assert verify_sizes(4, 1) == [5]
+  assert verify_sizes(4, 4) == [5, 10, 20]
+  assert verify_sizes(7, 3) == [8, 16, 24]
+  assert verify_tokens(1, 4, 4, 4) == 5  # batch 1, a full draft: no padding token
+  assert verify_tokens(1, 2, 4, 4) == 5
+  assert verify_tokens(2, 5, 4, 4) == 10
+  assert verify_tokens(3, 12, 4, 4) == 20
+
+
+def test_verify_calls_run_only_the_warmed_exact_sizes(params, reference, monkeypatch):
+  """Every verify call ran one of ``verify_sizes(k, SPEC_ROWS)`` (k = 4, 3 rows: 5, 10, 15), the
+  one-row size included, and none had to be covered by a larger program."""
+  reqs, want = reference
+  seen: list[int] = []
+  real = engine_mod.verify_call
+
+  def spy(*args, **kw):
+    seen.append(int(args[4].shape[0]))
+    return real(*args, **kw)
+
+  spy.lower = real.lower  # the warm-up compiles the real program
+  monkeypatch.setattr(engine_mod, "verify_call", spy)
+  got, _ = _serve(params, reqs, proposer=_Oracle(reqs, want))
+  assert got == want
+  assert seen and set(seen) <= set(verify_sizes(4, SPEC_ROWS)) and 5 in seen, seen
 
 
 def test_engine_refuses_speculation_without_lag_0_or_with_sinks(params):

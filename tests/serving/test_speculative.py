@@ -19,7 +19,7 @@ from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
-from serving.speculative import ContextProposer, NgramProposer, speculable
+from serving.speculative import ContextProposer, DraftQuery, NgramProposer, speculable
 from serving.stop import FinishReason, StopCriteria
 
 VOCAB = ByteTokenizer.VOCAB_SIZE
@@ -40,6 +40,28 @@ def test_ngram_proposes_what_followed_the_longest_suffix_latest():
   assert p.propose(list(range(10)) * 3, 3) == (0, 1, 2)  # the latest occurrence, near the end
   with pytest.raises(ValueError):
     NgramProposer(k=0)
+
+
+def test_ngram_copy_pointer_prefers_the_occurrence_after_the_last_copy():
+  """A rewrite copies its source in order: once a proposal copied from source index s and the
+  target took a ids of it, the next lookup prefers the first occurrence continuing at s + a or
+  later over the latest one; a new key, or one forgotten, starts from the latest."""
+  src = [10, 1, 11, 12, 1, 13, 14, 1, 15, 16]  # id 1 recurs: followed by 11, 13, 15
+  p = NgramProposer(k=2, max_n=1)
+  assert p.propose(src + [1], 2) == (15, 16)  # no pointer: the latest occurrence
+  assert p.propose(src + [1], 2, after=2) == (11, 12)
+  assert p.propose(src + [1], 2, after=3) == (13, 14)
+  ctx = src + [10]  # the rewrite starts: 10 is followed by 1, 11 in the source (index 1)
+  assert p.draft([DraftQuery("r", ctx, 2)]) == [(1, 11)]
+  ctx = ctx + [1, 11, 12]  # both accepted, then the target's own 12: the pointer passes 11, 12
+  ctx = ctx + [1]
+  # Two ids appended since the proposal that copied from index 1 ([1, 11] accepted) -- the
+  # context grew by 4, the first 2 equal the proposal: pointer at 1 + 2 = 3.
+  assert p.draft([DraftQuery("r", ctx, 2)]) == [(13, 14)]
+  # No pointer: the latest occurrence, the rewrite's own 1 (index 11), followed by 11, 12.
+  assert p.draft([DraftQuery("other", ctx, 2)]) == [(11, 12)]
+  p.forget("r")
+  assert p.draft([DraftQuery("r", ctx, 2)]) == [(11, 12)]
 
 
 def test_speculable_leaves_out_what_the_verify_call_does_not_compute():
