@@ -64,6 +64,16 @@ def test_ngram_copy_pointer_prefers_the_occurrence_after_the_last_copy():
   assert p.draft([DraftQuery("r", ctx, 2)]) == [(11, 12)]
 
 
+def test_ngram_suffixes_shorter_than_min_n_count_only_just_ahead_of_the_copy():
+  from serving.speculative import NEAR
+  src = [10, 1, 11, 12, 1, 13, 14] + [20 + i for i in range(2 * NEAR)] + [1, 15]
+  p = NgramProposer(k=2, min_n=2, max_n=3)
+  assert p.propose(src + [1], 2) == ()  # one id, no pointer: too short to trust
+  assert p.propose(src + [1], 2, after=3) == (13, 14)  # just ahead of the pointer
+  assert p.propose(src + [1], 2, after=6) == ()  # the next 1 is more than NEAR ids ahead
+  assert p.propose(src + [14, 20], 2, after=0) == (21, 22)  # two ids: trusted anywhere
+
+
 def test_speculable_leaves_out_what_the_verify_call_does_not_compute():
   ok = Request("a", (1,), SamplingParams(temperature=0.7, top_p=0.9))
   assert speculable(ok)
