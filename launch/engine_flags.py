@@ -120,7 +120,8 @@ DRAFT_QUANTIZE = flags.DEFINE_enum("draft_quantize", "none", ["none", "int8"],
 LOOKUP_MAX = flags.DEFINE_integer("prompt_lookup_max", 4, "n-gram proposer: the longest "
                                   "suffix looked up in the context", lower_bound=1)
 LOOKUP_MIN = flags.DEFINE_integer("prompt_lookup_min", 2, "n-gram proposer: the shortest "
-                                  "suffix looked up", lower_bound=1)
+                                  "suffix looked up anywhere (shorter ones count just ahead "
+                                  "of the sequence's copy pointer)", lower_bound=1)
 LORA_MODULES = flags.DEFINE_multi_string(
     "lora_modules", [], "LoRA adapters served beside the base model, name=path to a PEFT "
     "directory (adapter_config.json + adapter_model.safetensors); repeat or give several")

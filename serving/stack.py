@@ -43,7 +43,7 @@ from serving.host_tier import HostStore
 from serving.sessions import SessionPolicy
 from serving.scheduler import Scheduler, StepPlan
 from serving.lora import LoraConfig, LoraSlots, build_registry
-from serving.speculative import NgramProposer, Proposer, auto_max_rows
+from serving.speculative import NgramProposer, Proposer, auto_max_rows, word_starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                            kv_dtype=jnp.dtype(draft.params["final_norm"].dtype).name)
   elif config.spec_tokens:
     proposer = NgramProposer(config.spec_tokens, config.prompt_lookup_max,
-                             config.prompt_lookup_min)
+                             config.prompt_lookup_min, word_start=word_starts(tokenizer))
   loras, lora_slots = build_registry(cfg, config.lora)
 
   def make_scheduler() -> Scheduler:

@@ -74,6 +74,33 @@ def test_ngram_suffixes_shorter_than_min_n_count_only_just_ahead_of_the_copy():
   assert p.propose(src + [14, 20], 2, after=0) == (21, 22)  # two ids: trusted anywhere
 
 
+def test_word_skip_resumes_the_copy_after_an_edited_word():
+  """ByteTokenizer: one id a byte, so a word is its bytes and a space starts the next. The
+  source says "the cat sat"; the target copied "the c", then wrote its own word ("dog"): no
+  suffix recurs, so the copy resumes at the source's next word start, " sat". A sequence whose
+  drafts were mostly rejected does not skip; without ``word_start`` there is no skip."""
+  from models.text.tokenizer import ByteTokenizer
+  from serving.speculative import word_starts
+  tok = ByteTokenizer()
+  ws = word_starts(tok)
+  assert ws[ord(" ")] and ws[ord(".")] and not ws[ord("a")]
+  src = tok.encode("the cat sat.")
+  p = NgramProposer(k=4, min_n=2, max_n=3, word_start=ws)
+  ctx = src + tok.encode("\nthe")
+  (d,) = p.draft([DraftQuery("r", ctx, 4)])
+  assert bytes(d) == b" cat"  # the suffix "the" recurs: copied from the source
+  ctx = ctx + tok.encode(" cQ")  # " c" accepted, then the target's own "Q"
+  (d,) = p.draft([DraftQuery("r", ctx, 4)])
+  assert bytes(d) == b" sat"  # no suffix "cQ" anywhere: the word skip
+  plain = NgramProposer(k=4, min_n=2, max_n=3)
+  plain.draft([DraftQuery("r", src + tok.encode("\nthe"), 4)])
+  assert plain.draft([DraftQuery("r", ctx, 4)]) == [()]
+  doubtful = NgramProposer(k=4, min_n=2, max_n=3, word_start=ws)
+  for _ in range(8):  # proposals rejected at their first id, again and again
+    doubtful.draft([DraftQuery("r", src + tok.encode("\nthe"), 4)])
+  assert doubtful.draft([DraftQuery("r", ctx, 4)]) == [()]
+
+
 def test_speculable_leaves_out_what_the_verify_call_does_not_compute():
   ok = Request("a", (1,), SamplingParams(temperature=0.7, top_p=0.9))
   assert speculable(ok)
