@@ -21,9 +21,10 @@ host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports
     ``models/config.py``.
   * Structured outputs: a constrained slot's matcher (``serving.grammar_rows``) masks its
     sampling; its last ids are read before the mask is filled, while the model runs.
-  * Speculative decoding (``spec_tokens``; lag 0, one packing pool): a step whose decode rows
-    carry draft ids runs them as one verify call (``serving.spec_verify``), the rows with
-    penalties, a grammar or logprobs as a plain decode beside it.
+  * Speculative decoding (``spec_tokens``; one packing pool): a step whose decode rows carry
+    draft ids runs them as one verify call (``serving.spec_verify``), the rows with penalties,
+    a grammar or logprobs as a plain decode beside it. A lagged engine's driver flushes each
+    step while the scheduler is ``synchronous`` (the next drafts need this step's ids).
   * LoRA adapters (``max_loras`` device slots, ``loras`` the registry; one unsharded pool):
     ``serving.engine_lora.DeviceLoras`` fills slots from the plan's ``lora_loads`` and every
     model call takes each row's adapter from its slot's setup. The warm-up is
@@ -125,9 +126,9 @@ class Engine(EngineWarmup, EngineApi):
     self.packed = (config.pack_prefill and self.prefill_pool.shards == 1
                    and self.prefill_pool.kv.native_attention(n, 1))
     self._prefill_rows = 1  # a packed call's logits rows, at least (warm-up: the plans' most)
-    if config.spec_tokens and (not self.packed or decode or config.lag or config.sinks):
-      raise ValueError("speculative decoding needs lag 0 and one pool that packs prefill (one "
-                       "kv shard, the native attention kernel, no attention sinks)")
+    if config.spec_tokens and (not self.packed or decode or config.sinks):
+      raise ValueError("speculative decoding needs one pool that packs prefill (one kv shard, "
+                       "the native attention kernel, no attention sinks)")
     if config.max_loras and (decode or loras is None or self.prefill_pool.shards > 1):
       raise ValueError("LoRA adapters need a registry and one unsharded pool")
     self.lora = DeviceLoras.create(

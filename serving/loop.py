@@ -234,6 +234,7 @@ class ServingLoop:
     tl.mark("admit")
     with self._sched_lock:
       plan = self.scheduler.schedule()
+      sync = plan.empty or self.scheduler.synchronous  # collect this step before the next plan
     self._deliver(self._drain())
     started = {c.request_id for c in plan.prefill}
     for c in plan.prefill:  # detail: the positions this chunk computes
@@ -247,7 +248,7 @@ class ServingLoop:
         self.fault_hook(plan)
       result = self.engine.execute(plan)
       results = [result] if result is not None else []
-      if plan.empty:  # everything planned is in flight: collect it
+      if sync:  # everything planned is in flight, or speculation needs this step's ids
         results += self.engine.flush()
     except Exception as e:
       self.step_started = None
@@ -265,12 +266,15 @@ class ServingLoop:
         self.guard.call("metrics", self._step_metrics, dt, composition)
       # With lagged results, a call waits for the previous step's ids: its wall time is that
       # step's device time, so it is fitted to the composition of the plan ``lag`` steps back.
+      # A flushed call waited for its own step: a sample only when nothing else was in flight.
       self._timed.append(composition)
-      if len(self._timed) > self.engine.lag:
-        timed = self._timed.popleft()
-        # A call that compiled a program timed the compiler, not a step: not a sample.
-        if not compiled:
-          self.guard.call("cost_model", self.cost_model.observe, *timed, dt)
+      timed = self._timed.popleft() if len(self._timed) > (0 if sync else self.engine.lag) \
+          and (not sync or len(self._timed) == 1) else None
+      if sync:
+        self._timed.clear()
+      # A call that compiled a program timed the compiler, not a step: not a sample.
+      if timed is not None and not compiled:
+        self.guard.call("cost_model", self.cost_model.observe, *timed, dt)
     self._faults_in_row = 0
     for rid in started:
       self.traces[rid].record("prefill_end")

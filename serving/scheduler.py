@@ -188,6 +188,12 @@ class Scheduler:
   def num_decoding(self) -> int:
     return sum(s.decoding for s in self._running)
 
+  @property
+  def synchronous(self) -> bool:
+    """Speculation wants each step's ids before the next plan (the driver flushes a lagged
+    engine): few enough sequences decode for drafts (``spec_max_rows``)."""
+    return self.proposer is not None and 0 < self.num_decoding <= self.spec_max_rows
+
   def slot_wait_steps(self, ahead: int) -> int:
     """About how many steps until a slot is free for a request with ``ahead`` others waiting
     before it: the running sequences' remaining ids, the earliest to finish first (each later
@@ -211,8 +217,7 @@ class Scheduler:
     prefill: list[PrefillChunk] = []
     setups: list[SlotSetup] = []
     order = sorted(self._running, key=lambda s: s.key)
-    drafts = self._drafts(order, budget) if self.proposer is not None and \
-        self.num_decoding <= self.spec_max_rows else {}
+    drafts = self._drafts(order, budget) if self.synchronous else {}
     for seq in order:
       if seq.state is not _State.RUNNING or not seq.decoding or budget < 1 or seq.drafted:
         continue
@@ -478,23 +483,5 @@ class Scheduler:
     return out
 
 
-def run_to_completion(scheduler: Scheduler, execute: Callable[[StepPlan], StepResult | None],
-                      max_steps: int = 1_000_000) -> list[RequestOutput]:
-    """Drives plan -> execute -> update until idle (tests, offline runs). ``execute`` returns
-    the result of the plan it was given (synchronous engines) or of an earlier one (``None``
-    until one is ready)."""
-    outs: list[RequestOutput] = []
-    for _ in range(max_steps):
-      outs += scheduler.drain_outputs()
-      if scheduler.idle:
-        return outs
-      plan = scheduler.schedule()
-      outs += scheduler.drain_outputs()
-      result = execute(plan)
-      if result is not None:
-        outs += scheduler.update(result)
-    raise RuntimeError(f"not idle after {max_steps} steps")
-
-
 __all__ = ["PrefillChunk", "DecodeRow", "SlotSetup", "StepPlan", "StepResult", "Scheduler",
-           "run_to_completion", "Refusal"]
+           "Refusal"]

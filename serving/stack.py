@@ -69,9 +69,10 @@ class ServingConfig:
   tpot_target_ms: float = 0.0
   min_prefill_tokens: int = 32
   pack_prefill: bool = True  # a step's chunks end to end (serving.engine): off is an A/B switch
-  # Speculative decoding (serving.speculative): draft ids per decode row and step (0: off; on:
-  # results lag 0), proposed by n-gram prompt lookup over suffixes of prompt_lookup_max down to
-  # prompt_lookup_min ids, while at most spec_max_rows sequences decode (0: auto_max_rows(k)).
+  # Speculative decoding (serving.speculative): draft ids per decode row and step (0: off),
+  # proposed by n-gram prompt lookup over suffixes of prompt_lookup_max down to
+  # prompt_lookup_min ids, while at most spec_max_rows sequences decode (0: auto_max_rows(k));
+  # those steps run synchronously (the loop flushes), the others at ``lag``.
   spec_tokens: int = 0
   spec_max_rows: int = 0
   prompt_lookup_max: int = 4
@@ -133,7 +134,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
   engine = Engine(step, params, EngineConfig(
       max_slots=config.max_slots, num_pages=config.kv_pages, page_size=config.page_size,
       max_seq_tokens=context, kv_dtype=kv_dtype, valid_vocab=tokenizer.vocab_size,
-      lag=0 if config.spec_tokens else config.lag, sinks=config.attention_sinks,
+      lag=config.lag, sinks=config.attention_sinks,
       pack_prefill=config.pack_prefill, spec_tokens=config.spec_tokens,
       spec_rows=spec_rows, max_loras=lora_slots),
       decode=decode, host_store=store, loras=loras)

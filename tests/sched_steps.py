@@ -20,12 +20,12 @@ def serve_outputs(sched, engine, reqs, traces: dict | None = None) -> list:
   """Adds every request (each must be admitted; its trace goes in ``traces`` when given), runs
   to completion, returns every output."""
   from serving.lifecycle import RequestTrace
-  from serving.scheduler import run_to_completion
+  from serving.drive import run_to_completion
   traces = {} if traces is None else traces
   for r in reqs:
     traces[r.request_id] = RequestTrace(r.request_id)
     assert sched.add(r, traces[r.request_id]) is None
-  outs = run_to_completion(sched, engine.execute)
+  outs = run_to_completion(sched, engine.execute, flush=engine.flush)
   for res in engine.flush():
     outs += sched.update(res)
   return outs

@@ -81,12 +81,12 @@ TASKS = {
 
 def _serve(loop, reqs) -> tuple[dict[str, list[int]], float]:
   from serving.lifecycle import RequestTrace
-  from serving.scheduler import run_to_completion
+  from serving.drive import run_to_completion
   sched, engine = loop.scheduler, loop.engine
   for r in reqs:
     assert sched.add(r, RequestTrace(r.request_id)) is None
   t0 = time.perf_counter()
-  outs = run_to_completion(sched, engine.execute)
+  outs = run_to_completion(sched, engine.execute, flush=engine.flush)
   for res in engine.flush():
     outs += sched.update(res)
   seconds = time.perf_counter() - t0

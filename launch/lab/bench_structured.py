@@ -45,7 +45,8 @@ def run() -> dict:
   from serving.lifecycle import RequestTrace
   from serving.request import Request
   from serving.sampling import SamplingParams
-  from serving.scheduler import Scheduler, run_to_completion
+  from serving.drive import run_to_completion
+  from serving.scheduler import Scheduler
   from serving.stop import StopCriteria
 
   dtype = str(choose_dtype("cpu", cpuinfo.flags()).value)

@@ -332,7 +332,8 @@ def test_prefix_cache_under_sharded_pools_and_disaggregated(mesh8):
   from serving.lifecycle import RequestTrace
   from serving.prefix_cache import PrefixCache
   from serving.request import Request
-  from serving.scheduler import Scheduler, run_to_completion
+  from serving.drive import run_to_completion
+  from serving.scheduler import Scheduler
   from serving.stop import StopCriteria
 
   params = init_params(CFG, jax.random.key(3), jnp.float32)

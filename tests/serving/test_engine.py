@@ -27,7 +27,8 @@ from serving.kv_pages import PageBudget, PagePool
 from serving.lifecycle import RequestTrace
 from serving.request import Request
 from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler, run_to_completion
+from serving.drive import run_to_completion
+from serving.scheduler import Scheduler
 from serving.stop import StopCriteria
 from tests.sched_steps import serve_all
 

@@ -57,12 +57,12 @@ def _requests(n=12):
   return reqs
 
 
-def _serve(params, reqs, *, proposer=None, pages=64, slots=SLOTS, k=4):
+def _serve(params, reqs, *, proposer=None, pages=64, slots=SLOTS, k=4, lag=0):
   pool = PagePool(PageBudget(Z, pages), max_seq_tokens=CFG.max_seq_len)
   sched = Scheduler(pool, ByteTokenizer(), max_slots=slots, max_step_tokens=64, max_chunk=CHUNK,
                     max_prefill_chunks=2, proposer=proposer, spec_max_rows=SPEC_ROWS)
   engine = Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
-      max_slots=slots, num_pages=pages, page_size=Z, max_seq_tokens=CFG.max_seq_len, lag=0,
+      max_slots=slots, num_pages=pages, page_size=Z, max_seq_tokens=CFG.max_seq_len, lag=lag,
       spec_tokens=k if proposer else 0, spec_rows=SPEC_ROWS))
   engine.warmup(2, CHUNK, max_tokens=64)
   engine.seal()
@@ -164,10 +164,16 @@ def test_verify_calls_run_only_the_warmed_exact_sizes(params, reference, monkeyp
   assert seen and set(seen) <= set(verify_sizes(4, SPEC_ROWS)) and 5 in seen, seen
 
 
-def test_engine_refuses_speculation_without_lag_0_or_with_sinks(params):
-  with pytest.raises(ValueError, match="lag 0"):
-    Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
-        max_slots=2, num_pages=8, page_size=Z, max_seq_tokens=64, lag=1, spec_tokens=2))
+def test_a_lagged_engine_speculates_while_the_driver_flushes(params, reference):
+  """lag 1 (the server's default): while the scheduler is ``synchronous`` the driver collects
+  each step before the next plan, so rows draft as at lag 0 and the ids are the same."""
+  reqs, want = reference
+  got, sched = _serve(params, reqs, proposer=_Oracle(reqs, want), lag=1)
+  assert got == want
+  assert sched.spec.drafts >= 8 and sched.spec.accepted_tokens > 0
+
+
+def test_engine_refuses_speculation_with_sinks(params):
   with pytest.raises(ValueError, match="attention sinks"):
     Engine(UnshardedStep(CFG, backend=NATIVE), params, EngineConfig(
         max_slots=2, num_pages=8, page_size=Z, max_seq_tokens=64, lag=0, spec_tokens=2,
