@@ -129,9 +129,9 @@ def test_serve_offline_speculative_flags_same_tokens(tmp_path):
           str(reqs), "--json", "--kv_pages", "32", "--page_size", "16", "--max_slots", "4",
           "--max_context", "64", "--dtype", "float32", "--max_chunk", "32", "--nowarmup"]
   runs, summaries = {}, {}
-  for name, extra in (("plain", []), ("ngram", ["--num_speculative_tokens", "3"]),
-                      ("draft", ["--num_speculative_tokens", "3", "--draft_model", "tiny",
-                                 "--draft_quantize", "int8"])):
+  spec = ["--num_speculative_tokens", "3", "--speculative_max_rows", "4"]  # all 3 draft
+  for name, extra in (("plain", []), ("ngram", spec),
+                      ("draft", [*spec, "--draft_model", "tiny", "--draft_quantize", "int8"])):
     r = subprocess.run(base + extra, cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
