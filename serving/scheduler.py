@@ -191,8 +191,9 @@ class Scheduler:
   @property
   def synchronous(self) -> bool:
     """Speculation wants each step's ids before the next plan (the driver flushes a lagged
-    engine): few enough sequences decode for drafts (``spec_max_rows``)."""
-    return self.proposer is not None and 0 < self.num_decoding <= self.spec_max_rows
+    engine): few enough sequences decode for drafts (``spec_max_rows``), one of them may."""
+    return (self.proposer is not None and 0 < self.num_decoding <= self.spec_max_rows
+            and any(s.decoding and speculable(s.req) for s in self._running))
 
   def slot_wait_steps(self, ahead: int) -> int:
     """About how many steps until a slot is free for a request with ``ahead`` others waiting

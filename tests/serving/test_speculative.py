@@ -282,3 +282,25 @@ def test_a_failing_proposer_costs_only_its_drafts():
   assert sched.spec.failures == 1 and sched.proposer is None and sched.spec.drafts > 0
   for r in reqs:
     assert got[r.request_id] == reference(list(r.prompt_ids), SEED, 12, VOCAB), r.request_id
+
+
+def test_synchronous_only_while_few_rows_decode_and_one_may_draft():
+  """The driver flushes a lagged engine only while drafting can happen: at most
+  ``spec_max_rows`` sequences decoding, at least one of them speculable."""
+  def sched_with(reqs, proposer=NgramProposer(k=2)):
+    pool = PagePool(PageBudget(4, 64), max_seq_tokens=64)
+    s = Scheduler(pool, ByteTokenizer(), max_slots=4, max_step_tokens=64, max_chunk=16,
+                  proposer=proposer, spec_max_rows=2)
+    for r in reqs:
+      assert s.add(r, RequestTrace(r.request_id)) is None
+    s.schedule()  # every prompt in one step: all decode from now on
+    return s
+
+  greedy = lambda i: Request(f"g{i}", (1, 2, 3), stop=StopCriteria(max_tokens=8))
+  penalised = Request("p", (1, 2, 3), SamplingParams(presence_penalty=0.5),
+                      StopCriteria(max_tokens=8))
+  assert sched_with([greedy(0)]).synchronous
+  assert sched_with([greedy(0), penalised]).synchronous
+  assert not sched_with([penalised]).synchronous  # nothing may draft: keep the lag
+  assert not sched_with([greedy(0), greedy(1), greedy(2)]).synchronous  # over spec_max_rows
+  assert not sched_with([greedy(0)], proposer=None).synchronous
