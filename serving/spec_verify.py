@@ -2,8 +2,8 @@
 model call, sampled at every position, the longest agreeing prefix of each row accepted.
 
 Contract: ``pack_verify(rows, n, null_slot)`` lays decode rows (``serving.step_plan.DecodeRow``,
-each its slot's last id then its ``draft``) end to end in ``N = n`` tokens (``verify_sizes``: multiples of ``k + 1``), ``R = N`` rows
-(``VerifyArrays``). ``verify_call(params, kv, last_X, samp, ...)`` runs them as a packed prefill
+each its slot's last id then its ``draft``) end to end in ``N = n`` tokens (``verify_sizes``:
+multiples of ``k + 1``), ``R = N`` rows (``VerifyArrays``). ``verify_call(params, kv, last_X, samp, ...)`` runs them as a packed prefill
 (``models.step.Step.prefill`` with ``T = 1``: each token at its own position, KV written for
 every one), samples every position ``p`` with its slot's parameters at key position ``p + 1``
 (as a plain decode step would: ``serving.sampling``), counts per row the draft ids equal to the
