@@ -167,14 +167,14 @@ class NgramProposer(ContextProposer):
       return (), -1
     ctx = np.asarray(tokens[-self.window:], np.int64)
     offset = len(tokens) - len(ctx)
-    for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
+    shortest = 1 if after is not None else self.min_n
+    for n in range(min(self.max_n, len(ctx) - 1), shortest - 1, -1):
       # Windows that end before the last id: each has at least one id after it.
       windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
       starts = np.flatnonzero((windows == ctx[-n:]).all(axis=1)) + n
       ahead = starts[starts >= after - offset] if after is not None else starts[:0]
-      if n < self.min_n:  # too short to trust anywhere: only just ahead of the copy
-        ahead = ahead[ahead <= after - offset + NEAR] if after is not None else ahead
-        starts = ahead
+      if n < self.min_n and after is not None:  # too short to trust anywhere: just ahead
+        starts = ahead = ahead[ahead <= after - offset + NEAR]  # of the copy only
       if starts.size:
         start = int(ahead[0] if ahead.size else starts[-1])
         return tuple(int(t) for t in ctx[start:start + k]), offset + start
