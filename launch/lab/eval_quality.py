@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from absl import flags, logging
 
 from launch import cli
 from launch import machine
 from launch.cli import CliError
+from launch.lab.passages import DEFAULT_PASSAGES
 
-_DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "english_passages.txt"
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, .gguf file or checkpoint")
-_TEXT = flags.DEFINE_string("text", str(_DEFAULT_TEXT), "UTF-8 text; passages split at '==='")
+_TEXT = flags.DEFINE_string("text", str(DEFAULT_PASSAGES), "UTF-8 text; passages split at '==='")
 _VARIANTS = flags.DEFINE_list("variants", ["f32", "bf16", "int8", "w8a8", "w8a8_raw"],
                               "precision variants; the first is the reference")
 _MAX_DOCS = flags.DEFINE_integer("max_docs", 0, "score only the first N passages (0 = all)",
@@ -37,7 +36,8 @@ def run() -> dict:
   import jax.numpy as jnp
   from models import precision
   from models.io.loader import load_model
-  from launch.lab.quality import KV8, VARIANTS, compare, make_variants, read_passages
+  from launch.lab.passages import read_passages
+  from launch.lab.quality import KV8, VARIANTS, compare, make_variants
 
   unknown = [v for v in _VARIANTS.value if v.removesuffix(KV8) not in VARIANTS]
   if unknown or not _VARIANTS.value:

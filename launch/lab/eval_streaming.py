@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from absl import flags
 
 from launch import cli
 from launch import machine
 from launch.cli import CliError
+from launch.lab.passages import DEFAULT_PASSAGES
 
-_DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "english_passages.txt"
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "a trained model, .gguf file or checkpoint")
 _QUANTIZE = flags.DEFINE_enum("quantize", None, ["int8"], "weights (default: float)")
-_TEXT = flags.DEFINE_string("text", str(_DEFAULT_TEXT), "UTF-8 text; passages joined")
+_TEXT = flags.DEFINE_string("text", str(DEFAULT_PASSAGES), "UTF-8 text; passages joined")
 _WINDOWS = flags.DEFINE_list("windows", ["256"], "window sizes (tokens)")
 _SINKS = flags.DEFINE_integer("sinks", 4, "sink tokens kept beside the window", lower_bound=1)
 _PAGE = flags.DEFINE_integer("page_size", 16, "KV page size", lower_bound=1)
@@ -41,7 +40,7 @@ def run() -> dict:
   import jax.numpy as jnp
   import numpy as np
   from models.io.loader import load_model
-  from launch.lab.quality import read_passages
+  from launch.lab.passages import read_passages
   from launch.lab.streaming import Policy, dense_nll, stream_nll
 
   windows = cli.positive_ints("windows", _WINDOWS.value)

@@ -1,7 +1,6 @@
 """Quality of a model (and of its lower-precision variants) on real text.
 
 Contract:
-  * ``read_passages(path)`` splits a text file into passages at lines holding only ``===``.
   * ``make_variants(params, cfg, names, calibration=None)`` builds the named precision variants
     of float params: ``f32``, ``bf16`` (params and activations in bf16), ``int8`` (weight-only
     int8, f32 activations: the default int8 policy), ``w8a8`` (``--int8_mode w8a8`` as served:
@@ -28,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import jax
@@ -54,19 +52,6 @@ class VariantQuality:
 
   def to_json(self) -> dict[str, float]:
     return dataclasses.asdict(self)
-
-
-def read_passages(path: str | Path) -> list[str]:
-  text = Path(path).read_text(encoding="utf-8")
-  parts, current = [], []
-  for line in text.splitlines():
-    if line.strip() == "===":
-      parts.append("\n".join(current).strip())
-      current = []
-    else:
-      current.append(line)
-  parts.append("\n".join(current).strip())
-  return [p for p in parts if p]
 
 
 KV8 = "+kv8"

@@ -28,7 +28,7 @@ from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
 from serving.speculative import NgramProposer
 from serving.stop import StopCriteria
-from launch.lab.quality import read_passages
+from launch.lab.passages import read_passages
 from tests.cpu_policies import NATIVE
 from tests.refenv import REPO
 from tests.sched_steps import serve_all

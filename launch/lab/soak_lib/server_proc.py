@@ -8,7 +8,10 @@ Contract:
     (it dies with the soak, even a SIGKILLed one), waits for the three port files and then for
     readiness (gRPC health of ``phaseserve.v1.Generation`` SERVING and ``GET /ready`` 200);
     raises ``RuntimeError`` with the log's tail if it exits or is not ready in time, after
-    killing it. ``stop(grace_s)``: SIGTERM, wait, SIGKILL; returns the exit code.
+    killing it. ``ServerProc.spawn(...)`` starts it and returns a ``Spawned`` at once, whose
+    ``wait(ready_timeout_s)`` is the rest of ``start`` (several servers warming up side by side;
+    spawn from a thread that outlives the server: the death signal follows the forking
+    thread). ``stop(grace_s)``: SIGTERM, wait, SIGKILL; returns the exit code.
   * ``scrape(text) -> dict``: the soak's series from a Prometheus text page (``SERIES``: sums
     over labels; a family that is registered but has no sample yet, a labelled counter never
     incremented, reads 0; a family that is not registered at all reads ``None``).
@@ -94,6 +97,14 @@ class ServerProc:
   @classmethod
   def start(cls, out_dir: str, server_argv: Sequence[str], ready_timeout_s: float,
             env: dict[str, str] | None = None) -> "ServerProc":
+    return cls.spawn(out_dir, server_argv, env).wait(ready_timeout_s)
+
+  @classmethod
+  def spawn(cls, out_dir: str, server_argv: Sequence[str],
+            env: dict[str, str] | None = None) -> "Spawned":
+    """Start the process and return at once (``Spawned.wait`` waits for readiness), so that
+    several servers warm up side by side. Call it from a thread that outlives the server:
+    ``PR_SET_PDEATHSIG`` fires when the forking *thread* ends."""
     port_file = os.path.join(out_dir, "server.port")
     for suffix in ("", ".http", ".metrics", ".tmp"):
       try:
@@ -106,25 +117,7 @@ class ServerProc:
     with open(log_path, "w") as log:
       proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    try:
-      deadline = time.monotonic() + ready_timeout_s
-      while not os.path.exists(port_file):
-        if proc.poll() is not None:
-          raise RuntimeError(f"the server exited {proc.returncode} before binding: "
-                             f"{_tail(log_path)}")
-        if time.monotonic() > deadline:
-          raise RuntimeError(f"the server did not bind in {ready_timeout_s:g} s: "
-                             f"{_tail(log_path)}")
-        time.sleep(0.1)
-      read = lambda p: int(open(p).read().strip())
-      server = cls(proc, argv, log_path, read(port_file), read(port_file + ".http"),
-                   read(port_file + ".metrics"))
-      server.wait_ready(deadline)
-      return server
-    except BaseException:
-      proc.kill()
-      proc.wait(30)
-      raise
+    return Spawned(cls, proc, argv, log_path, port_file, time.monotonic())
 
   def wait_ready(self, deadline: float) -> None:
     while True:
@@ -150,6 +143,43 @@ class ServerProc:
         except subprocess.TimeoutExpired:  # pragma: no cover - ignores SIGKILL
           return None
     return self.proc.returncode
+
+
+class Spawned:
+  """A server process that may not be ready yet."""
+
+  def __init__(self, cls: type[ServerProc], proc: subprocess.Popen, argv: list[str],
+               log_path: str, port_file: str, t0: float):
+    self.cls, self.proc, self.argv = cls, proc, argv
+    self.log_path, self.port_file, self.t0 = log_path, port_file, t0
+
+  def wait(self, ready_timeout_s: float) -> ServerProc:
+    """The ready server (``ready_timeout_s`` from the spawn), or ``RuntimeError`` with the log's
+    tail after killing it."""
+    proc, port_file, log_path = self.proc, self.port_file, self.log_path
+    try:
+      deadline = self.t0 + ready_timeout_s
+      while not os.path.exists(port_file):
+        if proc.poll() is not None:
+          raise RuntimeError(f"the server exited {proc.returncode} before binding: "
+                             f"{_tail(log_path)}")
+        if time.monotonic() > deadline:
+          raise RuntimeError(f"the server did not bind in {ready_timeout_s:g} s: "
+                             f"{_tail(log_path)}")
+        time.sleep(0.1)
+      read = lambda p: int(open(p).read().strip())
+      server = self.cls(proc, self.argv, log_path, read(port_file), read(port_file + ".http"),
+                        read(port_file + ".metrics"))
+      server.wait_ready(deadline)
+      return server
+    except BaseException:
+      self.kill()
+      raise
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait(30)
 
 
 def http_status(url: str, timeout_s: float = 5.0) -> int | str:

@@ -24,7 +24,8 @@ import pytest
 
 from models import precision
 from models.io.loader import load_model
-from launch.lab.quality import VARIANTS, compare, make_variants, read_passages
+from launch.lab.passages import read_passages
+from launch.lab.quality import VARIANTS, compare, make_variants
 from tests.refenv import REPO
 
 TEXT = REPO / "tests" / "data" / "english_passages.txt"

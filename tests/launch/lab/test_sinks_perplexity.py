@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from models.io.loader import load_model
-from launch.lab.quality import read_passages
+from launch.lab.passages import read_passages
 from launch.lab.streaming import Policy, dense_nll, stream_nll
 from tests.refenv import REPO
 
