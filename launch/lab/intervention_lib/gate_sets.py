@@ -1,16 +1,16 @@
 """The quality gates' prompts: rare text, English, long context, structured output, safety.
 
 Contract: ``build(gates, passages, long_lengths, seed)`` returns the ``Item``s of the named gates
-(``GATES``), in a fixed order; every text here was written for this project (licence-clean),
-except ``english``: ``launch.lab.eval_quality``'s passages (``launch.lab.passages``), each
-given whole for the model to continue (the gate client keeps its end when the context is short). An item is a completion
-prompt (``text``) or one user message (``chat``); ``answer`` (a string the reply must contain),
-``schema`` (the reply must be JSON valid against it; ``constrained``: sent with
-``response_format``) and ``decline`` (True: a chat model should decline it; False: a look-alike
-it should answer) say how it is scored; items with none of them are scored only by agreement
-with the baseline. ``long_context`` plants a fact (a locker's four-digit code) at depths 10%,
-50% and 90% of a filler text of each length in ``long_lengths`` (tokens; the caller sizes the
-filler with the server's tokenizer through ``filler_sentences``).
+(``GATES``), in a fixed order; every text here was written for this project (licence-clean), except
+``english``: ``launch.lab.eval_quality``'s passages (``launch.lab.passages``), each given whole for
+the model to continue (the gate client keeps its end when the context is short). An item is a
+completion prompt (``text``) or one user message (``chat``); ``answer`` (a string the reply must
+contain), ``schema`` (the reply must be JSON valid against it; ``constrained``: sent with
+``response_format``) and ``decline`` (True: a chat model should decline it; False: a look-alike it
+should answer) say how it is scored; items with none of them are scored only by agreement with the
+baseline. ``long_context`` plants a fact (a locker's four-digit code) at depths 10%, 50% and 90% of
+a filler text of each length in ``long_lengths`` (tokens; the caller sizes the filler with the
+server's tokenizer through ``filler_sentences``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """One segment's A-vs-B performance comparison over every rate and repeat it ran.
 
-Contract: ``compare_segment(runs_a, runs_b, rng, n_boot, min_effect, cores)`` takes each
-config's ``SegmentRun``s (``load.run_segment``), keyed by ``(repeat, rate)`` and identical in
-keys between the configs. At the segment's highest rate (the one nearest capacity) it compares,
-over the requests ok in both configs (records pooled over repeats, paired by request, the
-repeat as the bootstrap's group): TTFT and TPOT p50 / p90 / p99 (lower is better), and output
-tokens per second per core (higher is better; per run, its interval over the repeats). Failures: B failing more requests
-(refused or errored) than A is a ``worse`` change. Capacity at SLO: per config, the highest
-rate whose every repeat met the SLO at p99 (None if none did); a higher capacity is ``better``
-(the ladder's step is its resolution: no interval). Returns a JSON-ready dict: ``verdict``,
-``changes``, and per config ``{capacity_per_s, ttft/tpot p50 / p99, failed, refused, errors,
+Contract: ``compare_segment(runs_a, runs_b, rng, n_boot, min_effect, cores)`` takes each config's
+``SegmentRun``s (``load.run_segment``), keyed by ``(repeat, rate)`` and identical in keys between
+the configs. At the segment's highest rate (the one nearest capacity) it compares, over the requests
+ok in both configs (records pooled over repeats, paired by request, the repeat as the bootstrap's
+group): TTFT and TPOT p50 / p90 / p99 (lower is better), and output tokens per second per core
+(higher is better; per run, its interval over the repeats). Failures: B failing more requests
+(refused or errored) than A is a ``worse`` change. Capacity at SLO: per config, the highest rate
+whose every repeat met the SLO at p99 (None if none did); a higher capacity is ``better`` (the
+ladder's step is its resolution: no interval). Returns a JSON-ready dict: ``verdict``, ``changes``,
+and per config ``{capacity_per_s, ttft/tpot p50 / p99, failed, refused, errors,
 tokens_per_s_per_core, phases_s}``.
 """
 

@@ -1,20 +1,20 @@
 """Paired differences with bootstrap intervals, and the rule that turns them into a verdict.
 
-Contract: both configs answer the same requests, so a metric's change is estimated by
-resampling requests, keeping each request's A and B values together: ``paired_change(metric,
-xs_a, xs_b, groups, stat, rng, ...)`` takes aligned value arrays (one entry per request ok in
-both configs) and each request's group (its repeat: the runs at different times), resamples the
-groups with replacement and then the requests within each chosen group (``n_boot`` times), and
-gives the 2.5th-97.5th percentiles of the relative change ``(B - A) / A`` as the interval: with
-repeats, a drift of the machine between runs widens it; with one run, it is the requests'
-sampling noise only. A change is ``better`` / ``worse`` only when its interval excludes 0 AND its
-point estimate is at least ``min_effect`` (relative) that way AND the metric has the samples it
-needs (``min_samples``: a quantile q needs ``5 / (1 - q)`` requests, so p50 10, p90 50, p99 500:
-a tail claimed from fewer requests is only their maximum); otherwise ``same`` ("no measurable
-change"), with ``note`` saying why when samples were short. ``lower_is_better`` says which way is
-better. ``run_change`` does the same for a metric that exists per run only (a throughput),
-resampling the paired runs (repeats): one run gives no interval. ``verdict(changes)``: ``faster`` (some better, none worse), ``slower`` (some worse, none
-better), ``mixed``, or ``no measurable change``.
+Contract: both configs answer the same requests, so a metric's change is estimated by resampling
+requests, keeping each request's A and B values together: ``paired_change(metric, xs_a, xs_b,
+groups, stat, rng, ...)`` takes aligned value arrays (one entry per request ok in both configs) and
+each request's group (its repeat: the runs at different times), resamples the groups with
+replacement and then the requests within each chosen group (``n_boot`` times), and gives the
+2.5th-97.5th percentiles of the relative change ``(B - A) / A`` as the interval: with repeats, a
+drift of the machine between runs widens it; with one run, it is the requests' sampling noise only.
+A change is ``better`` / ``worse`` only when its interval excludes 0 AND its point estimate is at
+least ``min_effect`` (relative) that way AND the metric has the samples it needs (``min_samples``: a
+quantile q needs ``5 / (1 - q)`` requests, so p50 10, p90 50, p99 500: a tail claimed from fewer
+requests is only their maximum); otherwise ``same`` ("no measurable change"), with ``note`` saying
+why when samples were short. ``lower_is_better`` says which way is better. ``run_change`` does the
+same for a metric that exists per run only (a throughput), resampling the paired runs (repeats): one
+run gives no interval. ``verdict(changes)``: ``faster`` (some better, none worse), ``slower`` (some
+worse, none better), ``mixed``, or ``no measurable change``.
 """
 
 from __future__ import annotations

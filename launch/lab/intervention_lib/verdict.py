@@ -1,8 +1,9 @@
 """The verdict's files: ``verdict.json``, ``verdict.txt`` (the tables) and ``verdict.png``.
 
-Contract: ``table(result)`` renders, per candidate, one row per workload segment (verdict,
-the rate compared, TTFT / TPOT p99 of A and B with the relative change and its 95% interval,
-tokens per second per core, capacity at SLO, failed requests) and one row per quality gate
+Contract: ``table(result)`` renders, per candidate, one block per workload segment (its
+verdict, the rate compared, capacity at SLO and failed requests of A and B, then each metric:
+A, B, the relative change with its 95% interval and the call, with the reason when a quantile
+had too few requests; the server's phase breakdown, p50 ms) and one row per quality gate
 (held / degraded, token match, KL, task score delta with its interval, the checks that
 failed), then the command that reproduces it. ``write(out_dir, result)`` writes the three files
 (the PNG: per segment the relative change of each latency and throughput metric with its
@@ -12,51 +13,57 @@ interval; per gate the token match and the score delta).
 from __future__ import annotations
 
 import json
+import math
 import os
+
+PHASES = ("queue", "prefill", "first_token", "decode")
 
 
 def _ms(x) -> str:
   return "-" if x is None else f"{x * 1e3:.0f}"
 
 
-def _change(seg: dict, metric: str) -> str:
-  for c in seg["changes"]:
-    if c["metric"] == metric:
-      mark = "*" if c["note"] else ""
-      return f"{c['rel'] * 100:+.1f}%{mark} [{c['lo'] * 100:+.1f}, {c['hi'] * 100:+.1f}]"
-  return "-"
-
-
 def _num(x, fmt: str) -> str:
   return "-" if x is None else format(x, fmt)
 
 
+def _value(metric: str, x) -> str:
+  if x is None:
+    return "-"
+  return f"{x * 1e3:.1f}" if metric.startswith(("ttft", "tpot")) else f"{x:.4g}"
+
+
+def _segment(name: str, s: dict) -> list[str]:
+  sa, sb = s["a"], s["b"]
+  out = [f"{name}: {s['verdict'].upper()} (rate {s['rate_per_s']:g}/s, {s['paired_requests']} "
+         f"requests ok in both; capacity at SLO A {_num(sa['capacity_per_s'], 'g')} / B "
+         f"{_num(sb['capacity_per_s'], 'g')} per s; failed A {sa['failed']} / B {sb['failed']})",
+         f"  {'metric':<22} {'A':>9} {'B':>9}  {'change [95% CI]':<26} call"]
+  for c in s["changes"]:
+    unit = " ms" if c["metric"].startswith(("ttft", "tpot")) else ""
+    ci = (f"{c['rel'] * 100:+.1f}% [{c['lo'] * 100:+.1f}, {c['hi'] * 100:+.1f}]"
+          if math.isfinite(c["rel"]) else "-")
+    call = c["call"] + (f" ({c['note']})" if c["note"] else "")
+    out.append(f"  {c['metric'] + unit:<22} {_value(c['metric'], c['a']):>9} "
+               f"{_value(c['metric'], c['b']):>9}  {ci:<26} {call}")
+  pa, pb = sa["phases_s"], sb["phases_s"]
+  out.append("  server phases, p50 ms A/B: " + ", ".join(
+      f"{k.replace('_', ' ')} {_ms(pa[k])}/{_ms(pb[k])}" for k in PHASES))
+  return out
+
+
 def table(result: dict) -> str:
   lines = [f"{result['model']} on {result['machine']['cpu']} ({result['started']}, "
-           f"{result['seconds']} s); SLOs x{result['slo_scale']:g}; a change counts when its "
-           f"95% interval excludes 0 and it is >= {result['min_effect'] * 100:g}% (*: too few "
-           "requests to call that quantile)"]
+           f"{result['seconds']} s); SLOs x{result['slo_scale']:g}; a change is called when its "
+           f"95% interval excludes 0, it is >= {result['min_effect'] * 100:g}% and the quantile "
+           "has the requests it needs"]
   for comp in result["comparisons"]:
     a, b = comp["baseline"], comp["candidate"]
     flags_a = " ".join(result["configs"][a]) or "(defaults)"
     flags_b = " ".join(result["configs"][b]) or "(defaults)"
-    lines += ["", f"{b} [{flags_b}] against {a} [{flags_a}]", "",
-              f"{'segment':<13} {'verdict':<21} {'rate/s':>7} {'TTFT p99 A/B ms':>16} "
-              f"{'change [95% CI]':>24} {'TPOT p99 A/B ms':>16} {'change [95% CI]':>24} "
-              f"{'tok/s/core A/B':>15} {'capacity A/B':>13} {'failed A/B':>10}"]
+    lines += ["", f"== {b} [{flags_b}] against {a} [{flags_a}]"]
     for name, s in comp["segments"].items():
-      sa, sb = s["a"], s["b"]
-      tps = (_num(sa["tokens_per_s_per_core"], ".1f") + "/" +
-             _num(sb["tokens_per_s_per_core"], ".1f"))
-      lines.append(
-          f"{name:<13} {s['verdict']:<21} {s['rate_per_s']:>7g} "
-          f"{_ms(sa['ttft_p99_s']) + '/' + _ms(sb['ttft_p99_s']):>16} "
-          f"{_change(s, 'ttft_p99'):>24} "
-          f"{_ms(sa['tpot_p99_s']) + '/' + _ms(sb['tpot_p99_s']):>16} "
-          f"{_change(s, 'tpot_p99'):>24} "
-          f"{tps:>15} "
-          f"{_num(sa['capacity_per_s'], 'g') + '/' + _num(sb['capacity_per_s'], 'g'):>13} "
-          f"{str(sa['failed']) + '/' + str(sb['failed']):>10}")
+      lines += [""] + _segment(name, s)
     lines += ["", f"{'gate':<13} {'quality':<9} {'token match':>11} {'KL':>8} "
               f"{'score A -> B (delta [95% CI])':>36}  failed checks"]
     for name, g in comp["gates"].items():

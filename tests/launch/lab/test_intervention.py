@@ -19,6 +19,7 @@ import pytest
 from launch.lab.intervention_lib import gate_compare, gate_sets, segments, stats
 from launch.lab.intervention_lib.gate_client import Answer
 from launch.lab.soak_lib.server_proc import REPO
+from tests.grpc_harness import TINY
 
 
 def test_paired_change_calls_only_clear_and_large_enough_shifts():
@@ -159,9 +160,11 @@ def test_bad_flags_exit_2(tmp_path):
 def test_smoke_on_tiny(tmp_path):
   # min_effect 20%: tiny's steps take a millisecond, so two identical servers differ by a few
   # percent from run to run; the check's own default (5%) is for models whose steps dominate.
+  # The e2e tests' tiny flags: their programs are in the suite's compile cache.
+  assert TINY[:2] == ("--model", "tiny")
   r = _cli("--model", "tiny", "--candidate=", "--candidate=--param_seed 1",
-           "--common_flags=--max_context 256 --max_slots 8 --kv_pages 128 --page_size 16 "
-           "--max_chunk 64", "--segments", "interactive", "--requests", "12", "--repeats", "2",
+           "--common_flags=" + " ".join(TINY[2:]), "--segments", "interactive", "--requests",
+           "12", "--repeats", "2",
            "--rate_scale", "8", "--min_effect", "0.2", "--gate_max_tokens", "12",
            "--long_max_tokens", "256", "--bootstrap", "300", "--json", "--out", str(tmp_path))
   assert r.returncode == 1, r.stderr[-3000:]  # C degraded a gate
