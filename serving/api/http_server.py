@@ -13,7 +13,8 @@ with ``stream: true``; the ``X-Ignored-Fields`` header names fields accepted and
 ``/metrics``; with ``lora_admin``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 for admin keys (``serving.api.http_lora``). Errors are OpenAI's JSON shape (``http_errors.ApiError``); an unexpected exception
 is a logged 500.
-``Frontend.generate`` runs in a thread pool; streams hold no thread (the loop thread wakes the
+``Frontend.generate`` runs in an elastic thread pool (``serving.api.thread_pool``: idle threads
+end); streams hold no thread (the loop thread wakes the
 event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
 buffer; one step's wake-ups are one ``serving.api.wakeups`` batch). A client that closes the
 connection cancels every sample it still has running.
@@ -23,7 +24,6 @@ The route-by-route behaviour: docs/http_api.md and BUILD_NOTES "Design: The API"
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -41,6 +41,7 @@ from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
 from models.text.tokenizer import Tokenizer
 from serving.api.frontend import Frontend
 from serving.api.validation import GenerateArgs
+from serving.api.thread_pool import ElasticThreadPool
 from serving.api.stream import ServiceError, Status, Stream
 from serving.api.wakeups import Wakeups
 from serving.api.http_errors import ApiError
@@ -96,8 +97,9 @@ class _Api:
     self.registry = registry
     self.options = options
     self.created = int(time.time())
-    self.pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrent + 8,
-                                                      thread_name_prefix="http")
+    # Threads follow the calls in flight and idle ones end (as gRPC's; BUILD_NOTES "Staying in
+    # service"): a ThreadPoolExecutor keeps its peak for good.
+    self.pool = ElasticThreadPool(options.max_concurrent + 8, name="http")
     self._wakeups_by_loop: dict[asyncio.AbstractEventLoop, Wakeups] = {}
     self.served = http_api.Served(options.model, options.defaults, frontend.loras)
     self.fingerprint = "fp_" + hashlib.sha256(

@@ -4,9 +4,11 @@ Contract: ``run(cfg)`` starts one ``launch.server`` per config (``--model cfg.mo
 common flags, the config's flags; its log in ``OUT/<label>/server.log``), side by side, all
 resident for the run so that each is measured warm and none is restarted between turns, then:
   1. per repeat, segment and rate, each config in turn runs the same seeded schedule
-     (``load.run_segment``, seed ``cfg.seed + 1000 * repeat``: the same requests for every
-     config, a fresh sample per repeat); the order alternates between repeats (A B, then B A)
-     so that a drift of the machine falls on both; runs in ``OUT/<label>/load/...``;
+     (``load.run_segment``, seed ``cfg.seed + 1000 * repeat + 100 * rung``: the same requests
+     for every config, fresh prompts per repeat and per rung of the ladder, so that no run meets
+     its own earlier prompts in the server's prefix cache); the order alternates between repeats
+     (A B, then B A) so that a drift of the machine falls on both; runs in
+     ``OUT/<label>/load/...``;
   2. each config answers the quality gates' items (``gate_client``), one at a time;
   3. each candidate is compared with the baseline: per segment ``perf.compare_segment``, per
      gate ``gate_compare.compare_gate``;
@@ -70,6 +72,12 @@ class CheckConfig:
   command: str = ""
 
 
+def run_seed(seed: int, repeat: int, rung: int) -> int:
+  """The schedule's seed: the same for every config, new per repeat and per rung (new prompts,
+  so no run meets its own earlier prompts in a server's prefix cache)."""
+  return seed + 1000 * repeat + 100 * rung
+
+
 def _rates(cfg: CheckConfig, seg: Segment) -> tuple[float, ...]:
   return tuple(round(seg.rate_per_s * cfg.rate_scale * m, 4) for m in cfg.rate_multipliers)
 
@@ -123,12 +131,12 @@ def run(cfg: CheckConfig) -> dict:
         if cfg.requests:
           seg = dataclasses.replace(seg, requests=cfg.requests)
         slo = parse_slo(seg.slo, cfg.slo_scale)
-        for rate in _rates(cfg, seg):
+        for rung, rate in enumerate(_rates(cfg, seg)):
+          seed = run_seed(cfg.seed, rep, rung)
           for c in order:
             out = os.path.join(cfg.out_dir, c.label, "load", seg.name, f"rate_{rate:g}",
                                f"repeat_{rep}")
-            run_ = load.run_segment(servers[c.label].target, seg, rate, cfg.seed + 1000 * rep,
-                                    slo, out)
+            run_ = load.run_segment(servers[c.label].target, seg, rate, seed, slo, out)
             runs[c.label].setdefault(seg.name, {})[(rep, rate)] = run_
     probe = GateClient(servers[configs[0].label].target, servers[configs[0].label].http)
     max_context = probe.max_context

@@ -33,11 +33,18 @@ def _value(metric: str, x) -> str:
   return f"{x * 1e3:.1f}" if metric.startswith(("ttft", "tpot")) else f"{x:.4g}"
 
 
+def _capacity(side: dict) -> str:
+  cap = side["capacity_per_s"]
+  if cap is None:
+    return "none of the ladder"
+  return (">= " if side.get("capacity_at_least") else "") + f"{cap:g}"
+
+
 def _segment(name: str, s: dict) -> list[str]:
   sa, sb = s["a"], s["b"]
   out = [f"{name}: {s['verdict'].upper()} (rate {s['rate_per_s']:g}/s, {s['paired_requests']} "
-         f"requests ok in both; capacity at SLO A {_num(sa['capacity_per_s'], 'g')} / B "
-         f"{_num(sb['capacity_per_s'], 'g')} per s; failed A {sa['failed']} / B {sb['failed']})",
+         f"requests ok in both; capacity at SLO A {_capacity(sa)} / B {_capacity(sb)} per s; "
+         f"failed A {sa['failed']} / B {sb['failed']})",
          f"  {'metric':<22} {'A':>9} {'B':>9}  {'change [95% CI]':<26} call"]
   for c in s["changes"]:
     unit = " ms" if c["metric"].startswith(("ttft", "tpot")) else ""

@@ -16,10 +16,9 @@ import sys
 import numpy as np
 import pytest
 
-from launch.lab.intervention_lib import gate_compare, gate_sets, segments, stats
+from launch.lab.intervention_lib import check, gate_compare, gate_sets, load, segments, stats
 from launch.lab.intervention_lib.gate_client import Answer
 from launch.lab.soak_lib.server_proc import REPO
-from tests.grpc_harness import TINY
 
 
 def test_paired_change_calls_only_clear_and_large_enough_shifts():
@@ -142,6 +141,19 @@ def test_gate_sets_and_segments():
     segments.parse_segments("interactive,nope")
 
 
+def test_every_run_of_a_config_gets_new_prompts():
+  """Same schedule for every config, but no run repeats an earlier run's prompts (the server's
+  prefix cache would serve them)."""
+  seg = segments.SEGMENTS["interactive"]
+  seeds = {check.run_seed(0, rep, rung) for rep in range(4) for rung in range(5)}
+  assert len(seeds) == 20
+  first = [load.build_workload(seg, 1.0, s, 32000, 0).sessions[0].turns[0].new_ids[:8]
+           for s in sorted(seeds)]
+  assert len(set(first)) == len(first)
+  again = load.build_workload(seg, 2.0, check.run_seed(0, 1, 2), 32000, 0)
+  assert again == load.build_workload(seg, 2.0, check.run_seed(0, 1, 2), 32000, 0)
+
+
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "launch.lab.intervention", *args],
                         capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -160,11 +172,12 @@ def test_bad_flags_exit_2(tmp_path):
 def test_smoke_on_tiny(tmp_path):
   # min_effect 20%: tiny's steps take a millisecond, so two identical servers differ by a few
   # percent from run to run; the check's own default (5%) is for models whose steps dominate.
-  # The e2e tests' tiny flags: their programs are in the suite's compile cache.
-  assert TINY[:2] == ("--model", "tiny")
+  # A small engine (4 slots, one prefill chunk a step: 10 programs to warm) with a context the
+  # gates' chats fit in.
   r = _cli("--model", "tiny", "--candidate=", "--candidate=--param_seed 1",
-           "--common_flags=" + " ".join(TINY[2:]), "--segments", "interactive", "--requests",
-           "12", "--repeats", "2",
+           "--common_flags=--max_context 256 --max_slots 4 --kv_pages 64 --page_size 16 "
+           "--max_chunk 32 --max_prefill_chunks 1", "--segments",
+           "interactive", "--requests", "12", "--repeats", "2",
            "--rate_scale", "8", "--min_effect", "0.2", "--gate_max_tokens", "12",
            "--long_max_tokens", "256", "--bootstrap", "300", "--json", "--out", str(tmp_path))
   assert r.returncode == 1, r.stderr[-3000:]  # C degraded a gate
@@ -177,7 +190,7 @@ def test_smoke_on_tiny(tmp_path):
   assert seg["a"]["phases_s"]["decode"] > 0
   for name, g in same["gates"].items():
     assert g["held"], (name, g["checks"])
-    assert g["scored"] > 0 and g.get("token_match", 1.0) == 1.0
+    assert g["scored"] > 0 and g.get("token_match", 1.0) == 1.0, (name, g)
   for name in ("rare_text", "english", "long_context", "safety"):
     g = broken["gates"][name]
     assert not g["held"] and g["token_match"] < 0.5, (name, g)
@@ -185,4 +198,4 @@ def test_smoke_on_tiny(tmp_path):
   for f in ("verdict.json", "verdict.txt", "verdict.png", "A/server.log",
             "B/load/interactive/rate_8/repeat_1/requests.csv"):
     assert (tmp_path / f).is_file(), f
-  assert "no measurable change" in (tmp_path / "verdict.txt").read_text()
+  assert "NO MEASURABLE CHANGE" in (tmp_path / "verdict.txt").read_text()
