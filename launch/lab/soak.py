@@ -60,13 +60,17 @@ Assertions (``report["assertions"][name]["pass"]``, with the numbers behind each
 * ``programs_constant``: the server's program count (``phaseserve_programs_loaded``, or
   ``phaseserve_compiled_programs``) at the end equals its value at readiness, and
   ``phaseserve_programs_after_ready`` (where exported) is 0 (skipped without a count).
-* ``rss_flat``, ``fds_flat``, ``maps_flat``: the least-squares slope over the second half of the
-  samples (readiness to the last sample) is below ``--max_rss_pct_per_10min`` (default 1% of the
-  mean RSS per 10 minutes: a leak that would add 144% a day; allocator noise averages out over
-  a 15-minute half of the default run), ``--max_fds_per_min`` (1) and ``--max_maps_per_min``
-  (1): a handle leaked per request, or an XLA program compiled after readiness (each adds
-  mappings), grows faster than that at any qps worth soaking; connections open during a burst
-  close within the client's 15 s keep-alive. Short runs need looser bounds (the test's flags).
+* ``rss_flat``, ``fds_flat``, ``maps_flat``, ``threads_flat``: the least-squares slope over the
+  second half of the samples (readiness to the last sample) is below ``--max_rss_pct_per_10min``
+  (default 1% of the mean RSS per 10 minutes: a leak that would add 144% a day; allocator noise
+  averages out over a 15-minute half of the default run), ``--max_fds_per_min`` (1),
+  ``--max_maps_per_min`` (1) and ``--max_threads_per_min`` (1): a handle leaked per request, or
+  an XLA program compiled after readiness (each adds mappings), grows faster than that at any
+  qps worth soaking; connections open during a burst close within the client's 15 s
+  keep-alive. Mappings are counted net of the threads' own (3 a thread: stack, guard page,
+  malloc arena), so a thread pool that grows to a new peak in a burst (bounded, and idle
+  threads end after 60 s) is judged by ``threads_flat``, and a mapping leak by ``maps_flat``;
+  the raw mapping count is reported. Short runs need looser bounds (the test's flags).
 * ``kv_pages_released``: at the end of every idle gap no KV page is used by a sequence, none
   runs and none waits. ``phaseserve_kv_pages_used`` counts pages a sequence holds; pages only
   the prefix cache holds are ``phaseserve_kv_pages_cached`` (reported, not asserted).
@@ -157,6 +161,8 @@ _GRACE = flags.DEFINE_float("stop_grace_s", 30.0, "SIGTERM at the end: how long 
 _RSS_PCT = flags.DEFINE_float("max_rss_pct_per_10min", 1.0, "rss_flat's bound", lower_bound=0.0)
 _FDS = flags.DEFINE_float("max_fds_per_min", 1.0, "fds_flat's bound", lower_bound=0.0)
 _MAPS = flags.DEFINE_float("max_maps_per_min", 1.0, "maps_flat's bound", lower_bound=0.0)
+_THREADS = flags.DEFINE_float("max_threads_per_min", 1.0, "threads_flat's bound",
+                              lower_bound=0.0)
 _REFUSED_FRAC = flags.DEFINE_float("max_refused_frac", 0.05, "few_refusals_outside_bursts' "
                                    "bound", lower_bound=0.0)
 
@@ -173,7 +179,8 @@ def _config() -> dict:
           "slow_read_s": _SLOW_READ.value, "sample_s": _SAMPLE.value, "seed": _SEED.value,
           "request_timeout_s": _REQ_TIMEOUT.value, "drain_timeout_s": _DRAIN_TIMEOUT.value,
           "max_rss_pct_per_10min": _RSS_PCT.value, "max_fds_per_min": _FDS.value,
-          "max_maps_per_min": _MAPS.value, "max_refused_frac": _REFUSED_FRAC.value}
+          "max_maps_per_min": _MAPS.value,
+          "max_threads_per_min": _THREADS.value, "max_refused_frac": _REFUSED_FRAC.value}
 
 
 def _server_info(server) -> tuple[str, int, int]:

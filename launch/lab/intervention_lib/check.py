@@ -9,7 +9,8 @@ resident for the run so that each is measured warm and none is restarted between
      its own earlier prompts in the server's prefix cache); the order alternates between repeats
      (A B, then B A) so that a drift of the machine falls on both; runs in
      ``OUT/<label>/load/...``;
-  2. each config answers the quality gates' items (``gate_client``), one at a time;
+  2. each config answers the quality gates' items (``gate_client``), one at a time (the
+     configs side by side: greedy answers do not depend on the machine's load);
   3. each candidate is compared with the baseline: per segment ``perf.compare_segment``, per
      gate ``gate_compare.compare_gate``;
   4. ``verdict.write`` puts ``verdict.json``, ``verdict.txt`` and ``verdict.png`` in ``OUT``.
@@ -19,6 +20,7 @@ servers wait on their sockets while another config runs (no polling loop).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shlex
@@ -143,7 +145,10 @@ def run(cfg: CheckConfig) -> dict:
     probe.close()
     passages = read_passages(cfg.passages)[:cfg.max_passages] if cfg.passages else []
     items = gate_sets.build(cfg.gates, passages, _long_lengths(cfg, max_context), cfg.seed)
-    answers = {c.label: _answers(servers[c.label], items, cfg) for c in configs}
+    # Each server answers its items one at a time; the servers answer side by side.
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+      futs = {c.label: pool.submit(_answers, servers[c.label], items, cfg) for c in configs}
+      answers = {label: f.result() for label, f in futs.items()}
   finally:
     for s in servers.values():
       s.stop()

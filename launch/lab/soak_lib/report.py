@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+MAPS_PER_THREAD = 3  # a thread's stack, its guard page and its malloc arena
+
 
 @dataclasses.dataclass
 class Rec:
@@ -122,8 +124,12 @@ def analyze(cfg: dict, recs: list[Rec], samples: list[dict], gaps: list[dict], d
   half = [s for s in series if s["t_s"] >= t_end / 2]
   ts = [s["t_s"] for s in half]
   slopes = {}
+  for s in half:  # a thread brings its stack, guard page and malloc arena: 3 mappings
+    m, t = s.get("maps"), s.get("threads")
+    s["maps_net"] = None if m is None else m - MAPS_PER_THREAD * (t or 0)
   for key, bound, unit in (("rss_bytes", None, "bytes"), ("fds", cfg["max_fds_per_min"], "fds"),
-                           ("maps", cfg["max_maps_per_min"], "maps")):
+                           ("maps_net", cfg["max_maps_per_min"], "maps"),
+                           ("threads", cfg.get("max_threads_per_min", 1.0), "threads")):
     ys = [s.get(key) for s in half]
     sl = slope_per_min(ts, ys)
     vals = [y for y in ys if y is not None]
@@ -139,11 +145,9 @@ def analyze(cfg: dict, recs: list[Rec], samples: list[dict], gaps: list[dict], d
       entry["bound_per_min"] = bound
       a[f"{unit}_flat"] = _assert(sl is not None and sl < bound, **entry)
     slopes[key] = entry
-  th = [s.get("threads") for s in half]
-  slopes["threads"] = {"slope_per_min": slope_per_min(ts, th),  # reported: explains maps
-                       "first": next((y for y in th if y is not None), None),
-                       "last": next((y for y in reversed(th) if y is not None), None),
-                       "max": max((y for y in th if y is not None), default=None)}
+  raw = [s.get("maps") for s in half if s.get("maps") is not None]
+  slopes["maps"] = {"slope_per_min": slope_per_min(ts, [s.get("maps") for s in half]),
+                    "first": raw[0] if raw else None, "last": raw[-1] if raw else None}
   bad_gaps = [g for g in gaps if g.get("kv_pages_used") != 0 or g.get("running") != 0
               or g.get("queue") != 0]
   a["kv_pages_released"] = _assert(bool(gaps) and not bad_gaps, gaps=len(gaps),

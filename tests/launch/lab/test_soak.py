@@ -39,7 +39,8 @@ KNOBS = ("--duration_s", "24", "--idle_s", "3", "--idle_every_s", "12", "--qps",
          "--max_tokens", "24", "--burst_every_s", "8", "--burst_s", "3", "--burst_grace_s", "4",
          "--sample_s", "1", "--ready_timeout_s", "360", "--drain_timeout_s", "90",
          "--request_timeout_s", "90", "--stop_grace_s", "20",
-         "--max_rss_pct_per_10min", "100", "--max_fds_per_min", "40", "--max_maps_per_min", "150")
+         "--max_rss_pct_per_10min", "100", "--max_fds_per_min", "40", "--max_maps_per_min", "150",
+         "--max_threads_per_min", "60")
 HARD_TIMEOUT_S = 600
 
 
@@ -102,12 +103,16 @@ def test_scrape_sums_labels_and_tells_absent_from_zero():
 
 def _analyze(**kw):
   cfg = {"max_refused_frac": 0.05, "max_fds_per_min": 1.0, "max_maps_per_min": 1.0,
+         "max_threads_per_min": 1.0,
          "max_rss_pct_per_10min": 1.0, "long_tokens": 10, "steady_steps": 10, "steady_rows": 1}
   rows = [{"t_s": float(t), "phase": "active", "alive": True, "rss_bytes": 1e9, "fds": 20,
-           "maps": 1000 + (t if kw.get("leak") else 0), "http_health": 200, "http_ready": 200,
+           "maps": 1000 + (t if kw.get("leak") else 0) + (6 if kw.get("pool") and t >= 420 else 0),
+           "threads": 30 + (2 if kw.get("pool") and t >= 420 else 0) +
+                      (t // 5 if kw.get("threads") else 0),
+           "http_health": 200, "http_ready": 200,
            "grpc_live": "SERVING", "grpc_ready": "SERVING", "compiled_programs": 40,
            "loop_failures": 0.0, "engine_faults": 0.0, "internal_errors": 0.0}
-          for t in range(0, 120, 2)]
+          for t in range(0, 600, 5)]  # ten minutes
   R = soak_report.Rec
   recs = [R("openai_completions", "long_sinks", "long", 1, "ok", "ok", output_tokens=10),
           R("phaseserve_grpc", "steady_ignore_eos", "steady", 1, "ok", "ok", output_tokens=12),
@@ -125,6 +130,10 @@ def _analyze(**kw):
 def test_analyze_passes_a_clean_run_and_names_each_failure():
   assert _analyze()["failed"] == []
   assert _analyze(leak=True)["failed"] == ["maps_flat"]
+  # a pool that reaches a new peak (2 threads, 3 mappings each): a step, not a leak
+  pooled = _analyze(pool=True)
+  assert pooled["failed"] == [] and pooled["slopes"]["maps"]["slope_per_min"] > 1
+  assert _analyze(threads=True)["failed"] == ["threads_flat"]  # a thread per request
   assert _analyze(kv=3)["failed"] == ["kv_pages_released"]
   assert _analyze(programs_end=41)["failed"] == ["programs_constant"]
   assert _analyze(after_ready=1)["failed"] == ["programs_constant"]
