@@ -19,7 +19,8 @@ agreement with A: token match, KL, task score delta; thresholds ``--min_token_ma
 ``--max_kl``, ``--max_score_drop``, ``--min_refusal_agreement``. Writes ``verdict.txt``,
 ``verdict.json``, ``verdict.png`` and every run's files under ``--out``; prints the table (or
 ``--json``). Exit 0 when every candidate held every gate, 1 when a gate degraded, 2 on bad
-flags.
+flags (a config whose server exits or never becomes ready included: the error carries its log's
+tail, the other servers are stopped).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def main(argv: list[str]) -> None:
                                          _MIN_REFUSAL.value),
       seed=_SEED.value, ready_timeout_s=_READY.value,
       command="python -m launch.lab.intervention " + shlex.join(sys.argv[1:]))
-  result = run(cfg)
+  try:
+    result = run(cfg)
+  except RuntimeError as e:  # a config's server exited or never became ready: its flags
+    raise CliError(f"a server did not come up: {e}")
   print(json.dumps(result) if _JSON.value else verdict.table(result), end="\n")
   held = all(g["held"] for comp in result["comparisons"] for g in comp["gates"].values())
   if not held:

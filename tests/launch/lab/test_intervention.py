@@ -167,6 +167,9 @@ def test_bad_flags_exit_2(tmp_path):
   r = _cli("--model", "tiny", "--candidate=", "--segments", "", "--gates", "",
            "--out", str(tmp_path))
   assert r.returncode == 2 and "nothing to check" in r.stderr
+  r = _cli("--model", "tiny", "--baseline=--no_such_flag", "--candidate=", "--segments", "",
+           "--gates", "rare_text", "--out", str(tmp_path))
+  assert r.returncode == 2 and "did not come up" in r.stderr and "no_such_flag" in r.stderr
 
 
 def test_smoke_on_tiny(tmp_path):
