@@ -58,6 +58,9 @@ _GATE_TOKENS = flags.DEFINE_integer("gate_max_tokens", 48, "tokens per gate answ
                                     lower_bound=1)
 _LONG_TOKENS = flags.DEFINE_integer("long_max_tokens", 2048, "long_context: the longest "
                                     "filler (capped by the context)", lower_bound=64)
+_SINKS = flags.DEFINE_integer("sinks_window", 0, "long_context: also a fact asked and streamed "
+                              "past the context with attention sinks of this window (every "
+                              "config needs --attention_sinks); 0: off", lower_bound=0)
 _MIN_EFFECT = flags.DEFINE_float("min_effect", 0.05, "smallest relative change reported",
                                  lower_bound=0.0)
 _BOOT = flags.DEFINE_integer("bootstrap", 1000, "bootstrap resamples", lower_bound=100)
@@ -108,6 +111,7 @@ def main(argv: list[str]) -> None:
       slo_scale=_SLO_SCALE.value, gates=gates,
       passages=str(DEFAULT_PASSAGES) if "english" in gates else "",
       gate_max_tokens=_GATE_TOKENS.value, long_max_tokens=_LONG_TOKENS.value,
+      sinks_window=_SINKS.value,
       n_boot=_BOOT.value, min_effect=_MIN_EFFECT.value,
       thresholds=gate_compare.Thresholds(_MIN_MATCH.value, _MAX_KL.value, _MAX_DROP.value,
                                          _MIN_REFUSAL.value),

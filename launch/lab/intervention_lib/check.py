@@ -65,6 +65,7 @@ class CheckConfig:
   max_passages: int = 5
   gate_max_tokens: int = 48
   long_max_tokens: int = 2048
+  sinks_window: int = 0              # > 0: a long_context stream past the context, with sinks
   logprobs: int = 20
   n_boot: int = 1000
   min_effect: float = 0.05
@@ -144,7 +145,9 @@ def run(cfg: CheckConfig) -> dict:
     max_context = probe.max_context
     probe.close()
     passages = read_passages(cfg.passages)[:cfg.max_passages] if cfg.passages else []
-    items = gate_sets.build(cfg.gates, passages, _long_lengths(cfg, max_context), cfg.seed)
+    sinks = (cfg.sinks_window, max_context + 64) if cfg.sinks_window else (0, 0)
+    items = gate_sets.build(cfg.gates, passages, _long_lengths(cfg, max_context), cfg.seed,
+                            sinks)
     # Each server answers its items one at a time; the servers answer side by side.
     with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
       futs = {c.label: pool.submit(_answers, servers[c.label], items, cfg) for c in configs}

@@ -10,7 +10,9 @@ Contract: ``GateClient(grpc_target, http_base)`` reads the server's context from
   * ``structured`` items go through ``POST /v1/chat/completions`` (``response_format``
     ``json_schema`` when ``constrained``), text only (the HTTP API gives no token ids), with
     twice ``max_tokens`` (an object of three fields takes about 30 ids of syntax);
-  * a chat that does not fit the context is ``skipped``, never cut.
+  * a chat that does not fit the context is ``skipped``, never cut;
+  * an item with ``sinks_window`` is sent with ``attention_sinks`` (that window, 4 sinks) and
+    streams ``stream_tokens`` ids, past the context (the servers need ``--attention_sinks``).
 Requests go one after another, so a config is compared with itself on the same batch shapes:
 batched rows may round differently, which a gate would then count as a change.
 """
@@ -107,10 +109,18 @@ class GateClient:
               else item.text)
       ids = list(self.stub.Tokenize(pb.TokenizeRequest(text=text, add_bos=True),
                                     timeout=60).token_ids)
+      if item.sinks_window:  # a ring of sinks + window: the stream may pass the context
+        req.attention_sinks.window = item.sinks_window
+        req.max_tokens = item.stream_tokens
+        req.token_ids.ids.extend(ids[-item.sinks_window:])
+        return self._stream(req)
       room = self.max_context - max_tokens
       if room < 8:
         return Answer("skipped", error="max_tokens leaves no room for a prompt")
       req.token_ids.ids.extend(ids[-room:])
+    return self._stream(req)
+
+  def _stream(self, req) -> Answer:
     ids_out: list[int] = []
     text_out: list[str] = []
     top: list[tuple[tuple[int, float], ...]] = []

@@ -34,6 +34,8 @@ class Item:
   decline: bool | None = None
   long_tokens: int = 0        # long_context: the filler's length in tokens
   key: str = ""               # long_context: which locker
+  sinks_window: int = 0       # > 0: an attention-sink stream with this window
+  stream_tokens: int = 0      # the sink stream's length (past the context)
   depth: float = 0.0          # long_context: where the fact sits (fraction of the filler)
 
 
@@ -124,7 +126,9 @@ def long_question(item: Item) -> str:
 
 
 def build(gates: tuple[str, ...], passages: list[str], long_lengths: tuple[int, ...],
-          seed: int) -> list[Item]:
+          seed: int, sinks: tuple[int, int] = (0, 0)) -> list[Item]:
+  """``sinks``: (window, stream tokens); a window > 0 adds to ``long_context`` a fact planted
+  in half a window of filler, asked at once and then streamed past the context."""
   unknown = [g for g in gates if g not in GATES]
   if unknown:
     raise ValueError(f"unknown gates {unknown}: known {', '.join(GATES)}")
@@ -147,6 +151,13 @@ def build(gates: tuple[str, ...], passages: list[str], long_lengths: tuple[int, 
         key = _LOCKERS[int(rng.integers(0, len(_LOCKERS)))]
         items.append(Item("long_context", f"fact_{n}_{int(depth * 100)}", answer=code,
                           long_tokens=n, depth=depth, key=key))
+    window, stream = sinks
+    if window > 0:
+      code = str(int(rng.integers(1000, 10000)))
+      key = _LOCKERS[int(rng.integers(0, len(_LOCKERS)))]
+      items.append(Item("long_context", f"sinks_{window}_{stream}", answer=code,
+                        long_tokens=window // 2, depth=0.5, key=key, sinks_window=window,
+                        stream_tokens=stream))
   if "structured" in gates:
     for name, prompt, schema in _SCHEMAS:
       for constrained in (True, False):

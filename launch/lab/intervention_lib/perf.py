@@ -7,8 +7,9 @@ ok in both configs (records pooled over repeats, paired by request, the repeat a
 group): TTFT and TPOT p50 / p90 / p99 (lower is better), and output tokens per second per core
 (higher is better; per run, its interval over the repeats). Failures: B failing more requests
 (refused or errored) than A is a ``worse`` change. Capacity at SLO: per config, the highest rate
-whose every repeat met the SLO at p99 (None if none did; ``capacity_at_least`` when that is the
-top rung); a higher capacity is ``better`` (the ladder's step is its resolution: no interval). Returns a JSON-ready dict: ``verdict``, ``changes``,
+whose every repeat met the SLO at p99 (None if none did; ``capacity_at_least`` when that is
+the top rung); a higher capacity is ``better`` (the ladder's step is its resolution: no
+interval). Returns a JSON-ready dict: ``verdict``, ``changes``,
 and per config ``{capacity_per_s, ttft/tpot p50 / p99, failed, refused, errors,
 tokens_per_s_per_core, phases_s}``.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -155,8 +156,10 @@ def test_every_run_of_a_config_gets_new_prompts():
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  """The servers see one CPU device, as a user's do (not the suite's 8 fake ones)."""
+  env = dict(os.environ, XLA_FLAGS="")
   return subprocess.run([sys.executable, "-m", "launch.lab.intervention", *args],
-                        capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def test_bad_flags_exit_2(tmp_path):
@@ -179,8 +182,8 @@ def test_smoke_on_tiny(tmp_path):
   # gates' chats fit in.
   r = _cli("--model", "tiny", "--candidate=", "--candidate=--param_seed 1",
            "--common_flags=--max_context 256 --max_slots 4 --kv_pages 64 --page_size 16 "
-           "--max_chunk 32 --max_prefill_chunks 1", "--segments",
-           "interactive", "--requests", "12", "--repeats", "2",
+           "--max_chunk 32 --max_prefill_chunks 1 --attention_sinks", "--sinks_window", "64",
+           "--segments", "interactive", "--requests", "12", "--repeats", "2",
            "--rate_scale", "8", "--min_effect", "0.2", "--gate_max_tokens", "12",
            "--long_max_tokens", "256", "--bootstrap", "300", "--json", "--out", str(tmp_path))
   assert r.returncode == 1, r.stderr[-3000:]  # C degraded a gate
@@ -197,6 +200,9 @@ def test_smoke_on_tiny(tmp_path):
   for name in ("rare_text", "english", "long_context", "safety"):
     g = broken["gates"][name]
     assert not g["held"] and g["token_match"] < 0.5, (name, g)
+  # the attention-sink stream ran past the 256-token context, alike in A and B
+  sink = [a for a in result["answers"]["B"] if a["item"].startswith("sinks_")]
+  assert len(sink) == 1 and sink[0]["status"] == "ok"
   assert broken["segments"]["interactive"]["b"]["failed"] == 0
   for f in ("verdict.json", "verdict.txt", "verdict.png", "A/server.log",
             "B/load/interactive/rate_8/repeat_1/requests.csv"):
