@@ -81,10 +81,11 @@ class GateClient:
       return " ".join(ss[:at] + [gate_sets.long_fact(item)] + ss[at:]) + \
           gate_sets.long_question(item)
 
-    while len(sentences) > 1 and self._count(render(sentences)) > item.long_tokens:
-      over = self._count(render(sentences)) - item.long_tokens
+    text = render(sentences)
+    while len(sentences) > 1 and (over := self._count(text) - item.long_tokens) > 0:
       sentences = sentences[:-max(1, over // per)]
-    return render(sentences)
+      text = render(sentences)
+    return text
 
   def answer(self, item: Item, max_tokens: int, logprobs: int) -> Answer:
     try:
