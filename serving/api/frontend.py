@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import prometheus_client as prom
 
 from models.text.tokenizer import Tokenizer
-from serving.api import admission
+from serving.api import admission, loads
 from serving.api.admission import SloClass
 from serving.api.auth import KeyInfo, OverQuota, Quotas
 from serving.api.faults import FaultInjector
@@ -94,6 +94,8 @@ class Frontend(StreamOwner):
     cap = loop.capacity()
     self.metrics = ServiceMetrics(registry, LiveGauges(
         waiting=lambda: (lambda o: o.waiting + o.arriving)(loop.occupancy()),
+        running=lambda: loop.occupancy().running,
+        kv_usage=lambda: loads.token_usage(loop.occupancy(), cap),
         slots_used_fraction=lambda: loop.occupancy().running / cap.max_slots,
         live_streams=lambda: len(self._live), engine_faults=lambda: loop.faults))
     if cap.prefix_cache:

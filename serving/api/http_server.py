@@ -10,9 +10,10 @@ with ``stream: true``; the ``X-Ignored-Fields`` header names fields accepted and
 /v1/models`` (with the LoRA adapters; each also without ``/v1``), ``POST /tokenize`` and
 ``/detokenize``
 (``serving.api.http_tokens``), ``GET /version``, ``/health`` (liveness), ``/ready`` (readiness),
-``/metrics``; with ``lora_admin``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
-for admin keys (``serving.api.http_lora``). Errors are OpenAI's JSON shape (``http_errors.ApiError``); an unexpected exception
-is a logged 500.
+``/metrics``, ``/v1/loads`` (the replica's load for a router: ``serving.api.loads``); with
+``lora_admin``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` for admin keys
+(``serving.api.http_lora``). Errors are OpenAI's JSON shape (``http_errors.ApiError``); an
+unexpected exception is a logged 500.
 ``Frontend.generate`` runs in an elastic thread pool (``serving.api.thread_pool``: idle threads
 end); streams hold no thread (the loop thread wakes the
 event loop, the handler polls one output per write, so unread outputs stay in the Stream's bounded
@@ -36,7 +37,7 @@ from typing import Any, AsyncGenerator, Sequence
 import prometheus_client as prom
 from aiohttp import web
 
-from serving.api import http_api, http_errors, http_lora, http_response, http_tokens
+from serving.api import http_api, http_errors, http_lora, http_response, http_tokens, loads
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
 from models.text.tokenizer import Tokenizer
 from serving.api.frontend import Frontend
@@ -356,6 +357,10 @@ class _Api:
   async def version(self, request: web.Request) -> web.Response:
     return web.json_response({"version": self.options.version})
 
+  async def loads(self, request: web.Request) -> web.Response:
+    loop = self.frontend.loop
+    return web.json_response(loads.load_report(loop.occupancy(), loop.capacity(), time.time()))
+
   async def metrics(self, request: web.Request) -> web.Response:
     data = await self.call(prom.generate_latest, self.registry)
     return web.Response(body=data, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
@@ -374,7 +379,7 @@ class _Api:
     app.add_routes([web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                     web.get("/version", self.version),
                     web.get("/health", self.health), web.get("/ready", self.ready),
-                    web.get("/metrics", self.metrics)])
+                    web.get("/metrics", self.metrics), web.get("/v1/loads", self.loads)])
     return app
 
 

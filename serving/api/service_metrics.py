@@ -11,7 +11,9 @@ Contract: ``ServiceMetrics(registry, gauges)`` registers, in ``registry``:
     ``phaseserve_memory_mappings``;
   * JetStream's names where the series means the same thing (``jetstream_prefill_backlog_size``,
     ``jetstream_slots_used_percentage`` as a 0-1 fraction); its TTFT / TPOT are defined
-    differently and not aliased.
+    differently and not aliased;
+  * vLLM's names for the load a router reads (``vllm:num_requests_running``,
+    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` as a 0-1 fraction, as vLLM's).
 ``gauges`` (``LiveGauges``) supplies the live values read at scrape time (no thread writes them).
 """
 
@@ -29,6 +31,8 @@ from serving.lifecycle import _LATENCY_BUCKETS
 @dataclasses.dataclass(frozen=True)
 class LiveGauges:
   waiting: Callable[[], float]
+  running: Callable[[], float]
+  kv_usage: Callable[[], float]  # fraction (0-1) of the KV pages sequences hold
   slots_used_fraction: Callable[[], float]
   live_streams: Callable[[], float]
   engine_faults: Callable[[], float]
@@ -73,6 +77,13 @@ class ServiceMetrics:
     prom.Gauge("jetstream_slots_used_percentage",
                "fraction (0-1) of decode slots in use (JetStream name)",
                registry=registry).set_function(gauges.slots_used_fraction)
+
+    for name, doc, fn in (
+        ("vllm:num_requests_running", "requests running (vLLM name)", gauges.running),
+        ("vllm:num_requests_waiting", "requests waiting (vLLM name)", gauges.waiting),
+        ("vllm:kv_cache_usage_perc", "fraction (0-1) of KV pages in use (vLLM name)",
+         gauges.kv_usage)):
+      prom.Gauge(name, doc, registry=registry).set_function(fn)
 
   def watch_programs(self, programs: compiles.ProgramCounter) -> None:
     loaded, after = self._programs

@@ -1,0 +1,258 @@
+"""Replicas of ``launch.server`` on one host behind the SGLang Model Gateway (``smg``).
+
+Contract: ``ReplicaSet(spec)``; ``start(timeout_s)`` spawns ``spec.replicas`` servers (each its
+own process with its OpenAI HTTP API on 127.0.0.1, the port picked by the OS at first start and
+kept across restarts; with ``spec.pin`` each is bound to its share of this process's CPUs), waits
+until every one answers ``/ready``, then starts the gateway in front of them (``python -m smg
+launch``: ``spec.policy``, health checks on the replicas' ``/ready`` every
+``spec.health_interval_s``, its own Prometheus port) and returns once the gateway reports every
+replica healthy. ``url`` is the gateway's endpoint, ``replicas[i].url`` a replica's. ``kill(i)``
+ends a replica with SIGKILL (a crash); ``restart(i)`` starts a fresh process on the same port (the
+gateway's health check takes it back); ``supervise(stop, on_event)`` restarts replicas that
+exit until ``stop`` is set; ``healthy()`` is the gateway's view (worker URL -> healthy).
+``stop()`` ends the gateway, then the replicas (SIGTERM: they drain), and is safe to call at
+any point.
+The server's own address flags (``--host``, ``--port``, ``--http_port``, ``--port_file``) belong
+to the set: ``ValueError`` if ``spec.server_args`` names one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Mapping, Sequence
+
+_OWNED_FLAGS = ("--host", "--port", "--http_port", "--port_file")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  replicas: int
+  server_args: tuple[str, ...]  # launch.server's flags (the model and the rest)
+  workdir: str  # logs and port files
+  host: str = "127.0.0.1"  # the gateway's address
+  port: int = 0  # the gateway's port (0: a free one)
+  policy: str = "cache_aware"  # smg's --policy
+  pin: bool = True  # each replica on its own share of the CPUs
+  health_interval_s: int = 5
+  gateway_args: tuple[str, ...] = ()  # more smg flags
+  env: Mapping[str, str] | None = None  # the replicas' environment (None: this process's)
+
+
+@dataclasses.dataclass
+class Replica:
+  index: int
+  cores: tuple[int, ...]  # () when not pinned
+  log_path: str
+  port_file: str
+  proc: subprocess.Popen | None = None
+  http_port: int = 0
+  restarts: int = 0
+
+  @property
+  def url(self) -> str:
+    return f"http://127.0.0.1:{self.http_port}"
+
+  @property
+  def pid(self) -> int | None:
+    return self.proc.pid if self.proc is not None else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+  try:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+      return r.status, r.read()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read()
+  except OSError:
+    return 0, b""
+
+
+def split_cores(cores: Sequence[int], n: int) -> list[tuple[int, ...]]:
+  """``cores`` in ``n`` contiguous shares as even as they go; with fewer cores than replicas,
+  replica i shares core i mod len(cores)."""
+  cores = sorted(cores)
+  if len(cores) < n:
+    return [(cores[i % len(cores)],) for i in range(n)]
+  base, extra = divmod(len(cores), n)
+  out, at = [], 0
+  for i in range(n):
+    size = base + (i < extra)
+    out.append(tuple(cores[at:at + size]))
+    at += size
+  return out
+
+
+def _child_setup(cores: tuple[int, ...]):
+  def setup() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cores:
+      os.sched_setaffinity(0, cores)
+  return setup
+
+
+class ReplicaSet:
+  def __init__(self, spec: Spec):
+    owned = [a for a in spec.server_args if a.split("=", 1)[0] in _OWNED_FLAGS]
+    if owned:
+      raise ValueError(f"the replica set chooses {', '.join(owned)}: leave it out")
+    if spec.replicas < 1:
+      raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
+    self.spec = spec
+    os.makedirs(spec.workdir, exist_ok=True)
+    shares = (split_cores(sorted(os.sched_getaffinity(0)), spec.replicas) if spec.pin
+              else [()] * spec.replicas)
+    self.replicas = [
+        Replica(i, shares[i], os.path.join(spec.workdir, f"replica{i}.log"),
+                os.path.join(spec.workdir, f"replica{i}.port")) for i in range(spec.replicas)]
+    self.port = spec.port or free_port(spec.host)
+    self.url = f"http://{'127.0.0.1' if spec.host in ('0.0.0.0', '') else spec.host}:{self.port}"
+    self.gateway: subprocess.Popen | None = None
+    self.gateway_log = os.path.join(spec.workdir, "gateway.log")
+    self._lock = threading.Lock()
+
+  # -- replicas -------------------------------------------------------------------------------
+
+  def _spawn(self, r: Replica) -> None:
+    for suffix in ("", ".http", ".metrics", ".tmp"):
+      try:
+        os.remove(r.port_file + suffix)
+      except FileNotFoundError:
+        pass
+    argv = [sys.executable, "-m", "launch.server", *self.spec.server_args, "--host", "127.0.0.1",
+            "--port", "0", "--port_file", r.port_file, "--http_port", str(r.http_port)]
+    with open(r.log_path, "a") as log:
+      r.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.spec.env,
+                                stdin=subprocess.DEVNULL, preexec_fn=_child_setup(r.cores))
+
+  def _wait_ready(self, r: Replica, deadline: float) -> None:
+    assert r.proc is not None
+    while True:
+      if r.proc.poll() is not None:
+        raise RuntimeError(f"replica {r.index} exited {r.proc.returncode} while starting: "
+                           f"{_tail(r.log_path)}")
+      if not r.http_port and os.path.exists(r.port_file + ".http"):
+        r.http_port = int(open(r.port_file + ".http").read())
+      if r.http_port and http_get(r.url + "/ready")[0] == 200:
+        return
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"replica {r.index} not ready in time: {_tail(r.log_path)}")
+      time.sleep(0.2)
+
+  def kill(self, i: int) -> None:
+    proc = self.replicas[i].proc
+    if proc is not None and proc.poll() is None:
+      proc.kill()
+      proc.wait(30)
+
+  def restart(self, i: int, timeout_s: float = 300.0) -> None:
+    """A fresh process for replica ``i`` on its port, once it is ready (the old one killed)."""
+    r = self.replicas[i]
+    with self._lock:
+      self.kill(i)
+      r.restarts += 1
+      self._spawn(r)
+    self._wait_ready(r, time.monotonic() + timeout_s)
+
+  def supervise(self, stop: threading.Event, on_event: Callable[[dict], None],
+                poll_s: float = 1.0) -> None:
+    """Restarts each replica that exits, until ``stop`` is set; ``on_event`` hears of each exit,
+    restart and failed restart (a dict with ``event`` and ``replica``)."""
+    while not stop.wait(poll_s):
+      for r in self.replicas:
+        if r.proc is None or r.proc.poll() is None or stop.is_set():
+          continue
+        on_event({"event": "replica_exited", "replica": r.index, "returncode": r.proc.returncode})
+        try:
+          self.restart(r.index)
+          on_event({"event": "replica_restarted", "replica": r.index, "url": r.url,
+                    "pid": r.pid})
+        except (RuntimeError, TimeoutError) as e:
+          on_event({"event": "replica_failed", "replica": r.index, "error": str(e)[-500:]})
+
+  # -- the gateway ----------------------------------------------------------------------------
+
+  def _gateway_argv(self) -> list[str]:
+    s = self.spec
+    return [sys.executable, "-m", "smg", "launch", "--host", s.host, "--port", str(self.port),
+            "--worker-urls", *[r.url for r in self.replicas], "--policy", s.policy,
+            "--health-check-endpoint", "/ready",
+            "--health-check-interval-secs", str(s.health_interval_s),
+            "--health-failure-threshold", "1", "--health-success-threshold", "1",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", "info", *s.gateway_args]
+
+  def healthy(self) -> dict[str, bool]:
+    """The gateway's workers: URL -> healthy (empty when it does not answer)."""
+    status, body = http_get(self.url + "/workers")
+    if status != 200:
+      return {}
+    return {w["url"]: bool(w.get("is_healthy")) for w in json.loads(body).get("workers", [])}
+
+  def wait_healthy(self, urls: Sequence[str], deadline: float) -> None:
+    while True:
+      if self.gateway is not None and self.gateway.poll() is not None:
+        raise RuntimeError(f"the gateway exited {self.gateway.returncode}: "
+                           f"{_tail(self.gateway_log)}")
+      seen = self.healthy()
+      if all(seen.get(u) for u in urls):
+        return
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"the gateway does not report {list(urls)} healthy ({seen}): "
+                           f"{_tail(self.gateway_log)}")
+      time.sleep(0.2)
+
+  def start(self, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+      for r in self.replicas:
+        self._spawn(r)
+      for r in self.replicas:
+        self._wait_ready(r, deadline)
+      with open(self.gateway_log, "a") as log:
+        env = dict(os.environ, NO_COLOR="1")
+        self.gateway = subprocess.Popen(self._gateway_argv(), stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, preexec_fn=_child_setup(()))
+      self.wait_healthy([r.url for r in self.replicas], deadline)
+    except BaseException:
+      self.stop()
+      raise
+
+  def stop(self, grace_s: float = 30.0) -> None:
+    procs = ([self.gateway] if self.gateway is not None else []) + \
+        [r.proc for r in self.replicas if r.proc is not None]
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    for p in procs:
+      try:
+        p.wait(max(0.1, end - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
+
+
+def _tail(path: str, n: int = 3000) -> str:
+  try:
+    with open(path, errors="replace") as f:
+      return f.read()[-n:]
+  except OSError:
+    return ""
