@@ -6,8 +6,10 @@ kept across restarts; with ``spec.pin`` each is bound to its share of this proce
 until every one answers ``/ready``, then starts the gateway in front of them (``python -m smg
 launch``: ``spec.policy``, health checks on the replicas' ``/ready`` every
 ``spec.health_interval_s``, its own Prometheus port) and returns once the gateway reports every
-replica healthy. ``url`` is the gateway's endpoint, ``replicas[i].url`` a replica's. ``kill(i)``
-ends a replica with SIGKILL (a crash); ``restart(i)`` starts a fresh process on the same port (the
+replica healthy. ``url`` is the gateway's endpoint, ``replicas[i].url`` a replica's;
+``spec.extra_args`` gives replicas flags of their own (a canary). ``kill(i)`` ends a replica
+with SIGKILL (a crash), ``stop_replica(i)`` with SIGTERM (it drains); ``take_out(i)`` removes it
+from the gateway's rotation; ``restart(i)`` starts a fresh process on the same port (the
 gateway's health check takes it back); ``supervise(stop, on_event)`` restarts replicas that
 exit until ``stop`` is set; ``healthy()`` is the gateway's view (worker URL -> healthy).
 ``stop()`` ends the gateway, then the replicas (SIGTERM: they drain), and is safe to call at
@@ -33,6 +35,8 @@ import urllib.request
 from typing import Callable, Mapping, Sequence
 
 _OWNED_FLAGS = ("--host", "--port", "--http_port", "--port_file")
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
+            "consistent_hashing", "prefix_hash")  # smg's --policy values for regular workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Spec:
   health_interval_s: int = 5
   gateway_args: tuple[str, ...] = ()  # more smg flags
   env: Mapping[str, str] | None = None  # the replicas' environment (None: this process's)
+  extra_args: tuple[tuple[str, ...], ...] = ()  # per replica, after server_args (() : none)
 
 
 @dataclasses.dataclass
@@ -109,11 +114,14 @@ def _child_setup(cores: tuple[int, ...]):
 
 class ReplicaSet:
   def __init__(self, spec: Spec):
-    owned = [a for a in spec.server_args if a.split("=", 1)[0] in _OWNED_FLAGS]
+    owned = [a for args in (spec.server_args, *spec.extra_args) for a in args
+             if a.split("=", 1)[0] in _OWNED_FLAGS]
     if owned:
       raise ValueError(f"the replica set chooses {', '.join(owned)}: leave it out")
     if spec.replicas < 1:
       raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
+    if spec.extra_args and len(spec.extra_args) != spec.replicas:
+      raise ValueError(f"extra_args: {len(spec.extra_args)} for {spec.replicas} replicas")
     self.spec = spec
     os.makedirs(spec.workdir, exist_ok=True)
     shares = (split_cores(sorted(os.sched_getaffinity(0)), spec.replicas) if spec.pin
@@ -135,7 +143,9 @@ class ReplicaSet:
         os.remove(r.port_file + suffix)
       except FileNotFoundError:
         pass
-    argv = [sys.executable, "-m", "launch.server", *self.spec.server_args, "--host", "127.0.0.1",
+    extra = self.spec.extra_args[r.index] if self.spec.extra_args else ()
+    argv = [sys.executable, "-m", "launch.server", *self.spec.server_args, *extra,
+            "--host", "127.0.0.1",
             "--port", "0", "--port_file", r.port_file, "--http_port", str(r.http_port)]
     with open(r.log_path, "a") as log:
       r.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.spec.env,
@@ -154,6 +164,17 @@ class ReplicaSet:
       if time.monotonic() > deadline:
         raise TimeoutError(f"replica {r.index} not ready in time: {_tail(r.log_path)}")
       time.sleep(0.2)
+
+  def stop_replica(self, i: int, grace_s: float = 30.0) -> None:
+    """SIGTERM (the replica drains its live requests), then SIGKILL after ``grace_s``."""
+    proc = self.replicas[i].proc
+    if proc is not None and proc.poll() is None:
+      proc.send_signal(signal.SIGTERM)
+      try:
+        proc.wait(grace_s)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
 
   def kill(self, i: int) -> None:
     proc = self.replicas[i].proc
@@ -197,6 +218,36 @@ class ReplicaSet:
             "--health-failure-threshold", "1", "--health-success-threshold", "1",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "info", *s.gateway_args]
+
+  def model_id(self) -> str:
+    """The model id the gateway serves (its ``/v1/models``)."""
+    status, body = http_get(self.url + "/v1/models")
+    if status != 200:
+      raise RuntimeError(f"the gateway's /v1/models: HTTP {status}")
+    return json.loads(body)["data"][0]["id"]
+
+  def take_out(self, i: int, timeout_s: float = 60.0) -> bool:
+    """Removes replica ``i`` from the gateway's rotation (its control plane: ``DELETE
+    /workers/{id}``; the gateway drains it for 5 s, then drops it) and returns once the gateway
+    no longer lists it: no new request goes to it; what it runs finishes. False when the gateway
+    does not list it."""
+    status, body = http_get(self.url + "/workers")
+    if status != 200:
+      raise RuntimeError(f"the gateway's /workers: HTTP {status}")
+    url = self.replicas[i].url
+    ids = [w["id"] for w in json.loads(body).get("workers", []) if w["url"] == url]
+    if not ids:
+      return False
+    req = urllib.request.Request(f"{self.url}/workers/{ids[0]}", method="DELETE")
+    with urllib.request.urlopen(req, timeout=10) as r:  # 202: the gateway drains it, then drops it
+      if r.status >= 300:
+        raise RuntimeError(f"DELETE /workers/{ids[0]}: HTTP {r.status}")
+    deadline = time.monotonic() + timeout_s
+    while url in self.healthy():
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"the gateway still lists {url} {timeout_s} s after its removal")
+      time.sleep(0.2)
+    return True
 
   def healthy(self) -> dict[str, bool]:
     """The gateway's workers: URL -> healthy (empty when it does not answer)."""

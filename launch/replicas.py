@@ -29,15 +29,12 @@ from absl import flags
 
 from launch import cli
 from launch.cli import CliError
-from launch.replica_set import ReplicaSet, Spec
-
-POLICIES = ["cache_aware", "round_robin", "random", "power_of_two", "least_load",
-            "consistent_hashing", "prefix_hash"]
+from launch.replica_set import POLICIES, ReplicaSet, Spec
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "server processes", lower_bound=1)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "the gateway's address")
 _PORT = flags.DEFINE_integer("port", 8000, "the gateway's port (0: a free one)", lower_bound=0)
-_POLICY = flags.DEFINE_enum("policy", "cache_aware", POLICIES, "the gateway's routing policy")
+_POLICY = flags.DEFINE_enum("policy", "cache_aware", list(POLICIES), "the gateway's routing policy")
 _PIN = flags.DEFINE_bool("pin", True, "each replica on its own share of this process's CPUs")
 _RESTART = flags.DEFINE_bool("restart", True, "restart a replica that exits")
 _HEALTH = flags.DEFINE_integer("health_interval_s", 5, "the gateway's health-check period",

@@ -85,6 +85,9 @@ _EXIT_DELAY = flags.DEFINE_float("failure_exit_delay_s", 5.0, "after a loop fail
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before readiness")
 _FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request_id "
                             "'fault:raise|fatal|hang:S' injects an engine-step fault")
+_STEP_DELAY = flags.DEFINE_float("fault_step_delay_s", 0.0, "TEST ONLY (with --fault_injection): "
+                                 "every engine step sleeps this long (a slow replica)",
+                                 lower_bound=0.0)
 
 
 def _info(built, limits, classes, version):
@@ -225,7 +228,7 @@ def main(argv: list[str]) -> None:
     follower = not is_leader()
   if _FAULTS.value and not follower:
     logging.warning("fault injection is ON (test only)")
-  faults = FaultInjector() if _FAULTS.value and not follower else None
+  faults = FaultInjector(_STEP_DELAY.value) if _FAULTS.value and not follower else None
 
   def lead(engine: EngineApi) -> EngineApi:
     leader.append(LeaderEngine(engine, Broadcast("engine")))

@@ -7,7 +7,9 @@ engine step planning any of its samples: ``raise`` (a ``RuntimeError``: the step
 fail, the engine goes on), ``fatal`` (``FatalEngineError``: the engine cannot continue) or
 ``hang:<seconds>`` (the step sleeps: the watchdog's case); each of these fires once.
 ``slow:<seconds>`` sleeps in every step planning the request (the drain tests). ``disarm``
-forgets a request. Never on by default; nothing else reads these ids.
+forgets a request. ``FaultInjector(step_delay_s=S)`` sleeps S seconds in every step that plans
+any work (a deliberately slow replica: the canary tests). Never on by default; nothing else
+reads these ids.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from serving.scheduler import StepPlan
 
 
 class FaultInjector:
-  def __init__(self) -> None:
+  def __init__(self, step_delay_s: float = 0.0) -> None:
     self.armed: dict[str, str] = {}  # request id -> fault kind
     self.fired = 0
+    self.step_delay_s = step_delay_s
 
   def arm(self, request_id: str, kind: str) -> None:
     self.armed[request_id] = kind
@@ -30,6 +33,8 @@ class FaultInjector:
     self.armed.pop(request_id, None)
 
   def __call__(self, plan: StepPlan) -> None:
+    if self.step_delay_s and (plan.prefill or plan.decode):
+      time.sleep(self.step_delay_s)
     armed = self.armed
     if not armed:
       return

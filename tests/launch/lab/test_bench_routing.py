@@ -1,0 +1,42 @@
+"""A tiny-size smoke run of launch.lab.bench_routing: both policies, one repeat each, two tiny
+replicas behind the gateway, a few multi-turn sessions; and its refusals of bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.grpc_harness import TINY
+from tests.refenv import REPO
+
+
+def test_bench_routing_smoke(tmp_path):
+  server = [f"--server_flag={a}={b}" for a, b in zip(TINY[2::2], TINY[3::2])]
+  r = subprocess.run(
+      [sys.executable, "-m", "launch.lab.bench_routing", "--model", "tiny", "--sessions", "4",
+       "--rate", "4", "--repeats", "1", "--max_context", "24", "--length_scale", "0.05",
+       *server, "--out", str(tmp_path), "--json"],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+      text=True, timeout=400)
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["cpu"] and set(out["policies"]) == {"cache_aware", "round_robin"}
+  assert [run["policy"] for run in out["runs"]] == ["cache_aware", "round_robin"]
+  for run in out["runs"]:
+    assert run["failed"] == 0 and run["ok"] == run["sent"] >= 4
+    assert len(run["replicas"]) == 2
+    # every request the load generator sent (and its 2 warm-up requests) ended on a replica
+    assert sum(rep["ok"] for rep in run["replicas"]) == run["sent"] + 2
+    assert 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p99"]
+  ratios = out["policies"]["round_robin"]["ttft_p50_over_cache_aware"]
+  assert len(ratios) == 1 and ratios[0] > 0
+  assert (tmp_path / "cache_aware_0" / "summary.json").exists()
+
+
+def test_bench_routing_refuses_an_unknown_policy():
+  r = subprocess.run([sys.executable, "-m", "launch.lab.bench_routing", "--policies",
+                      "cache_aware,fastest"], cwd=REPO, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 2 and "fastest" in r.stderr
