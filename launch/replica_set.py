@@ -7,13 +7,14 @@ until every one answers ``/ready``, then starts the gateway in front of them (``
 launch``: ``spec.policy``, health checks on the replicas' ``/ready`` every
 ``spec.health_interval_s``, its own Prometheus port) and returns once the gateway reports every
 replica healthy. ``url`` is the gateway's endpoint, ``replicas[i].url`` a replica's;
-``spec.extra_args`` gives replicas flags of their own (a canary). ``kill(i)`` ends a replica
-with SIGKILL (a crash), ``stop_replica(i)`` with SIGTERM (it drains); ``take_out(i)`` removes it
-from the gateway's rotation; ``restart(i)`` starts a fresh process on the same port (the
-gateway's health check takes it back); ``supervise(stop, on_event)`` restarts replicas that
-exit until ``stop`` is set; ``healthy()`` is the gateway's view (worker URL -> healthy).
-``stop()`` ends the gateway, then the replicas (SIGTERM: they drain), and is safe to call at
-any point.
+``spec.extra_args`` gives replicas flags of their own (a canary); ``spec.roles`` makes them
+prefill and decode servers (``--kv_role``) behind the gateway's prefill / decode mode.
+``kill(i)`` ends a replica with SIGKILL (a crash), ``stop_replica(i)`` with SIGTERM (it
+drains); ``take_out(i)`` removes it from the gateway's rotation; ``restart(i)`` starts a fresh
+process on the same port (the gateway's health check takes it back); ``supervise(stop,
+on_event)`` restarts replicas that exit until ``stop`` is set; ``healthy()`` is the gateway's
+view (worker URL -> healthy). ``stop()`` ends the gateway, then the replicas (SIGTERM: they
+drain), and is safe to call at any point.
 The server's own address flags (``--host``, ``--port``, ``--http_port``, ``--port_file``) belong
 to the set: ``ValueError`` if ``spec.server_args`` names one.
 """
@@ -52,6 +53,7 @@ class Spec:
   gateway_args: tuple[str, ...] = ()  # more smg flags
   env: Mapping[str, str] | None = None  # the replicas' environment (None: this process's)
   extra_args: tuple[tuple[str, ...], ...] = ()  # per replica, after server_args (() : none)
+  roles: tuple[str, ...] = ()  # per replica "prefill" / "decode": the gateway's PD mode
 
 
 @dataclasses.dataclass
@@ -122,6 +124,9 @@ class ReplicaSet:
       raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
     if spec.extra_args and len(spec.extra_args) != spec.replicas:
       raise ValueError(f"extra_args: {len(spec.extra_args)} for {spec.replicas} replicas")
+    if spec.roles and (len(spec.roles) != spec.replicas or
+                       {"prefill", "decode"} != set(spec.roles)):
+      raise ValueError(f"roles: one of prefill / decode per replica, both present: {spec.roles}")
     self.spec = spec
     os.makedirs(spec.workdir, exist_ok=True)
     shares = (split_cores(sorted(os.sched_getaffinity(0)), spec.replicas) if spec.pin
@@ -144,6 +149,8 @@ class ReplicaSet:
       except FileNotFoundError:
         pass
     extra = self.spec.extra_args[r.index] if self.spec.extra_args else ()
+    if self.spec.roles:
+      extra = (*extra, "--kv_role", self.spec.roles[r.index])
     argv = [sys.executable, "-m", "launch.server", *self.spec.server_args, *extra,
             "--host", "127.0.0.1",
             "--port", "0", "--port_file", r.port_file, "--http_port", str(r.http_port)]
@@ -211,8 +218,13 @@ class ReplicaSet:
 
   def _gateway_argv(self) -> list[str]:
     s = self.spec
+    if s.roles:  # prefill and decode servers: the gateway sends each request to one, then one
+      workers = [a for r, role in zip(self.replicas, s.roles) for a in (f"--{role}", r.url)]
+      workers.insert(0, "--pd-disaggregation")
+    else:
+      workers = ["--worker-urls", *[r.url for r in self.replicas]]
     return [sys.executable, "-m", "smg", "launch", "--host", s.host, "--port", str(self.port),
-            "--worker-urls", *[r.url for r in self.replicas], "--policy", s.policy,
+            *workers, "--policy", s.policy,
             "--health-check-endpoint", "/ready",
             "--health-check-interval-secs", str(s.health_interval_s),
             "--health-failure-threshold", "1", "--health-success-threshold", "1",

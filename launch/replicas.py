@@ -13,6 +13,12 @@ line on stdout per event (``ready`` with the URLs, ``replica_exited``, ``replica
 SIGINT / SIGTERM stop the gateway, then drain the replicas. Exit 2 on bad flags or when a
 replica or the gateway does not come up.
 
+With ``--pd`` the replicas are ``--prefill_replicas`` prefill servers and ``--decode_replicas``
+decode servers (``launch.server --kv_role``) behind the gateway's prefill / decode mode: the
+gateway sends a request to a prefill server for its prompt (one token), then to a decode server
+with the KV handoff; the decode server pulls the prompt's KV pages and decodes
+(``serving.api.http_kv``).
+
 Across hosts, start ``launch.server --http_port P`` on each host and the gateway on one:
 ``python -m smg launch --worker-urls http://host1:P http://host2:P --policy cache_aware
 --health-check-endpoint /ready`` (docs/deployment.md).
@@ -32,6 +38,10 @@ from launch.cli import CliError
 from launch.replica_set import POLICIES, ReplicaSet, Spec
 
 _REPLICAS = flags.DEFINE_integer("replicas", 2, "server processes", lower_bound=1)
+_PD = flags.DEFINE_bool("pd", False, "prefill and decode in separate servers (--kv_role) behind "
+                        "the gateway's prefill / decode mode, instead of --replicas")
+_PREFILL_N = flags.DEFINE_integer("prefill_replicas", 1, "--pd: prefill servers", lower_bound=1)
+_DECODE_N = flags.DEFINE_integer("decode_replicas", 1, "--pd: decode servers", lower_bound=1)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "the gateway's address")
 _PORT = flags.DEFINE_integer("port", 8000, "the gateway's port (0: a free one)", lower_bound=0)
 _POLICY = flags.DEFINE_enum("policy", "cache_aware", list(POLICIES), "the gateway's routing policy")
@@ -49,11 +59,12 @@ def main(argv: list[str]) -> None:
   if not server_args:
     raise CliError("give each server's flags after --, e.g. -- --model smollm2-135m")
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="phaseserve-replicas-")
+  roles = (("prefill",) * _PREFILL_N.value + ("decode",) * _DECODE_N.value) if _PD.value else ()
   try:
-    rs = ReplicaSet(Spec(_REPLICAS.value, server_args, workdir, host=_HOST.value,
+    rs = ReplicaSet(Spec(len(roles) or _REPLICAS.value, server_args, workdir, host=_HOST.value,
                          port=_PORT.value, policy=_POLICY.value, pin=_PIN.value,
                          health_interval_s=_HEALTH.value,
-                         gateway_args=tuple(_GATEWAY_ARGS.value)))
+                         gateway_args=tuple(_GATEWAY_ARGS.value), roles=roles))
   except ValueError as e:
     raise CliError(str(e)) from None
   try:
@@ -65,7 +76,8 @@ def main(argv: list[str]) -> None:
     signal.signal(sig, lambda *_: stop.set())
   try:
     print(json.dumps({"event": "ready", "url": rs.url + "/v1", "policy": _POLICY.value,
-                      "replicas": [{"url": r.url, "cores": list(r.cores), "pid": r.pid}
+                      "replicas": [{"url": r.url, "cores": list(r.cores), "pid": r.pid,
+                                    "role": roles[r.index] if roles else "both"}
                                    for r in rs.replicas],
                       "workdir": workdir}), flush=True)
     if _RESTART.value:

@@ -82,6 +82,13 @@ _ON_LOOP_FAILURE = flags.DEFINE_enum(
 _EXIT_DELAY = flags.DEFINE_float("failure_exit_delay_s", 5.0, "after a loop failure, how long "
                                  "health reports NOT_SERVING before the process exits 1",
                                  lower_bound=0.0)
+_KV_ROLE = flags.DEFINE_enum("kv_role", "none", ["none", "prefill", "decode"],
+                             "one side of prefill and decode in separate servers (the gateway's "
+                             "PD mode, launch.replicas --pd): prefill answers with a KV handoff "
+                             "and serves its pages; decode pulls them before decoding; both "
+                             "need the host tier (--host_tier_bytes, 256 MiB if 0)")
+_KV_URL = flags.DEFINE_string("kv_url", "", "prefill: this server's HTTP base as decode servers "
+                              "reach it (default: as the request reached it)")
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile every bucketed program before readiness")
 _FAULTS = flags.DEFINE_bool("fault_injection", False, "TEST ONLY: client_request_id "
                             "'fault:raise|fatal|hang:S' injects an engine-step fault")
@@ -234,6 +241,11 @@ def main(argv: list[str]) -> None:
     leader.append(LeaderEngine(engine, Broadcast("engine")))
     return leader[0]
 
+  if _KV_ROLE.value != "none" and not ef.HOST_TIER.value:
+    flags.FLAGS["host_tier_bytes"].value = 256 << 20  # pages leave through the host tier
+    logging.info("--kv_role %s: host tier of 256 MiB", _KV_ROLE.value)
+  if _KV_ROLE.value != "none" and _HTTP_PORT.value is None:
+    raise CliError("--kv_role needs the HTTP API (--http_port)")
   built = ef.build(max_waiting=_MAX_QUEUE.value + _MAX_N.value, registry=registry,
                    max_traces=1024, wrap_engine=lead if cluster.multi and not follower else None,
                    fault_hook=faults, restarts=_ON_LOOP_FAILURE.value != "exit")
@@ -277,7 +289,8 @@ def main(argv: list[str]) -> None:
       http = http_server.serve(frontend, keys, registry, http_server.HttpOptions(
           _SERVED_MODEL.value or cfg.name, _HOST.value, _HTTP_PORT.value, _MAX_MESSAGE.value,
           max_context=limits.max_context, defaults=defaults, version=version,
-          tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value, lora_admin=_LORA_ADMIN.value))
+          tls_cert=_TLS_CERT.value, tls_key=_TLS_KEY.value, lora_admin=_LORA_ADMIN.value,
+          kv_role=_KV_ROLE.value, kv_url=_KV_URL.value))
     except OSError as e:
       running.server.stop(None)
       raise CliError(str(e))

@@ -387,6 +387,9 @@ class Engine(EngineWarmup, EngineApi):
       self.grammar.accept(p.result().tokens)
     p.accepted = True
 
+  def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, ...]:
+    return host_moves.read(self.prefill_pool.kv, pages, self._tier_cap)
+
   @property
   def _tier_cap(self) -> int:
     """Pages per host-tier copy call: a sequence's worth (larger plans are split)."""

@@ -8,6 +8,8 @@ else of an engine.
     ``reset()`` drops them (after a fault).
   * ``warmup(max_prefill_rows, max_chunk, threads, max_tokens) -> int`` compiles every program a
     plan can reach (``max_tokens``: a step's prefill tokens in all; returns how many); ``seal()`` closes the program set at readiness.
+  * ``read_pages(pages)``: those KV pages' data on the host, every leaf ``[L, P, ...]`` (for a
+    transfer to another process); an engine that cannot raises ``NotImplementedError``.
   * ``programs``: programs dispatched so far (a call that grew it compiled one); ``lag``: steps
     a result trails its plan; ``describe()``: a JSON-able description of what runs the steps.
 """
@@ -15,6 +17,9 @@ else of an engine.
 from __future__ import annotations
 
 import abc
+from typing import Sequence
+
+import numpy as np
 
 from serving.scheduler import StepPlan, StepResult
 
@@ -48,3 +53,6 @@ class EngineApi(abc.ABC):
 
   @abc.abstractmethod
   def describe(self) -> dict[str, object]: ...
+
+  def read_pages(self, pages: Sequence[int]) -> tuple[np.ndarray, ...]:
+    raise NotImplementedError(f"{type(self).__name__} cannot export KV pages")

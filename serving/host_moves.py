@@ -6,13 +6,17 @@ Contract: ``run(store, kv, plan, cap, num_pages) -> kv`` runs a plan's host-tier
 their device pages); at most ``cap`` pages a call, page counts padded to powers of two (few
 programs; padding reads page 0 and writes past the pool: nothing). With two pools only prompt
 pages are cached, on the prefill pool; the insert transfer carries loaded pages to decode's.
-``warm(kv, cap, num_pages) -> (kv, programs)`` compiles every copy size up to ``cap`` without
-changing state (reads of page 0, writes to padding ids only). ``copy(kv, copies, cap,
-num_pages)`` copies pages ``src -> dst`` within the pool (prefix pages into another kv
-shard's sub-pool), ``warm_copies`` compiles its sizes (padding copies nothing).
+``read(kv, pages, cap) -> leaves`` reads pages to the host for another process (every leaf
+``[L, len(pages), ...]``, numpy; the spills' warmed copy sizes). ``warm(kv, cap, num_pages) ->
+(kv, programs)`` compiles every copy size up to ``cap`` without changing state (reads of page
+0, writes to padding ids only). ``copy(kv, copies, cap, num_pages)`` copies pages ``src ->
+dst`` within the pool (prefix pages into another kv shard's sub-pool), ``warm_copies``
+compiles its sizes (padding copies nothing).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +57,17 @@ def run(store: HostStore, kv: PagedKV, plan: StepPlan, cap: int, num_pages: int)
     k, v = jax.tree.unflatten(jax.tree.structure((kv.k_pages, kv.v_pages)), leaves)
     kv = write_pages(kv, jax.device_put(ids_C), k, v)
   return kv
+
+
+def read(kv: PagedKV, pages: Sequence[int], cap: int) -> tuple[np.ndarray, ...]:
+  chunks: list[list[np.ndarray]] = []
+  for g in range(0, len(pages), cap):
+    group = pages[g:g + cap]
+    ids_C = np.zeros((bucket(len(group), minimum=1),), np.int32)
+    ids_C[:len(group)] = group
+    leaves = jax.tree.leaves(read_pages(kv, jax.device_put(ids_C)))
+    chunks.append([np.asarray(leaf)[:, :len(group)] for leaf in leaves])
+  return tuple(np.concatenate(parts, axis=1) for parts in zip(*chunks))
 
 
 def warm(kv: PagedKV, cap: int, num_pages: int) -> tuple[PagedKV, int]:

@@ -17,12 +17,13 @@ Contract: ``ServingLoop(scheduler, engine: EngineApi, metrics=None, clock=time.m
     ``occupancy()`` (queues now, KV pages as of the last step), ``can_ever_fit``,
     ``slot_wait_steps`` and the thread-safe ``cached_prefix_tokens(ids)`` (under the lock the
     loop holds while the scheduler changes, never across an engine call).
+  * ``tasks.call(fn, timeout)`` (``serving.loop_tasks``) runs ``fn`` on the loop's thread
+    between steps: work on the scheduler and the engine's pages from another thread.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -34,6 +35,8 @@ from serving.guard import Guard
 from serving.kv_pages import Refusal
 from serving.lifecycle import Metrics, RequestTrace
 from serving.lora import LoraRegistry
+from serving.loop_tasks import LoopTasks
+from serving.loop_views import Capacity, Occupancy
 from serving.request import Request, RequestOutput, Usage
 from serving.scheduler import Scheduler, StepPlan, StepResult
 from serving.step_cost import StepCostModel
@@ -46,38 +49,6 @@ _log = logging.getLogger(__name__)
 
 class FatalEngineError(RuntimeError):
   """The engine cannot run another step (device lost, state corrupt)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Capacity:
-  """What the loop can hold: fixed by its configuration (``ServingLoop.capacity``)."""
-  kv_pages: int
-  page_size: int
-  kv_bytes: int
-  bytes_per_page: int
-  max_slots: int
-  max_context: int
-  max_step_tokens: int
-  max_prefill_chunks: int
-  max_chunk: int
-  prefix_cache: bool
-  host_tier_pages: int
-  attention_sinks: bool
-  vocab_size: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Occupancy:
-  """What the loop holds now (``ServingLoop.occupancy``): requests queued in the scheduler,
-  on their way to it (``arriving``), running (of which ``decoding``), and KV pages."""
-  waiting: int
-  arriving: int
-  running: int
-  decoding: int
-  pages_used: int
-  pages_free: int
-  pages_cached: int
-  host_tier_pages_used: int
 
 
 class ServingLoop:
@@ -127,6 +98,7 @@ class ServingLoop:
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._wake = threading.Event()
+    self.tasks = LoopTasks(self._wake.set)  # calls that must not race a step (KV transfers)
     # Held by the loop while the scheduler changes (never across an engine call), so that
     # ``cached_prefix_tokens`` reads the prefix cache from another thread consistently.
     self._sched_lock = threading.RLock()
@@ -218,6 +190,7 @@ class ServingLoop:
     tl = self.timeline
     tl.begin()
     self._admit()
+    self.tasks.run_pending()
     self._deliver(self._drain())
     if self.failed is not None:
       tl.idle()

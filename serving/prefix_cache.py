@@ -12,7 +12,8 @@ Contract: ``BasePrefixCache`` is the interface the KV manager (``serving.kv_mana
   * Host tier (``host_pages`` > 0, Mooncake's DRAM tier): an evicted page goes to host memory
     while the tier has room (its own LRU), keeping its place in the tree; device nodes form the
     top of a path, host nodes hang below. The device copies to plan come from ``take_spills``,
-    the loads back from ``promote``, the host keys to drop from ``take_forgotten``.
+    the loads back from ``promote``, the host keys to drop from ``take_forgotten``. ``adopt``
+    adds host nodes for pages computed elsewhere (KV sent by a prefill process).
   * Namespaces: ``ns`` > 0 (a LoRA adapter's uid: its KV differs from the base model's) keys
     a separate tree under the same root; 0 is the base model's.
   * Counters (hits, misses, evictions, spills, loads) are plain ints; ``check()`` verifies the
@@ -75,7 +76,7 @@ class BasePrefixCache(abc.ABC):
   page_size: int = 0
   host_capacity = pages = host_pages_used = 0
   hits = misses = hit_tokens = evicted = 0
-  host_hits = host_hit_tokens = spilled = loaded = host_evicted = 0
+  host_hits = host_hit_tokens = spilled = loaded = host_evicted = adopted = 0
 
   @abc.abstractmethod
   def match(self, tokens: Sequence[int], shard: int, *, count: bool = True, ns: int = 0
@@ -103,6 +104,13 @@ class BasePrefixCache(abc.ABC):
     """Caches the whole pages of ``tokens`` (``pages[i]`` holds positions ``[i Z, (i+1) Z)``,
     written, or written by a step planned before any step that reads them); a block already
     cached keeps its page (the caller's stays private). Returns the pages newly cached."""
+
+  def adopt(self, tokens: Sequence[int], shard: int, ns: int = 0) -> list[tuple[int, int]]:
+    """Host-tier nodes for the whole pages of ``tokens`` the tree does not hold yet (KV computed
+    by another process): ``(i, key)`` per new node, ``i`` the page's index in ``tokens``; the
+    caller puts that page's data in the host store under ``key``. Stops at the first page the
+    host tier has no room for; none without a host tier."""
+    return []
 
   @abc.abstractmethod
   def lock(self, m: Match) -> None:
@@ -198,6 +206,7 @@ class PrefixCache(BasePrefixCache):
     self.host_pages_used = 0
     self.hits = self.misses = self.hit_tokens = self.evicted = 0
     self.host_hits = self.host_hit_tokens = self.spilled = self.loaded = self.host_evicted = 0
+    self.adopted = 0  # host pages that arrived from another process (``adopt``)
 
   def _blocks(self, tokens: Sequence[int], n: int, ns: int) -> list[tuple[int, ...]]:
     """Edge keys: a page's ids each; the first led by ``-ns`` in a namespace (ids are >= 0)."""
@@ -297,6 +306,27 @@ class PrefixCache(BasePrefixCache):
       child.used = tick
       node = child
     return added
+
+  def adopt(self, tokens: Sequence[int], shard: int, ns: int = 0) -> list[tuple[int, int]]:
+    root = node = self._roots[shard]
+    path, out, tick = [], [], next(self._tick)
+    for i, key in enumerate(self._blocks(tokens, len(tokens) // self.page_size, ns)):
+      child = node.children.get(key)
+      if child is None:
+        if not self.host_capacity or not self._host_room(root):  # locked: not forgotten
+          break
+        host_key = next(self._keys)
+        child = _Node(key, None, node, host_key=host_key)
+        node.children[key] = child
+        self.host_pages_used += 1
+        self.adopted += 1
+        out.append((i, host_key))
+      child.used, child.locks = tick, child.locks + 1
+      path.append(child)
+      node = child
+    for x in path:
+      x.locks -= 1
+    return out
 
   def lock(self, m: Match) -> None:
     for n in m.nodes + m.host:

@@ -11,6 +11,9 @@ with ``stream: true``; the ``X-Ignored-Fields`` header names fields accepted and
 ``/detokenize``
 (``serving.api.http_tokens``), ``GET /version``, ``/health`` (liveness), ``/ready`` (readiness),
 ``/metrics``, ``/v1/loads`` (the replica's load for a router: ``serving.api.loads``); with
+``kv_role`` "prefill", ``POST /v1/kv/pages`` and a ``kv_transfer_params`` handoff in every
+non-streamed answer, with "decode", a request's handoff pulled before admission
+(``serving.api.http_kv``); with
 ``lora_admin``, ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` for admin keys
 (``serving.api.http_lora``). Errors are OpenAI's JSON shape (``http_errors.ApiError``); an
 unexpected exception is a logged 500.
@@ -37,7 +40,8 @@ from typing import Any, AsyncGenerator, Sequence
 import prometheus_client as prom
 from aiohttp import web
 
-from serving.api import http_api, http_errors, http_lora, http_response, http_tokens, loads
+from serving.api import (http_api, http_errors, http_kv, http_lora, http_response, http_tokens,
+                         loads)
 from serving.api.auth import ApiKeys, KeyInfo, Unauthenticated
 from models.text.tokenizer import Tokenizer
 from serving.api.frontend import Frontend
@@ -68,6 +72,8 @@ class HttpOptions:
   tls_cert: str | None = None  # PEM files: HTTPS (the gRPC port's certificate and key)
   tls_key: str | None = None
   lora_admin: bool = False  # the adapter load / unload routes (admin keys only)
+  kv_role: str = "none"  # "prefill" / "decode": one side of a KV handoff (serving.api.http_kv)
+  kv_url: str = ""  # a prefill server's HTTP base for decode servers ("": as requests reach it)
 
 
 def _echo_text(args: GenerateArgs, stream: Stream, tok: Tokenizer) -> str:
@@ -105,6 +111,7 @@ class _Api:
     self.served = http_api.Served(options.model, options.defaults, frontend.loras)
     self.fingerprint = "fp_" + hashlib.sha256(
         f"{options.model}/{options.version}".encode()).hexdigest()[:10]
+    self._kv_source = http_kv.HttpKvSource()
 
   def _wakeups(self, loop: asyncio.AbstractEventLoop) -> Wakeups:
     """The loop's coalesced wake-ups: a step's outputs to many streams wake it once."""
@@ -216,6 +223,9 @@ class _Api:
     served = self.served
     parsed = http_api.parse_chat(body, served) if chat else \
         http_api.parse_completion(body, served)
+    if self.options.kv_role == "decode" and isinstance(body, dict) and \
+        "kv_transfer_params" in body:  # the prompt's pages from the prefill server
+      await self.call(http_kv.pull, self.frontend.loop, self._kv_source, body)
     streams = await self.admit(parsed, key, request)
     tok = self.frontend.tokenizer
     shape = http_response.Response(parsed, parsed.prompts[0].lora or served.model,
@@ -236,7 +246,11 @@ class _Api:
           shape.add(shape.choice(p, i), out)
       except ServiceError as e:
         raise http_errors.api_error(e) from None
-      return web.json_response(shape.body(streams), headers=headers, dumps=lambda o: json.dumps(
+      answer = shape.body(streams)
+      if self.options.kv_role == "prefill":  # where the decode server fetches the pages
+        url = self.options.kv_url or f"{request.scheme}://{request.host}"
+        answer["kv_transfer_params"] = http_kv.handoff(url, streams[0].validated.prompt_ids)
+      return web.json_response(answer, headers=headers, dumps=lambda o: json.dumps(
           o, ensure_ascii=False))
     finally:
       for s in streams:  # the client went away (handler cancelled, reset on write)
@@ -361,6 +375,16 @@ class _Api:
     loop = self.frontend.loop
     return web.json_response(loads.load_report(loop.occupancy(), loop.capacity(), time.time()))
 
+  async def kv_pages(self, request: web.Request) -> web.Response:
+    body = await self.body(request)
+    try:
+      data = await self.call(http_kv.export, self.frontend.loop, body)
+    except ValueError as e:
+      raise http_errors.ApiError(400, str(e), "invalid_request_error") from None
+    if data is None:
+      raise http_errors.ApiError(404, "no KV pages held for this prompt", "not_found_error")
+    return web.Response(body=data, content_type="application/octet-stream")
+
   async def metrics(self, request: web.Request) -> web.Response:
     data = await self.call(prom.generate_latest, self.registry)
     return web.Response(body=data, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
@@ -376,6 +400,8 @@ class _Api:
       if self.options.lora_admin:
         app.add_routes([web.post(f"{prefix}/load_lora_adapter", self.lora_admin),
                         web.post(f"{prefix}/unload_lora_adapter", self.lora_admin)])
+    if self.options.kv_role == "prefill":
+      app.add_routes([web.post("/v1/kv/pages", self.kv_pages)])
     app.add_routes([web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                     web.get("/version", self.version),
                     web.get("/health", self.health), web.get("/ready", self.ready),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 
-from serving.loop import Capacity, Occupancy
+from serving.loop_views import Capacity, Occupancy
 
 
 def token_usage(occ: Occupancy, cap: Capacity) -> float:

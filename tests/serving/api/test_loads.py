@@ -6,7 +6,7 @@ import dataclasses
 import datetime
 
 from serving.api.loads import load_report, token_usage
-from serving.loop import Capacity, Occupancy
+from serving.loop_views import Capacity, Occupancy
 
 CAP = Capacity(kv_pages=100, page_size=16, kv_bytes=0, bytes_per_page=0, max_slots=8,
                max_context=512, max_step_tokens=256, max_prefill_chunks=2, max_chunk=128,

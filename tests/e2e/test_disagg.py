@@ -1,0 +1,110 @@
+"""Prefill and decode in separate processes on 127.0.0.1 (``python -m launch.replicas --pd``): a
+prefill server and a decode server of the tiny model behind the gateway's prefill / decode
+mode. A request's greedy answer through the pair equals the prefill server's own answer
+computed in one process, and the decode server computed only the prompt's last partial page
+(the rest came from the prefill server's pages); a dead prefill server fails requests with a
+status while the decode server still serves, and the other way round."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.grpc_harness import TINY
+from tests.refenv import REPO
+
+PROMPT = "The two phases of inference: prefill computes the prompt, decode its answer. "  # 78
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+  req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                               {"content-type": "application/json"})
+  try:
+    with urllib.request.urlopen(req, timeout=60) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, {"error": e.read().decode(errors="replace")}
+
+
+BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("pd")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "launch.replicas", "--pd", "--port", "0", "--norestart",
+       "--health_interval_s", "1", "--workdir", str(tmp), "--ready_timeout_s", "240", "--",
+       *TINY], cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
+      stdout=subprocess.PIPE, stderr=open(tmp / "launcher.err", "w"))
+  events: queue.Queue[dict] = queue.Queue()
+
+  def read() -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+      events.put(json.loads(line))
+  threading.Thread(target=read, daemon=True).start()
+  try:
+    ready = events.get(timeout=300)
+    assert ready["event"] == "ready", ready
+    roles = {r["role"]: r for r in ready["replicas"]}
+    yield ready["url"].removesuffix("/v1"), roles["prefill"], roles["decode"]
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    try:
+      proc.wait(60)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(30)
+
+
+def test_the_pair_answers_as_one_process(pd):
+  gateway, prefill, decode = pd
+  status, alone = _post(prefill["url"], BODY)  # one process computes prompt and answer
+  assert status == 200, alone
+  assert alone["kv_transfer_params"]["phaseserve"]["url"] == prefill["url"]
+  status, pair = _post(gateway, BODY)
+  assert status == 200, pair
+  assert pair["choices"][0]["text"] == alone["choices"][0]["text"]
+  assert pair["usage"]["completion_tokens"] == 12
+  # The decode server took the prompt's 4 whole pages (of 16) from the prefill server.
+  assert pair["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"] == 78
+  assert pair["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+  # A prompt the decode server has never seen is no different.
+  body = dict(BODY, prompt=PROMPT[::-1])
+  assert _post(gateway, body)[1]["choices"][0]["text"] == \
+      _post(prefill["url"], body)[1]["choices"][0]["text"]
+
+
+def test_the_prefill_side_refuses_a_bad_page_request(pd):
+  _, prefill, _ = pd
+  req = urllib.request.Request(prefill["url"] + "/v1/kv/pages", b'{"prompt_token_ids": "x"}',
+                               {"content-type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(req, timeout=10)
+  assert e.value.code == 400
+  req = urllib.request.Request(prefill["url"] + "/v1/kv/pages",
+                               json.dumps({"prompt_token_ids": list(range(3, 60))}).encode(),
+                               {"content-type": "application/json"})
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(req, timeout=10)
+  assert e.value.code == 404  # never computed
+
+
+def test_one_side_dead_fails_with_a_status_and_the_other_serves(pd):
+  gateway, prefill, decode = pd
+  os.kill(prefill["pid"], signal.SIGKILL)
+  status, body = _post(gateway, BODY)
+  assert status >= 500, body  # a status, not a hang (urlopen's timeout is 60 s)
+  status, body = _post(decode["url"], BODY)  # the decode server alone computes it all
+  assert status == 200 and body["usage"]["completion_tokens"] == 12
