@@ -52,6 +52,8 @@ _DURATION = flags.DEFINE_float("duration_s", 0.0, "stop after this long (0: at a
                                lower_bound=0.0)
 _HEALTH = flags.DEFINE_integer("health_interval_s", 5, "the gateway's health-check period",
                                lower_bound=1)
+_GRACE = flags.DEFINE_integer("gateway_grace_s", 30, "at the end, how long the gateway lets "
+                              "requests in flight finish", lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", "", "logs, usage logs (default: a temp directory)")
 _READY = flags.DEFINE_float("ready_timeout_s", 900.0, "how long start-up may take")
 _T = Thresholds()
@@ -109,7 +111,8 @@ def main(argv: list[str]) -> None:
   extra = tuple(("--usage_log", usage[i], *(cand_args if i >= n_base else ())) for i in range(n))
   try:
     rs = ReplicaSet(Spec(n, base_args, workdir, host=_HOST.value, port=_PORT.value,
-                         policy=_POLICY.value, health_interval_s=_HEALTH.value, extra_args=extra))
+                         policy=_POLICY.value, health_interval_s=_HEALTH.value,
+                         gateway_grace_s=_GRACE.value, extra_args=extra))
     rs.start(_READY.value)
   except (ValueError, RuntimeError, TimeoutError) as e:
     raise CliError(str(e)) from None

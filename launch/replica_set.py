@@ -50,6 +50,7 @@ class Spec:
   policy: str = "cache_aware"  # smg's --policy
   pin: bool = True  # each replica on its own share of the CPUs
   health_interval_s: int = 5
+  gateway_grace_s: int = 30  # how long the gateway's shutdown lets requests in flight finish
   gateway_args: tuple[str, ...] = ()  # more smg flags
   env: Mapping[str, str] | None = None  # the replicas' environment (None: this process's)
   extra_args: tuple[tuple[str, ...], ...] = ()  # per replica, after server_args (() : none)
@@ -229,6 +230,7 @@ class ReplicaSet:
             "--health-check-interval-secs", str(s.health_interval_s),
             "--health-failure-threshold", "1", "--health-success-threshold", "1",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--shutdown-grace-period-secs", str(s.gateway_grace_s),
             "--log-level", "info", *s.gateway_args]
 
   def model_id(self) -> str:
@@ -298,7 +300,11 @@ class ReplicaSet:
       self.stop()
       raise
 
-  def stop(self, grace_s: float = 30.0) -> None:
+  def stop(self, grace_s: float | None = None) -> None:
+    """SIGTERM to all, the gateway first; SIGKILL what is left after ``grace_s`` (default: the
+    gateway's grace and 30 s more for the replicas to drain)."""
+    if grace_s is None:
+      grace_s = self.spec.gateway_grace_s + 30.0
     procs = ([self.gateway] if self.gateway is not None else []) + \
         [r.proc for r in self.replicas if r.proc is not None]
     for p in procs:

@@ -49,6 +49,8 @@ _PIN = flags.DEFINE_bool("pin", True, "each replica on its own share of this pro
 _RESTART = flags.DEFINE_bool("restart", True, "restart a replica that exits")
 _HEALTH = flags.DEFINE_integer("health_interval_s", 5, "the gateway's health-check period",
                                lower_bound=1)
+_GRACE = flags.DEFINE_integer("gateway_grace_s", 30, "at SIGTERM, how long the gateway lets "
+                              "requests in flight finish", lower_bound=1)
 _GATEWAY_ARGS = flags.DEFINE_multi_string("gateway_arg", [], "an extra smg flag (repeatable)")
 _WORKDIR = flags.DEFINE_string("workdir", "", "logs and port files (default: a temp directory)")
 _READY = flags.DEFINE_float("ready_timeout_s", 900.0, "how long start-up may take")
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> None:
   try:
     rs = ReplicaSet(Spec(len(roles) or _REPLICAS.value, server_args, workdir, host=_HOST.value,
                          port=_PORT.value, policy=_POLICY.value, pin=_PIN.value,
-                         health_interval_s=_HEALTH.value,
+                         health_interval_s=_HEALTH.value, gateway_grace_s=_GRACE.value,
                          gateway_args=tuple(_GATEWAY_ARGS.value), roles=roles))
   except ValueError as e:
     raise CliError(str(e)) from None

@@ -69,11 +69,13 @@ def _spec(setup: str, workdir: str):
   from launch.replica_set import Spec
   args = ("--model", _MODEL.value, *_SERVER_FLAGS.value)
   if setup == "single":
-    return Spec(1, args, workdir, policy="round_robin", pin=False, health_interval_s=2)
+    return Spec(1, args, workdir, policy="round_robin", pin=False, health_interval_s=2,
+                gateway_grace_s=1)
   if setup == "pd":
-    return Spec(2, args, workdir, policy="round_robin", health_interval_s=2,
+    return Spec(2, args, workdir, policy="round_robin", health_interval_s=2, gateway_grace_s=1,
                 roles=("prefill", "decode"))
-  return Spec(_REPLICAS.value, args, workdir, policy=setup, health_interval_s=2)
+  return Spec(_REPLICAS.value, args, workdir, policy=setup, health_interval_s=2,
+              gateway_grace_s=1)
 
 
 def _one_run(setup: str, rate: float, repeat: int, out: str) -> dict:

@@ -38,7 +38,8 @@ def test_a_slow_candidate_is_taken_out_of_rotation(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-m", "launch.canary", "--port", "0", "--workdir", str(tmp_path),
        "--candidate=--fault_injection --fault_step_delay_s 0.05", "--window_s", "3",
-       "--min_requests", "5", "--health_interval_s", "1", "--duration_s", "120",
+       "--min_requests", "5", "--health_interval_s", "1", "--gateway_grace_s", "1",
+       "--duration_s", "120",
        "--ready_timeout_s", "240", "--", *TINY],
       cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
       stdout=subprocess.PIPE, stderr=open(tmp_path / "canary.err", "w"))

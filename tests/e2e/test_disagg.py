@@ -44,8 +44,9 @@ def pd(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("pd")
   proc = subprocess.Popen(
       [sys.executable, "-m", "launch.replicas", "--pd", "--port", "0", "--norestart",
-       "--health_interval_s", "1", "--workdir", str(tmp), "--ready_timeout_s", "240", "--",
-       *TINY], cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
+       "--health_interval_s", "1", "--gateway_grace_s", "1", "--workdir", str(tmp),
+       "--ready_timeout_s", "240", "--", *TINY, "--nowarmup"],
+      cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
       stdout=subprocess.PIPE, stderr=open(tmp / "launcher.err", "w"))
   events: queue.Queue[dict] = queue.Queue()
 

@@ -14,7 +14,9 @@ from tests.refenv import REPO
 
 
 def test_bench_routing_smoke(tmp_path):
-  server = [f"--server_flag={a}={b}" for a, b in zip(TINY[2::2], TINY[3::2])]
+  # --nowarmup: each run starts fresh servers; a smoke needs no closed program set
+  server = [f"--server_flag={a}={b}" for a, b in zip(TINY[2::2], TINY[3::2])] + \
+      ["--server_flag=--nowarmup"]
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_routing", "--model", "tiny", "--sessions", "4",
        "--setups", "cache_aware,pd", "--rates", "4", "--repeats", "1", "--max_context", "24",
