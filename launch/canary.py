@@ -7,10 +7,11 @@ starts ``--baseline_replicas`` servers with the flags after ``--`` and ``--candi
 with those flags plus ``--candidate``, behind the gateway (``launch.replica_set``; ``--policy
 round_robin`` by default, so the candidate's share of requests is its share of the replicas: 1
 of 2 here, 1 of 10 for a 10% canary). Clients use ``http://HOST:PORT/v1`` as with
-``launch.replicas``. Every ``--window_s`` the canary reads the requests each replica ended in
-that window (each replica's ``--usage_log``, one JSON line a request) and compares the
-candidate's with the baseline's (``launch.canary_judge``): TTFT and TPOT at ``--quantile``,
-error and refusal rates, once both have ``--min_requests``. After ``--breach_windows``
+``launch.replicas``. Every ``--window_s`` the canary reads the requests each replica ended
+(each replica's ``--usage_log``, one JSON line a request) and compares the candidate's with the
+baseline's over the last ``--horizon_s`` (``launch.canary_judge``): TTFT and TPOT at
+``--quantile`` (0.9), error and refusal rates, once both have the requests the quantile needs
+(``--min_requests``, by default 5 / (1 - quantile): 50 for p90). After ``--breach_windows``
 windows in a row in breach it removes the candidate from the gateway (no new request goes to
 it; what it runs finishes) and stops it; the baseline serves on. One JSON line per event on
 stdout: ``ready``, ``window`` (both groups' figures and the verdict), ``removed`` (the reasons),
@@ -20,6 +21,7 @@ candidate held, 1 when it was removed, 2 on bad flags or a replica that does not
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -58,7 +60,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "logs, usage logs (default: a temp
 _READY = flags.DEFINE_float("ready_timeout_s", 900.0, "how long start-up may take")
 _T = Thresholds()
 _QUANTILE = flags.DEFINE_float("quantile", _T.quantile, "the latency quantile compared",
-                               lower_bound=0.5, upper_bound=1.0)
+                               lower_bound=0.5, upper_bound=0.999)
 _RATIO = flags.DEFINE_float("max_latency_ratio", _T.max_latency_ratio,
                             "candidate / baseline TTFT or TPOT at --quantile above this breaches",
                             lower_bound=1.0)
@@ -71,8 +73,10 @@ _ERR = flags.DEFINE_float("max_error_rate", _T.max_error_rate,
 _REF = flags.DEFINE_float("max_refusal_rate", _T.max_refusal_rate,
                           "refusal rate above the baseline's by more than this breaches",
                           lower_bound=0.0)
-_MIN = flags.DEFINE_integer("min_requests", _T.min_requests, "requests each group needs in a "
-                            "window before it is judged", lower_bound=1)
+_MIN = flags.DEFINE_integer("min_requests", _T.min_requests, "requests each group needs in the "
+                            "horizon before it is judged (0: 5 / (1 - quantile))", lower_bound=0)
+_HORIZON = flags.DEFINE_float("horizon_s", 300.0, "each judgement covers the requests that ended "
+                              "this long before it", lower_bound=0.1)
 
 
 class UsageTail:
@@ -123,6 +127,8 @@ def main(argv: list[str]) -> None:
   groups = {"baseline": range(n_base), "candidate": range(n_base, n)}
   tails = [UsageTail(p) for p in usage]
   seen: dict[str, list[dict]] = {g: [] for g in groups}
+  recent: dict[str, collections.deque[tuple[float, dict]]] = {g: collections.deque()
+                                                              for g in groups}
   emit({"event": "ready", "url": rs.url + "/v1", "policy": _POLICY.value,
         "candidate": list(cand_args), "workdir": workdir,
         "replicas": [{"url": r.url, "role": "candidate" if r.index >= n_base else "baseline"}
@@ -130,10 +136,14 @@ def main(argv: list[str]) -> None:
   removed, in_breach, end = None, 0, time.monotonic() + (_DURATION.value or float("inf"))
   try:
     while not stop.wait(min(_WINDOW.value, max(0.0, end - time.monotonic()))):
-      window = {g: [rec for i in idx for rec in tails[i].read()] for g, idx in groups.items()}
-      for g, recs in window.items():
-        seen[g] += recs
-      base, cand = (group_stats(window[g], th.quantile) for g in groups)
+      now = time.monotonic()
+      for g, idx in groups.items():
+        new = [rec for i in idx for rec in tails[i].read()]
+        seen[g] += new
+        recent[g].extend((now, rec) for rec in new)
+        while recent[g] and recent[g][0][0] < now - _HORIZON.value:
+          recent[g].popleft()
+      base, cand = (group_stats([rec for _, rec in recent[g]], th.quantile) for g in groups)
       verdict = judge(base, cand, th) if removed is None else None
       emit({"event": "window", "baseline": _stats(base), "candidate": _stats(cand),
             "verdict": verdict.state if verdict else "removed",

@@ -4,7 +4,9 @@ Contract: ``group_stats(records, q) -> GroupStats`` summarizes usage records (th
 ``launch.server --usage_log``, ``serving.api.usage``): requests, ok, refused (status
 ``rejected``), errors (the statuses that are the server's fault: ``ERRORS``), and TTFT / TPOT at
 quantile ``q`` over the ok ones (None without any). ``judge(base, cand, th) -> Verdict``:
-``insufficient`` while either group has fewer than ``th.min_requests`` requests; else ``breach``
+``insufficient`` while either group has fewer than ``th.needed()`` requests (``min_requests``,
+or by default ``5 / (1 - quantile)``, the samples a quantile needs to mean anything, as the
+intervention check counts them: p90 50, p99 500); else ``breach``
 with its reasons when the candidate's TTFT or TPOT at ``th.quantile`` is more than
 ``th.max_latency_ratio`` times the baseline's and more than ``th.min_latency_delta_s`` above
 it, or its error or refusal rate exceeds the baseline's by more than ``th.max_error_rate`` /
@@ -15,6 +17,7 @@ client that left (``cancelled``) count as requests, not against either group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -24,12 +27,15 @@ ERRORS = frozenset({"error", "unavailable", "deadline_exceeded", "slow_consumer"
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-  quantile: float = 0.99
+  quantile: float = 0.9
   max_latency_ratio: float = 1.5
   min_latency_delta_s: float = 0.02
   max_error_rate: float = 0.01
   max_refusal_rate: float = 0.02
-  min_requests: int = 20
+  min_requests: int = 0  # 0: what the quantile needs, 5 / (1 - quantile)
+
+  def needed(self) -> int:
+    return self.min_requests or math.ceil(5 / (1 - self.quantile) - 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,7 @@ def group_stats(records: Iterable[Mapping], q: float) -> GroupStats:
 
 
 def judge(base: GroupStats, cand: GroupStats, th: Thresholds) -> Verdict:
-  if min(base.requests, cand.requests) < th.min_requests:
+  if min(base.requests, cand.requests) < th.needed():
     return Verdict("insufficient")
   reasons = []
   for name in ("ttft_s", "tpot_s"):

@@ -69,3 +69,10 @@ def test_usage_tail_reads_only_whole_new_lines(tmp_path):
     f.write('ected"}\n')
   assert tail.read() == [{"status": "rejected"}]
   assert tail.read() == []
+
+
+def test_a_quantile_needs_its_samples():
+  assert Thresholds(quantile=0.9).needed() == 50 and Thresholds(quantile=0.99).needed() == 500
+  assert Thresholds(quantile=0.9, min_requests=7).needed() == 7
+  few = group_stats(recs(49, ttft=1.0), 0.9)  # 10x slower, but 49 requests cannot show a p90
+  assert judge(group_stats(recs(60), 0.9), few, Thresholds(quantile=0.9)).state == "insufficient"
