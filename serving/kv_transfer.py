@@ -17,8 +17,9 @@ Contract:
     computing them (its prefill then covers only the rest); returns the tokens adopted (0 when
     the pages' own shapes and dtypes are not the layout they claim, the layouts differ, the cache
     has no host tier, or the tier is full: nothing malformed reaches the engine).
-  * ``KvSource``: what a transport between the processes implements, ``fetch(params, tokens)
-    -> KvPages | None`` (``params``: the prefill side's handoff; None: nothing to fetch, the
+  * ``KvSource``: what a transport between the processes implements, ``fetch(params, tokens,
+    credential) -> KvPages | None`` (``params``: the prefill side's handoff; ``credential``: what
+    the client presented, for a prefill side that authenticates; None: nothing to fetch, the
     decode side computes the prompt itself).
 """
 
@@ -121,4 +122,5 @@ class KvSource(abc.ABC):
   """A transport from the prefill process (see the module contract)."""
 
   @abc.abstractmethod
-  def fetch(self, params: Mapping[str, object], tokens: Sequence[int]) -> KvPages | None: ...
+  def fetch(self, params: Mapping[str, object], tokens: Sequence[int],
+            credential: str = "") -> KvPages | None: ...

@@ -13,9 +13,11 @@ Contract:
   * ``export(loop, body) -> bytes | None``: ``POST /v1/kv/pages`` on a prefill server, body
     ``{"prompt_token_ids": [...]}``: the pages its prefix cache holds for the longest prefix, as
     ``serving.kv_transfer.KvPages`` bytes (None: none held); ``ValueError`` for a bad body.
-  * ``HttpKvSource(timeout_s)``: the ``KvSource`` over that route. ``pull(loop, source, body)``
-    (a decode server, before admission): when ``body`` carries the handoff, fetches the pages
-    and adopts them into the loop's prefix cache; returns the tokens adopted. Any failure (the
+  * ``HttpKvSource(timeout_s)``: the ``KvSource`` over that route (the route takes the server's
+    API keys, as every other; the decode server presents the client's ``Authorization``).
+    ``pull(loop, source, body, credential)`` (a decode server, before admission): when ``body``
+    carries the handoff, fetches the pages and adopts them into the loop's prefix cache; returns
+    the tokens adopted. Any failure (the
     prefill server gone, a layout that differs) is logged and adopts nothing: the decode server
     then computes the prompt itself, so the answer is the same, only slower.
 """
@@ -55,10 +57,14 @@ class HttpKvSource(KvSource):
   def __init__(self, timeout_s: float = 30.0):
     self.timeout_s = timeout_s
 
-  def fetch(self, params: Mapping[str, object], tokens: Sequence[int]) -> KvPages | None:
+  def fetch(self, params: Mapping[str, object], tokens: Sequence[int],
+            credential: str = "") -> KvPages | None:
     url = str(params["url"]).rstrip("/") + "/v1/kv/pages"
+    headers = {"content-type": "application/json"}
+    if credential:
+      headers["Authorization"] = credential
     req = urllib.request.Request(url, json.dumps({"prompt_token_ids": list(tokens)}).encode(),
-                                 {"content-type": "application/json"})
+                                 headers)
     try:
       with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
         return KvPages.from_bytes(r.read())
@@ -68,13 +74,13 @@ class HttpKvSource(KvSource):
       raise
 
 
-def pull(loop: ServingLoop, source: KvSource, body: Any) -> int:
+def pull(loop: ServingLoop, source: KvSource, body: Any, credential: str = "") -> int:
   params = body.get("kv_transfer_params") if isinstance(body, Mapping) else None
   mine = params.get(KEY) if isinstance(params, Mapping) else None
   if not isinstance(mine, Mapping):
     return 0
   try:
-    pages = source.fetch(mine, _ids(mine))
+    pages = source.fetch(mine, _ids(mine), credential)
     return 0 if pages is None else import_prefix(loop, pages)
   except Exception as e:  # the decode server computes the prompt itself
     _log.warning("KV handoff from %s failed (%s: %s); computing the prompt here",

@@ -225,7 +225,8 @@ class _Api:
         http_api.parse_completion(body, served)
     if self.options.kv_role == "decode" and isinstance(body, dict) and \
         "kv_transfer_params" in body:  # the prompt's pages from the prefill server
-      await self.call(http_kv.pull, self.frontend.loop, self._kv_source, body)
+      await self.call(http_kv.pull, self.frontend.loop, self._kv_source, body,
+                      request.headers.get("Authorization", ""))
     streams = await self.admit(parsed, key, request)
     tok = self.frontend.tokenizer
     shape = http_response.Response(parsed, parsed.prompts[0].lora or served.model,
@@ -376,6 +377,7 @@ class _Api:
     return web.json_response(loads.load_report(loop.occupancy(), loop.capacity(), time.time()))
 
   async def kv_pages(self, request: web.Request) -> web.Response:
+    self.authenticate(request)  # the pages say what prompts were computed: keys, as every route
     body = await self.body(request)
     try:
       data = await self.call(http_kv.export, self.frontend.loop, body)

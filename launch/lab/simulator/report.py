@@ -70,8 +70,9 @@ def _plot_capacity(path: str, rows: tuple[dict, ...]) -> None:
                  label=label)
     axes[1].plot([r["chips"] for r in rs], [r["usd_per_m_output"] for r in rs], style,
                  marker="o", label=label)
-  axes[0].set(xscale="log", yscale="log", xlabel="chips", ylabel="requests/s at SLO (p99)",
-              title="capacity at the SLO")
+  met = any((r["capacity_rps"] or 0) > 0 for rs in groups.values() for r in rs)
+  axes[0].set(xscale="log", yscale="log" if met else "linear", xlabel="chips",  # none met:
+              ylabel="requests/s at SLO (p99)", title="capacity at the SLO")  # no log of 0
   axes[1].set(xscale="log", xlabel="chips", ylabel="$ per million output tokens",
               title="cost at capacity")
   for ax in axes:
