@@ -7,6 +7,7 @@ status while the decode server still serves, and the other way round."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -39,9 +40,10 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
         "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("pd")
+@contextlib.contextmanager
+def _deployment(tmp):
+  """The launcher with a prefill and a decode server (no restarts); yields (gateway URL,
+  prefill, decode) as the launcher's ready event describes them; always stopped."""
   proc = subprocess.Popen(
       [sys.executable, "-m", "launch.replicas", "--pd", "--port", "0", "--norestart",
        "--health_interval_s", "1", "--gateway_grace_s", "1", "--workdir", str(tmp),
@@ -67,6 +69,12 @@ def pd(tmp_path_factory):
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+  with _deployment(tmp_path_factory.mktemp("pd")) as d:
+    yield d
 
 
 def test_the_pair_answers_as_one_process(pd):
@@ -102,10 +110,20 @@ def test_the_prefill_side_refuses_a_bad_page_request(pd):
   assert e.value.code == 404  # never computed
 
 
-def test_one_side_dead_fails_with_a_status_and_the_other_serves(pd):
+def test_a_dead_prefill_server_fails_requests_and_the_decode_server_serves(pd):
   gateway, prefill, decode = pd
   os.kill(prefill["pid"], signal.SIGKILL)
   status, body = _post(gateway, BODY)
   assert status >= 500, body  # a status, not a hang (urlopen's timeout is 60 s)
   status, body = _post(decode["url"], BODY)  # the decode server alone computes it all
   assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+def test_a_dead_decode_server_fails_requests_and_the_prefill_server_serves(tmp_path):
+  with _deployment(tmp_path) as (gateway, prefill, decode):
+    assert _post(gateway, BODY)[0] == 200
+    os.kill(decode["pid"], signal.SIGKILL)
+    status, body = _post(gateway, BODY)
+    assert status >= 500, body
+    status, body = _post(prefill["url"], BODY)
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
