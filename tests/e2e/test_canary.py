@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 
+from tests.e2e.launched import Launched
 from tests.grpc_harness import TINY
-from tests.refenv import REPO
 
 
 def _complete(url: str, i: int) -> int:
@@ -35,24 +30,14 @@ def _complete(url: str, i: int) -> int:
 
 
 def test_a_slow_candidate_is_taken_out_of_rotation(tmp_path):
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "launch.canary", "--port", "0", "--workdir", str(tmp_path),
-       "--candidate=--fault_injection --fault_step_delay_s 0.05", "--window_s", "3",
-       "--min_requests", "5", "--health_interval_s", "1", "--gateway_grace_s", "1",
-       "--duration_s", "120",
-       "--ready_timeout_s", "240", "--", *TINY],
-      cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
-      stdout=subprocess.PIPE, stderr=open(tmp_path / "canary.err", "w"))
-  events: queue.Queue[dict] = queue.Queue()
-
-  def read() -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-      events.put(json.loads(line))
-  threading.Thread(target=read, daemon=True).start()
+  canary = Launched("launch.canary", [
+      "--port", "0", "--workdir", str(tmp_path),
+      "--candidate=--fault_injection --fault_step_delay_s 0.05", "--window_s", "3",
+      "--min_requests", "5", "--health_interval_s", "1", "--gateway_grace_s", "1",
+      "--duration_s", "120", "--ready_timeout_s", "240", "--", *TINY], tmp_path)
   stop_traffic = threading.Event()
   try:
-    ready = events.get(timeout=300)
+    ready = canary.next(300)
     assert ready["event"] == "ready", ready
     url = ready["url"]
     roles = {r["url"]: r["role"] for r in ready["replicas"]}
@@ -68,15 +53,10 @@ def test_a_slow_candidate_is_taken_out_of_rotation(tmp_path):
           time.sleep(0.3)
     t = threading.Thread(target=traffic, daemon=True)
     t.start()
-    seen = []
-    while True:
-      e = events.get(timeout=120)
-      seen.append(e)
-      if e["event"] == "removed":
-        break
-    windows = [e for e in seen if e["event"] == "window"]
+    removed, seen = canary.until("removed", 120)
+    windows = [w for w in seen if w["event"] == "window"]
     assert windows[-1]["verdict"] == "breach", windows
-    assert any("ttft" in r or "tpot" in r for r in e["reasons"]), e
+    assert any("ttft" in r or "tpot" in r for r in removed["reasons"]), removed
     # Out of the gateway's rotation, and stopped; the baseline serves on.
     workers = json.load(urllib.request.urlopen(url.removesuffix("/v1") + "/workers", timeout=10))
     assert [roles[w["url"]] for w in workers["workers"]] == ["baseline"]
@@ -88,16 +68,11 @@ def test_a_slow_candidate_is_taken_out_of_rotation(tmp_path):
     t.join(60)
     assert len(statuses) >= n_before + 12
     assert set(statuses) == {200}, sorted(set(statuses))
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 1
-    summary = events.get(timeout=10)
-    while summary["event"] != "summary":
-      summary = events.get(timeout=10)
+    assert canary.stop() == 1
+    summary, _ = canary.until("summary", 10)
     assert summary["outcome"] == "removed" and summary["reasons"]
     assert summary["baseline"]["ok"] > summary["candidate"]["ok"] > 0
     assert summary["baseline"]["errors"] == summary["candidate"]["errors"] == 0
   finally:
     stop_traffic.set()
-    if proc.poll() is None:
-      proc.kill()
-    proc.wait(30)
+    canary.stop()

@@ -10,18 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
+from tests.e2e.launched import Launched
 from tests.grpc_harness import TINY
-from tests.refenv import REPO
 
 PROMPT = "The two phases of inference: prefill computes the prompt, decode its answer. "  # 78
 
@@ -44,31 +40,16 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
 def _deployment(tmp):
   """The launcher with a prefill and a decode server (no restarts); yields (gateway URL,
   prefill, decode) as the launcher's ready event describes them; always stopped."""
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "launch.replicas", "--pd", "--port", "0", "--norestart",
-       "--health_interval_s", "1", "--gateway_grace_s", "1", "--workdir", str(tmp),
-       "--ready_timeout_s", "240", "--", *TINY, "--nowarmup"],
-      cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), text=True,
-      stdout=subprocess.PIPE, stderr=open(tmp / "launcher.err", "w"))
-  events: queue.Queue[dict] = queue.Queue()
-
-  def read() -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-      events.put(json.loads(line))
-  threading.Thread(target=read, daemon=True).start()
+  launched = Launched("launch.replicas", [
+      "--pd", "--port", "0", "--norestart", "--health_interval_s", "1", "--gateway_grace_s", "1",
+      "--workdir", str(tmp), "--ready_timeout_s", "240", "--", *TINY, "--nowarmup"], tmp)
   try:
-    ready = events.get(timeout=300)
+    ready = launched.next(300)
     assert ready["event"] == "ready", ready
     roles = {r["role"]: r for r in ready["replicas"]}
     yield ready["url"].removesuffix("/v1"), roles["prefill"], roles["decode"]
   finally:
-    proc.send_signal(signal.SIGTERM)
-    try:
-      proc.wait(60)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait(30)
+    launched.stop()
 
 
 @pytest.fixture(scope="module")

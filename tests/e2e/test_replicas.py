@@ -14,21 +14,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import queue
 import random
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from tests.e2e.launched import Launched
 from tests.grpc_harness import TINY
-from tests.refenv import REPO
 
 
 def _get(url: str) -> bytes:
@@ -61,35 +57,19 @@ def _stream(url: str, body: dict, headers: dict, out: list[dict | str]) -> list[
 
 class Deployment:
   def __init__(self, tmp):
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.replicas", "--replicas", "2", "--port", "0",
-         "--health_interval_s", "1", "--gateway_grace_s", "1", "--workdir", str(tmp),
-         "--ready_timeout_s", "240", "--", *TINY, "--fault_injection", "--nowarmup"],
-        cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"),
-        stdout=subprocess.PIPE, stderr=open(tmp / "launcher.err", "w"), text=True)
-    self.events: queue.Queue[dict] = queue.Queue()
-    threading.Thread(target=self._read, daemon=True).start()
+    self.launched = Launched("launch.replicas", [
+        "--replicas", "2", "--port", "0", "--health_interval_s", "1", "--gateway_grace_s", "1",
+        "--workdir", str(tmp), "--ready_timeout_s", "240", "--", *TINY, "--fault_injection",
+        "--nowarmup"], tmp)
     try:
-      ready = self.next_event(300)
+      ready = self.launched.next(300)
     except BaseException:
-      self.stop()
+      self.launched.stop()
       raise
     assert ready["event"] == "ready", ready
     self.url = ready["url"]  # .../v1
     self.replicas = [r["url"] for r in ready["replicas"]]
     self.pids = [r["pid"] for r in ready["replicas"]]
-
-  def _read(self) -> None:
-    assert self.proc.stdout is not None
-    for line in self.proc.stdout:
-      self.events.put(json.loads(line))
-
-  def next_event(self, timeout: float) -> dict:
-    try:
-      return self.events.get(timeout=timeout)
-    except queue.Empty:
-      raise TimeoutError(f"no event from the launcher in {timeout} s "
-                         f"(exit {self.proc.poll()})") from None
 
   def served(self) -> list[float]:
     """Requests each replica ended with status ok."""
@@ -110,21 +90,11 @@ class Deployment:
     body = json.loads(_get(self.url.removesuffix("/v1") + "/workers"))
     return {w["url"]: w["is_healthy"] for w in body["workers"]}
 
-  def stop(self) -> int:
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      try:
-        return self.proc.wait(60)
-      except subprocess.TimeoutExpired:
-        self.proc.kill()
-    return self.proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def dep(tmp_path_factory):
   d = Deployment(tmp_path_factory.mktemp("replicas"))
   yield d
-  d.stop()
+  d.launched.stop()
   for pid in d.pids:  # the launcher reaped its replicas (and the gateway with them)
     with pytest.raises(ProcessLookupError):
       os.kill(pid, 0)
@@ -207,7 +177,7 @@ def test_a_killed_replica_fails_its_streams_and_loses_no_later_request(dep):
   assert time.monotonic() - t_kill < 30
 
   # The launcher restarts it on its port, and the gateway sends requests to it again.
-  events = [dep.next_event(120), dep.next_event(240)]
+  events = [dep.launched.next(120), dep.launched.next(240)]
   assert [e["event"] for e in events] == ["replica_exited", "replica_restarted"], events
   assert events[1]["url"] == dep.replicas[victim]
   dep.pids[victim] = events[1]["pid"]
