@@ -108,3 +108,25 @@ def test_a_dead_decode_server_fails_requests_and_the_prefill_server_serves(tmp_p
     assert status >= 500, body
     status, body = _post(prefill["url"], BODY)
     assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+def test_the_pages_route_takes_the_servers_keys(tmp_path):
+  """The pages say which prompts a server computed: with API keys, only a key reads them (the
+  decode server presents its client's)."""
+  from serving.kv_transfer import KvPages
+  from tests.e2e.http_harness import KEY, request, served
+  with served(tmp_path, *TINY, "--kv_role", "prefill", "--nowarmup") as s:
+    status, _, body = request(s, "POST", "/v1/completions",
+                              {"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+    assert status == 200, body
+    ids = body["kv_transfer_params"]["phaseserve"]["prompt_token_ids"]
+    assert len(ids) == 78
+    page_request = {"prompt_token_ids": ids}
+    assert request(s, "POST", "/v1/kv/pages", page_request, key=None)[0] == 401
+    assert request(s, "POST", "/v1/kv/pages", page_request, key="sk-wrong")[0] == 401
+    req = urllib.request.Request(f"http://127.0.0.1:{s.http_port}/v1/kv/pages",
+                                 json.dumps(page_request).encode(),
+                                 {"content-type": "application/json",
+                                  "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:  # the prompt's 4 whole pages
+      assert KvPages.from_bytes(r.read()).tokens == tuple(ids[:64])
