@@ -39,11 +39,13 @@ def ref_python() -> Path:
 
 
 def ref_env() -> dict[str, str]:
-  """The environment for reference subprocesses: offline, CPU, none of our JAX settings."""
+  """The environment for reference subprocesses: offline, CPU, none of our JAX settings, one
+  OpenMP thread (beside the suite's other worker a second thread makes small torch programs
+  1.7x slower: each op's barrier waits for a busy core)."""
   env = {k: v for k, v in os.environ.items()
          if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")}
   env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="",
-             OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
+             OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
   return env
 
 

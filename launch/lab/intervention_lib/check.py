@@ -1,8 +1,9 @@
 """The whole intervention check: start every config's server, load them in turn, gate them, judge.
 
 Contract: ``run(cfg)`` starts one ``launch.server`` per config (``--model cfg.model``, the
-common flags, the config's flags; its log in ``OUT/<label>/server.log``), side by side, all
-resident for the run so that each is measured warm and none is restarted between turns, then:
+common flags, the config's flags; its log in ``OUT/<label>/server.log``), the baseline's
+first, then the candidates' side by side (those with the baseline's programs load them from
+the compile cache it filled), all resident for the run so that each is measured warm and none is restarted between turns, then:
   1. per repeat, segment and rate, each config in turn runs the same seeded schedule
      (``load.run_segment``, seed ``cfg.seed + 1000 * repeat + 100 * rung``: the same requests
      for every config, fresh prompts per repeat and per rung of the ladder, so that no run meets
@@ -99,17 +100,25 @@ def _answers(server: ServerProc, items: list[gate_sets.Item], cfg: CheckConfig) 
 
 
 def _start(cfg: CheckConfig, configs: tuple[Config, ...], servers: dict[str, ServerProc]) -> None:
-  """Every config's server, spawned from this thread side by side (their warm-ups overlap),
-  then awaited; on a failure the others are killed before it propagates."""
+  """The baseline's server first, then the candidates' side by side: a candidate whose programs
+  are the baseline's loads them from the persistent compile cache the baseline filled, instead
+  of every server compiling the same programs at once on the same cores. On a failure the
+  servers not yet ready are killed before it propagates."""
   spawned: list[tuple[str, Spawned]] = []
+
+  def spawn(c: Config) -> None:
+    d = os.path.join(cfg.out_dir, c.label)
+    os.makedirs(d, exist_ok=True)
+    spawned.append((c.label, ServerProc.spawn(
+        d, ["--model", cfg.model, *cfg.common_flags, *c.flags])))
+
   try:
-    for c in configs:
-      d = os.path.join(cfg.out_dir, c.label)
-      os.makedirs(d, exist_ok=True)
-      spawned.append((c.label, ServerProc.spawn(
-          d, ["--model", cfg.model, *cfg.common_flags, *c.flags])))
-    for label, sp in spawned:
-      servers[label] = sp.wait(cfg.ready_timeout_s)
+    for group in (configs[:1], configs[1:]):
+      for c in group:
+        spawn(c)
+      for label, sp in spawned:
+        if label not in servers:
+          servers[label] = sp.wait(cfg.ready_timeout_s)
   except BaseException:
     for label, sp in spawned:
       if label not in servers:
