@@ -65,7 +65,8 @@ WARMUP_THREADS = flags.DEFINE_integer(
     lower_bound=0)
 CALIBRATION = flags.DEFINE_string(
     "calibration", "auto", "the planner's calibration: a launch.lab.calibrate JSON; 'auto': the one "
-    "installed for --hardware (launch.lab.calibrate --install), if any; 'none': uncalibrated")
+    "installed for --hardware (launch.lab.calibrate --install), else the one shipped for it "
+    "(tpu-v4), if any; 'none': uncalibrated")
 MAX_SLOTS = flags.DEFINE_integer("max_slots", 0, "decode batch rows (0: 64, at most --kv_pages; "
                                  "launch/defaults.py)", lower_bound=0)
 PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "KV positions per page", lower_bound=1)

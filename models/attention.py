@@ -7,6 +7,11 @@ positions (query (b, t) sees key s iff ``s <= q_pos_BT[b, t]``). With ``keys``
 ``pos < sinks`` or ``pos > q_pos - window``): StreamingLLM's sinks plus window, keys in any
 order. N query heads share K kv heads (N = K * G). Softmax in f32, result in the query dtype; a
 query that sees no key gets zeros, and a fully hidden block of keys adds nothing.
+``zero_unseen(v_BKSH, seen_BS)`` (``seen_BS`` from ``written_seen``, or a caller's own) zeroes
+the values of keys past what the row has written: a caller reading reused KV memory (pages,
+slots) must, since a masked probability (0) times a stale NaN or Inf is still NaN. The row's end
+comes from the call's write positions, not its query positions: a padded chunk's padding
+queries sit past the end and would reveal the stale keys to the real ones.
 Internals (free to change): the G heads and T queries fold into one row axis per kv head; short
 key ranges take one block, long ones an online-softmax loop over key blocks that stops at the
 last visible key.
@@ -102,6 +107,16 @@ def _flash_block(q_BKRH, k_BKSH, v_BKSH, pos_BT, g, dtype, key_block, keys):
           jnp.zeros((b, kh, r, h), jnp.float32))
   _, l, acc = lax.fori_loop(0, steps, body, init)
   return acc / jnp.maximum(l, _TINY)
+
+
+def written_seen(end_B: jax.Array, s: int) -> jax.Array:
+  """[B, S] whether key position s holds a value of the row: below its written end."""
+  return jnp.arange(s, dtype=jnp.int32)[None, :] < end_B[:, None]
+
+
+def zero_unseen(v_BKSH: jax.Array, seen_BS: jax.Array) -> jax.Array:
+  """Values of keys no query of the row can see, zeroed (fused into the read's copy)."""
+  return jnp.where(seen_BS[:, None, :, None], v_BKSH, jnp.zeros((), v_BKSH.dtype))
 
 
 def attend(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, q_pos_BT: jax.Array,

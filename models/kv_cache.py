@@ -9,9 +9,11 @@ Contract:
   * ``KVStore`` (the Protocol both stores implement): ``lengths``, ``max_len`` (a write at or
     past it is dropped), ``sink_pool``, ``rope_positions(pos_BT)``, ``write(layer, wpos_BT,
     k_BTKH, v_BTKH)``, ``read(layer, attend_len) -> (k_BKSH, v_BKSH)``,
-    ``attend(layer, q_BTNH, pos_BT, attend_len) -> [B, T, N, H]`` (``models.attention.attend``
-    over the first ``attend_len`` positions, or the native paged attention where the store's
-    backend allows it) and ``replace(**fields)``.
+    ``attend(layer, q_BTNH, pos_BT, attend_len, end_B=None) -> [B, T, N, H]``
+    (``models.attention.attend`` over the first ``attend_len`` positions, values at or past
+    the row's written end ``end_B`` zeroed (``written_end(wpos_BT)``; default: past the last
+    query), or the native paged attention where the store's backend allows it) and
+    ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: one chunk's absolute and write
     positions (padding routed to ``PAD_POS``, which every store drops), last valid index and
     new lengths.
@@ -51,8 +53,8 @@ class KVStore(Protocol):
 
   def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]: ...
 
-  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
-             ) -> jax.Array: ...
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int,
+             end_B: jax.Array | None = None) -> jax.Array: ...
 
   def replace(self, **changes: jax.Array) -> Self: ...
 
@@ -95,8 +97,8 @@ class KVCache:
   def read(self, layer: int, attend_len: int) -> tuple[jax.Array, jax.Array]:
     return self.k[layer, :, :, :attend_len], self.v[layer, :, :, :attend_len]
 
-  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
-             ) -> jax.Array:
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int,
+             end_B: jax.Array | None = None) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     if (t == 1 and self.k.dtype in (jnp.float32, jnp.bfloat16)
         and self.backend.paged_attention
@@ -109,7 +111,20 @@ class KVCache:
                                               min(attend_len, self.max_len),
                                               self.backend.paged_bf16_dot,
                                               self.backend.policy.attention_prefetch_l2)
-    return attention.attend(q_BTNH, *self.read(layer, attend_len), pos_BT)
+    k_BKSH, v_BKSH = self.read(layer, attend_len)
+    end_B = written_end(pos_BT, pos_BT) if end_B is None else end_B
+    return attention.attend(q_BTNH, k_BKSH,
+                            attention.zero_unseen(v_BKSH, attention.written_seen(end_B,
+                                                                                 attend_len)),
+                            pos_BT)
+
+
+def written_end(wpos_BT: jax.Array, pos_BT: jax.Array) -> jax.Array:
+  """[B] one past the last position a call writes in each row: positions below it hold the
+  row's keys. A row that writes nothing (every token padding: its output is never read) gets
+  one past its last query."""
+  last_B = jnp.max(jnp.where(wpos_BT < PAD_POS, wpos_BT, -1), axis=1)
+  return jnp.where(last_B >= 0, last_B, jnp.max(pos_BT, axis=1)).astype(jnp.int32) + 1
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,

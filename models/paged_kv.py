@@ -192,9 +192,10 @@ class PagedKV:
             and cpu_paged_attention.supported(n_heads, self.k_pages.shape[2],
                                               self.k_pages.shape[4], pages_dtype(self.k_pages)))
 
-  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
-             ) -> jax.Array:
+  def attend(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int,
+             end_B: jax.Array | None = None) -> jax.Array:
     b, t, n, h = q_BTNH.shape
+    end_B = kv_cache.written_end(pos_BT, pos_BT) if end_B is None else end_B
     if self.native_attention(n, t):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
@@ -203,7 +204,7 @@ class PagedKV:
                                               self.backend.paged_bf16_dot,
                                               self.backend.policy.attention_prefetch_l2)
     if self.sink_pool:
-      out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len)
+      out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len, end_B)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys
         ring_B = self._policy()[1] > 0
         full_BTNH = cpu_paged_attention.attend_paged(
@@ -213,11 +214,11 @@ class PagedKV:
         out_BTNH = jnp.where(ring_B[:, None, None, None], out_BTNH, full_BTNH)
       return out_BTNH
     k_BKSH, v_BKSH = self.read(layer, attend_len, q_BTNH.dtype)
-    seen_BS = jnp.arange(attend_len, dtype=jnp.int32)[None, :] <= jnp.max(pos_BT, axis=1)[:, None]
-    return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT)
+    seen_BS = attention.written_seen(end_B, attend_len)
+    return attention.attend(q_BTNH, k_BKSH, attention.zero_unseen(v_BKSH, seen_BS), pos_BT)
 
-  def _attend_sinks(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int
-                  ) -> jax.Array:
+  def _attend_sinks(self, layer: int, q_BTNH: jax.Array, pos_BT: jax.Array, attend_len: int,
+                    end_B: jax.Array) -> jax.Array:
     """The gather path of a sink pool: each key turned from its absolute position to its
     in-cache one (a sink: its own, no turn; a window key: its absolute position less the row's
     shift), causal and window masks on absolute positions. A chunk (T > 1) must not wrap nor
@@ -237,15 +238,9 @@ class PagedKV:
     rot = rotation(turn_BS, k_BKSH.shape[-1], self.rope_theta)  # [B, S, 1, H/2]
     k_BKSH = jnp.swapaxes(rotate(jnp.swapaxes(k_BKSH, 1, 2), rot), 1, 2)
     keys = attention.KeyPositions(kpos_BS, sinks_B, window_B)
-    seen_BS = (kpos_BS >= 0) & (kpos_BS <= jnp.max(pos_BT, axis=1)[:, None])
-    return attention.attend(q_BTNH, k_BKSH, _seen_only(v_BKSH, seen_BS), pos_BT, keys)
-
-
-def _seen_only(v_BKSH: jax.Array, seen_BS: jax.Array) -> jax.Array:
-  """Values of keys no query of the row can see, zeroed: a reused page keeps its old owner's
-  contents past this sequence's end (NaN or Inf included), and a masked probability (0) times NaN
-  is still NaN. Fused into the gather's copy."""
-  return jnp.where(seen_BS[:, None, :, None], v_BKSH, jnp.zeros((), v_BKSH.dtype))
+    seen_BS = (kpos_BS >= 0) & (kpos_BS < end_B[:, None])
+    return attention.attend(q_BTNH, k_BKSH, attention.zero_unseen(v_BKSH, seen_BS), pos_BT,
+                            keys)
 
 
 def _gather(pages: Pages, layer: int, ids_BM: jax.Array, s: int, dtype=None) -> jax.Array:

@@ -70,10 +70,12 @@ Transfer = Callable[[PagedKV, PagedKV, np.ndarray, np.ndarray], PagedKV]
 
 @dataclasses.dataclass(frozen=True)
 class PhaseDecode:
-  """Decode in its own step and pool (disaggregated phases); ``transfer`` moves prefilled pages
-  into that pool."""
+  """Decode in its own step: with ``transfer``, also in its own pool (a re-laid KV sharding or
+  another mesh), into which ``transfer`` moves prefilled pages; without, over the prefill pool
+  (one mesh, the same KV sharding and stored weights: the paper's one copy of the weights with
+  a compute layout per phase)."""
   step: Step
-  transfer: Transfer
+  transfer: Transfer | None = None
 
 
 @dataclasses.dataclass(frozen=True)

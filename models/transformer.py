@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from models import kv_cache, lora as lora_mod, quant
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
-from models.kv_cache import KVStore
+from models.kv_cache import KVStore, written_end
 from models.layers import Rotation, mlp, rms_norm, rotate, rotation
 from models.lora import LayerLora, LoraBatch
 from models.weights import Params, is_stacked
@@ -63,7 +63,7 @@ def _block(x_BTD, layer, l, cache: Store, pos_BT, wpos_BT, rot: Rotation, rot_q:
   q_BTNH = rotate(q_BTNH, rot_q)
   k_BTKH = rotate(k_BTKH, rot)
   cache = cache.write(l, wpos_BT, k_BTKH, v_BTKH)
-  attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len)
+  attn_BTNH = cache.attend(l, q_BTNH, pos_BT, attend_len, written_end(wpos_BT, pos_BT))
   attn_BTD = lora_mod.add(quant.einsum("btnh,nhd->btd", attn_BTNH, layer["o"], backend),
                           attn_BTNH, lw, "o", backend)
   if cfg.parallel_block:

@@ -9,8 +9,11 @@ nothing); ``fit(samples, hardware, free=FREE, source=, fixed=)`` fits the ``free
 least squares on log(calibrated / measured) within ``BOUNDS`` (``ValueError`` with fewer samples
 than free parameters); ``errors`` gives calibrated / measured per ``Sample``; ``save`` / ``load``
 are JSON. ``default_path(hardware)`` is where ``launch.lab.calibrate --install`` puts one;
-``resolve(spec, hardware)`` turns ``--calibration`` (``auto``: the installed one if any; ``none``;
-a path) into ``(calibration or None, where)``; a calibration for other hardware is refused.
+``shipped_path(hardware)`` the one fitted by the project and shipped in the package
+(``partitioning/calibrations/<hardware>.json``: TPU v4 from the paper's published runs);
+``resolve(spec, hardware)`` turns ``--calibration`` into ``(calibration or None, where)``:
+``auto`` (every CLI's default) the installed one, else the shipped one, else none; ``none``; a
+path. A calibration for other hardware is refused.
 """
 
 from __future__ import annotations
@@ -134,15 +137,24 @@ def default_path(hardware: str) -> str:
   return os.path.join(env.calibration_dir(), f"{hardware}.json")
 
 
+def shipped_path(hardware: str) -> str:
+  """The calibration of ``hardware`` shipped with the package (it may not exist)."""
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations",
+                      f"{hardware}.json")
+
+
 def resolve(spec: str | None, hardware: str) -> tuple[Calibration | None, str]:
   """A ``--calibration`` flag's value for ``hardware``: ``(calibration, where it came from)``,
   ``(None, "none")`` when there is none; raises ``ValueError`` for one fitted for other
   hardware (``OSError`` for a named file that cannot be read)."""
   if not spec or spec == "none":
     return None, "none"
-  path = default_path(hardware) if spec == "auto" else spec
-  if spec == "auto" and not os.path.exists(path):
-    return None, "none"
+  path = spec
+  if spec == "auto":
+    found = [p for p in (default_path(hardware), shipped_path(hardware)) if os.path.exists(p)]
+    if not found:
+      return None, "none"
+    path = found[0]
   cal = load(path)
   if cal.hardware and cal.hardware != hardware:
     raise ValueError(f"{path}: a calibration for {cal.hardware}, not {hardware}")
@@ -150,4 +162,4 @@ def resolve(spec: str | None, hardware: str) -> tuple[Calibration | None, str]:
 
 
 __all__ = ["Calibration", "IDENTITY", "Sample", "fit", "errors", "save", "load", "PARAMS",
-           "BOUNDS", "default_path", "resolve"]
+           "BOUNDS", "default_path", "shipped_path", "resolve"]

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from models import quant
-from models.attention import attend
+from models.attention import attend, written_seen, zero_unseen
 from models.config import ModelConfig
 from models.cpu.backend import CpuBackend
 from models import kv_cache
-from models.kv_cache import KVCache, KVStore, init_cache
+from models.kv_cache import KVCache, KVStore, init_cache, written_end
 from models.layers import Rotation, glu, mlp, rms_norm, rotate, rotation
 from models.quant import QuantArray
 from models.transformer import embed as embed_lookup
@@ -116,14 +116,17 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotatio
   # This chip's store holds rows [B.ab] (cache [L, B.ab, K, S, H], or pages [L, P.ab, K, Z, H]
   # with a [B.ab, M] table): write this chunk (padding positions are dropped), then attend.
   store = store.write(l, wpos_a, k, v)
+  end_a = written_end(wpos_a, pos_a)  # [B.ab]: keys below it are the row's
   if cfg.num_kv_heads > 1 and (plan.wh or plan.q_scatter):
     # GQA with sharded query heads: give each local query head its own kv head (K -> N.local).
     k_att, v_att = store.read(l, attend_len)  # [B.ab, K, S, H]
+    # A reused page's stale NaN / Inf past the row's end must not meet a masked 0.
+    v_att = zero_unseen(v_att, written_seen(end_a, attend_len))
     kv_of_head = ids // cfg.q_per_kv
     k_att, v_att = jnp.take(k_att, kv_of_head, axis=1), jnp.take(v_att, kv_of_head, axis=1)
     out = attend(q, k_att, v_att, pos_a)  # [B.ab, T, N.(qh - move), H]
   else:
-    out = store.attend(l, q, pos_a, attend_len)  # [B.ab, T, N.(qh - move), H]
+    out = store.attend(l, q, pos_a, attend_len, end_a)  # [B.ab, T, N.(qh - move), H]
   out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
   out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
   y = quant.einsum("btnh,nhd->btd", out, layer["o"], backend)  # [B.rb, T, E.we]{wh}

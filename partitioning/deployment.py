@@ -6,8 +6,9 @@ backend=)`` returns ``Steps(step, decode, kv_shards, describe)`` for ``serving.e
 every step on ``backend`` (a static ``models.cpu.backend.CpuBackend``, resolved by the caller):
   * ``single``: ``models.step.UnshardedStep`` on the first device (``scan_layers``: stacked).
   * ``interleaved``: one mesh over ``devices``, each phase in its own layout
-    (``partitioning.paged_step.phase_steps``); one KV pool when both shard it alike, else decode
-    gets its own and inserted pages move (``transfer_pages``).
+    (``partitioning.paged_step.phase_steps``); one KV pool when both shard it alike (decode's
+    own program over it when its layout differs: ``PhaseDecode(step)``), else decode gets its
+    own pool and inserted pages move (``transfer_pages``).
   * ``disaggregated`` (Splitwise): ``prefill_devices`` (default half) prefill, the rest decode,
     each with its own params copy and pool.
 An unset layout is chosen by ``partitioning.planner`` (on ``hardware``, calibrated by
@@ -154,7 +155,12 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
                          decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None,
                          backend=backend)
   one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
-  decode = None if one_pool else PhaseDecode(steps.decode, PS.transfer_pages)
+  # One pool: decode runs its own program (its layout's collectives) over prefill's params and
+  # pages, unless the two layouts are one.
+  same = (steps.decode.ffn, steps.decode.attn) == (steps.prefill.ffn, steps.prefill.attn)
+  decode = (None if same else PhaseDecode(steps.decode)) if one_pool else \
+      PhaseDecode(steps.decode, PS.transfer_pages)
   desc = {"mode": deployment.mode, "prefill_choice": pre_why, "decode_choice": dec_why,
-          "kv_pools": 1 if one_pool else 2, **steps.describe(quantized)}
+          "kv_pools": 1 if one_pool else 2, "decode_program": "prefill's" if decode is None
+          else f"{steps.decode.ffn.name}+{steps.decode.attn.name}", **steps.describe(quantized)}
   return Steps(steps.prefill, decode, desc)

@@ -3,7 +3,8 @@
 Contract (an ``serving.engine_api.EngineApi``): ``Engine(step, params, EngineConfig, decode=None,
 host_store=None)``; ``step`` is a ``models.step.Step`` (the engine never imports a model).
   * One ``serving.engine_pool.Pool`` serves both phases, or with ``decode=PhaseDecode(step,
-    transfer)`` decode has its own, which receives each finished prompt's pages and first id.
+    transfer)`` decode has its own, which receives each finished prompt's pages and first id;
+    ``PhaseDecode(step)`` (no transfer): decode runs its own program over the one pool.
   * ``execute(plan)``: setups, host-tier spills / loads, page copies, the page table, decode and
     prefill, dispatched asynchronously; returns the result ``lag`` steps back. A slot samples
     with ``fold_in(key(seed), position)``, independent of the batch.
@@ -104,11 +105,12 @@ class Engine(EngineWarmup, EngineApi):
                          page_size=config.page_size, pages_per_seq=config.pages_per_seq,
                          kv_dtype=config.kv_dtype, vocab=self.valid_vocab, sinks=sinks)
     self.prefill_pool = pool(step, params, config.sinks)
-    # Decode params placed from the prefill ones as stored (no-op for equal shardings).
-    self.decode_pool = self.prefill_pool if decode is None else \
-        pool(decode.step, untile(self.prefill_pool.params))
     self.transfer: Transfer | None = None if decode is None else decode.transfer
-    self.pools = [self.prefill_pool] + ([self.decode_pool] if decode is not None else [])
+    self.decode_step: Step = step if decode is None else decode.step  # its program's layout
+    # Decode params placed from the prefill ones as stored (no-op for equal shardings).
+    self.decode_pool = self.prefill_pool if self.transfer is None else \
+        pool(self.decode_step, untile(self.prefill_pool.params))
+    self.pools = [self.prefill_pool] + ([self.decode_pool] if self.transfer else [])
     if any(config.num_pages % p.shards for p in self.pools):
       raise ValueError(f"num_pages {config.num_pages} does not split into the steps' "
                        f"{' / '.join(str(p.shards) for p in self.pools)} kv shards")
@@ -275,7 +277,8 @@ class Engine(EngineWarmup, EngineApi):
     self.program_set.dispatch(("decode", n, attend))
     self.program_set.dispatch(("sample", n, "decode"))
     pool.kv, logits_RV = decode_call(pool.params, pool.kv, pool.last_X, slots, pos, active,
-                                     self._loras(), step=pool.step, n=n, attend_len=attend)
+                                     self._loras(), step=self.decode_step, n=n,
+                                     attend_len=attend)
     pool.last_X, pool.pen, tok_R, lp = sample_call(
         logits_RV, pool.last_X, pool.pen, self._samp, slots, pos + 1, active, want_lp(out_rows),
         *self._masks([(r.request_id, r.slot, i) for r, i in zip(rows, row_of)], n),
@@ -302,7 +305,7 @@ class Engine(EngineWarmup, EngineApi):
     self.program_set.dispatch(("verify", n, attend))
     pool.kv, pool.last_X, tok_R, acc_R = verify_call(
         pool.params, pool.kv, pool.last_X, self._samp, a.tokens_N, a.first_N, a.slot_N,
-        a.pos_N, a.next_N, a.slots_R, a.start_R, a.k_R, self._loras(), step=pool.step,
+        a.pos_N, a.next_N, a.slots_R, a.start_R, a.k_R, self._loras(), step=self.decode_step,
         attend_len=attend,
         valid_vocab=self.valid_vocab, k=self.config.spec_tokens)
     return Part(tok_R, [(r.request_id, i, 0) for i, r in enumerate(rows)], acc=acc_R,

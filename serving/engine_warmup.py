@@ -33,6 +33,7 @@ class EngineWarmup:
   packed: bool
   prefill_pool: Pool
   decode_pool: Pool
+  decode_step: Any  # models.step.Step
   pools: list[Pool]
   transfer: Any
   host_store: Any
@@ -116,12 +117,13 @@ class EngineWarmup:
     if phase == "decode":
       pool = self.decode_pool
       args = (pool.params, pool.kv, pool.last_X, none_R, z_R, z_R.astype(bool), self._loras())
-      return decode_call, args, dict(step=pool.step, n=r, attend_len=attend), pool
+      return decode_call, args, dict(step=self.decode_step, n=r, attend_len=attend), pool
     if phase == "verify":  # r tokens, every one padding
       pool, v = self.decode_pool, pack_verify([], r, self.config.max_slots)
       args = (pool.params, pool.kv, pool.last_X, self._samp, v.tokens_N, v.first_N, v.slot_N,
               v.pos_N, v.next_N, v.slots_R, v.start_R, v.k_R, self._loras())
-      return verify_call, args, dict(step=pool.step, attend_len=attend, k=self.config.spec_tokens,
+      return verify_call, args, dict(step=self.decode_step, attend_len=attend,
+                                     k=self.config.spec_tokens,
                                      valid_vocab=self.valid_vocab), pool
     # Sampling: on the logits a model program of the same rows left (``_warm_logits``).
     pool = self.decode_pool if phase == "sample_decode" else self.prefill_pool

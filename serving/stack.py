@@ -118,7 +118,7 @@ def build(step: Step, params: Params, tokenizer: Tokenizer, config: ServingConfi
                   host_pages=host_pages, sessions=pins,
                   # Two pools: decode writes generated KV into its own, which prefill never
                   # reads, so only prompt pages (written by prefill) may be reused.
-                  cache_generated=decode is None)
+                  cache_generated=decode is None or decode.transfer is None)
     sched = Scheduler(kv, tokenizer, max_slots=config.max_slots,
                       max_step_tokens=config.max_step_tokens, max_chunk=config.max_chunk,
                       max_waiting=config.max_waiting, max_context=context,

@@ -43,7 +43,8 @@ _LATENCY_BOUND_MS = flags.DEFINE_float(
 _TOP = flags.DEFINE_integer("top", 10, "Candidates to print.")
 _CALIBRATION = flags.DEFINE_string(
     "calibration", "auto", "A launch.lab.calibrate JSON to plan with the calibrated model; 'auto': "
-    "the one installed for --hardware (launch.lab.calibrate --install) if any; 'none': uncalibrated.")
+    "the one installed for --hardware (launch.lab.calibrate --install), else the one shipped for it "
+    "(tpu-v4), if any; 'none': uncalibrated.")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 

@@ -50,7 +50,7 @@ _HIT = flags.DEFINE_float("prefix_hit_rate", 0.0, "share of each prompt found ca
 _CALIBRATION = flags.DEFINE_list(
     "calibration", ["auto"], "calibration JSON files (launch.lab.calibrate), each PATH or "
     "HARDWARE=PATH; 'auto': the ones installed for the --hardware presets (launch.lab.calibrate "
-    "--install), if any; 'none': uncalibrated")
+    "--install), else the ones shipped (tpu-v4), if any; 'none': uncalibrated")
 _LINK = flags.DEFINE_float("link_gb_s", 50.0, "KV transfer link per chip, GB/s", lower_bound=1e-3)
 _EARLY = flags.DEFINE_bool("early_reject", False, "reject arrivals predicted to miss TTFT")
 _PRICES = flags.DEFINE_list("chip_hour_usd", [], "price overrides, hardware=usd,...")

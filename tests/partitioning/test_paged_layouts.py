@@ -277,6 +277,34 @@ def test_engine_over_the_sharded_step(mesh8):
   want, _ = serve(UnshardedStep(CFG), 1)
   assert engine.prefill_pool.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   assert got == want
+  # One mesh, one pool, one params copy, a layout per phase (the paper's point): decode runs
+  # its own program, wg_xyz's (every weight all-gathered whole, [E, F] = [64, 128] among
+  # them), over the pages and weights ws_2d stored; ws_2d's own decode program gathers none.
+  from partitioning.deployment import Deployment, make_steps
+  from serving.engine_calls import decode_call
+  steps = make_steps(CFG, Deployment("interleaved", prefill_layout="ws_2d:batch_xyz",
+                                     decode_layout="wg_xyz:batch_xyz"),
+                     max_slots=8, max_chunk=16, max_context=CFG.max_seq_len, quantized=False,
+                     devices=jax.devices()[:8])
+  assert steps.decode is not None and steps.decode.transfer is None
+  assert steps.description["kv_pools"] == 1
+  assert steps.description["decode_program"] == "wg_xyz+batch_xyz"
+  per_phase, per_phase_engine = serve(steps.step, steps.kv_shards, decode=steps.decode)
+  assert per_phase == want
+  assert per_phase_engine.pools == [per_phase_engine.prefill_pool]
+  pool = per_phase_engine.decode_pool
+  none_R = np.zeros((8,), np.int32)
+
+  def gathers_a_whole_weight(step) -> bool:
+    hlo = decode_call.lower(pool.params, pool.kv, pool.last_X, none_R, none_R,
+                            none_R.astype(bool), None, step=step, n=8,
+                            attend_len=64).compile().as_text()
+    return f"f32[{CFG.embed_dim},{CFG.mlp_dim}]" in "".join(
+        line.split(" all-gather(")[0] for line in hlo.splitlines() if " all-gather(" in line)
+
+  assert per_phase_engine.decode_step == steps.decode.step
+  assert gathers_a_whole_weight(per_phase_engine.decode_step)
+  assert not gathers_a_whole_weight(steps.step)
   # Disaggregated: prefill ws_2d+heads on chips 0-3, decode wg_xyz+batch_xyz on chips 4-7, pages
   # transferred at insert; the allocator's sub-pools are the finer (decode) ones.
   pre_mesh, dec_mesh = make_submeshes(jax.devices()[:8], 4)
@@ -298,8 +326,8 @@ def test_engine_over_the_sharded_step(mesh8):
   assert got_odd == want
   # Interleaved on one mesh, a layout per phase through partitioning.deployment: prefill ws_2d+heads,
   # decode ws_2d+batch_xyz (one params copy, the KV re-laid into decode's own pool at insert);
-  # then both layouts left to the planner (a fixed hardware preset: no measuring in tests).
-  from partitioning.deployment import Deployment, make_steps
+  # then both layouts left to the planner (a fixed hardware preset, calibrated by the
+  # calibration shipped for it: no measuring in tests).
   two = make_steps(CFG, Deployment("interleaved", "ws_2d:heads", "ws_2d:batch_xyz"),
                    max_slots=8, max_chunk=16, max_context=CFG.max_seq_len, quantized=False)
   assert two.decode is not None and two.description["kv_pools"] == 2
@@ -309,8 +337,9 @@ def test_engine_over_the_sharded_step(mesh8):
   assert inter_engine.decode_pool.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   planned = make_steps(CFG, Deployment("interleaved", hardware="tpu-v4"), max_slots=8,
                        max_chunk=16, max_context=CFG.max_seq_len, quantized=False)
-  assert planned.description["prefill_choice"].startswith("planner (tpu-v4)")
-  assert planned.description["decode_choice"].startswith("planner (tpu-v4)")
+  for phase in ("prefill", "decode"):
+    assert planned.description[f"{phase}_choice"].startswith(
+        "planner (tpu-v4, calibrated by "), planned.description
   auto, _ = serve(planned.step, planned.kv_shards, decode=planned.decode)
   assert auto == want
   print(f"[paged engine] {engine.programs} programs (one layout), {split_engine.programs} "
@@ -421,3 +450,44 @@ def test_sharded_decode_rows_stay_inside_the_warmed_buckets(mesh8):
   for n in range(1, 13):
     rows, row_of = engine._arrange(list(range(n)), step.kv_shards, cap=12)
     assert rows in warmed and len(set(row_of)) == n and max(row_of) < rows, (n, rows)
+
+
+GQA = CFG.replace(num_kv_heads=2)  # 4 query heads a kv head: sharded heads take the GQA path
+
+
+@functools.lru_cache(maxsize=None)
+def _gqa_case():
+  params = init_params(GQA, jax.random.key(0))
+  _, x, _ = _case(False)
+  kv = init_paged(GQA, B, NP, Z, M).replace(page_table=jnp.asarray(_table()))
+  return params, x, _run(UnshardedStep(GQA), UnshardedStep(GQA), params, kv, x)
+
+
+@pytest.mark.parametrize("ffn,attn", [(f, "heads") for f in ("ws_1d", "ws_2d", "wg_x", "wg_xyz")]
+                         + [("ws_2d", "batch_z"), ("ws_2d", "batch_xyz"), ("unsharded", "")])
+def test_stale_nan_in_reused_pages_never_reaches_the_output(mesh8, ffn, attn):
+  """Every page starts as a freed page would: its last owner's values, here NaN and Inf. Keys
+  past a row's end are masked, but a masked probability (0) times NaN is NaN, so the values
+  no query can see must be zeroed on every path (the sharded GQA path reads the pages itself).
+  The logits a server reads and the written KV equal the reference computed over a zeroed
+  pool."""
+  params, x, ref = _gqa_case()
+  step = UnshardedStep(GQA) if ffn == "unsharded" else PS.PagedShardedStep.make(GQA, mesh8, ffn,
+                                                                                attn)
+  kv = step.init_kv(B, NP, Z, M, jnp.float32).replace(page_table=jnp.asarray(_table()))
+  stale = jnp.where(jnp.arange(Z)[None, None, None, :, None] % 2 == 0, jnp.nan, jnp.inf)
+  kv = kv.replace(k_pages=jnp.broadcast_to(stale, kv.k_pages.shape).astype(jnp.float32),
+                  v_pages=jnp.broadcast_to(stale, kv.v_pages.shape).astype(jnp.float32))
+  if ffn != "unsharded":
+    kv = jax.device_put(kv, step.kv_sharding(jnp.float32))
+  got = _run(step, step, step.place_params(params), kv, x)
+  # The logits a server uses: each prefill row with tokens in the chunk, each active decode row.
+  for name, used in (("l1", x["lens1"] > 0), ("l2", x["lens2"] > 0), ("l3", x["active"] > 0)):
+    rows = np.asarray(used)
+    g = np.asarray(got[name])[rows]
+    assert np.isfinite(g).all(), f"{ffn}+{attn} {name}: NaN or Inf"
+    assert_close(g, np.asarray(ref[name])[rows], f"{ffn}+{attn} {name} over stale pages")
+  for name in ("mid", "kv"):
+    np.testing.assert_array_equal(got[name].lengths, ref[name].lengths)
+    for g, r, what in zip(_valid_kv(got[name]), _valid_kv(ref[name]), "kv"):
+      assert_close(g, r, f"{ffn}+{attn} {name} {what} over stale pages")
