@@ -10,8 +10,9 @@ Contract:
     table entry outside ``[0, P)`` is the null page: never written, read as zeros.
   * ``write`` scatters through the table and drops padding, null-page and out-of-table writes;
     ``read`` gathers ``attend_len`` positions into ``[B, K, S, H]``; ``attend`` runs
-    ``models.cpu.paged_attention`` where ``native_attention`` (the backend allows it), else
-    ``read`` + ``models.attention.attend``. Shared (forked) pages are only read.
+    ``models.cpu.paged_attention`` where ``native_attention`` (the backend allows it), a decode
+    step ``models.gpu.paged_attention`` where the backend's ``pallas_attention`` is ``"gpu"``,
+    else ``read`` + ``models.attention.attend``. Shared (forked) pages are only read.
   * Attention sinks (StreamingLLM, ``init_paged(sink_pool=True)``): per row ``sinks`` first and
     ``window`` last positions kept, the window in a ring of ``ring_entries(window, Z)`` table
     entries; keys re-rotated to their in-cache positions (``rope_positions``); a chunk of more
@@ -30,6 +31,7 @@ import numpy as np
 
 from models import attention, kv_cache, quant
 from models.cpu import paged_attention as cpu_paged_attention
+from models.gpu import paged_attention as gpu_paged_attention
 from models.cpu.backend import CpuBackend
 from models.config import ModelConfig
 from models.kv_cache import KVCache
@@ -196,6 +198,13 @@ class PagedKV:
              end_B: jax.Array | None = None) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     end_B = kv_cache.written_end(pos_BT, pos_BT) if end_B is None else end_B
+    if (t == 1 and self.backend.pallas_attention == "gpu" and not self.sink_pool
+        and gpu_paged_attention.supported(self.k_pages)):
+      if attend_len > self.max_len:
+        raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
+      return gpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
+                                              self.page_table, pos_BT, layer,
+                                              attend_len, self.backend.pallas_interpret)
     if self.native_attention(n, t):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")

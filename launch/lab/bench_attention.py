@@ -1,9 +1,15 @@
-"""The native paged decode attention alone: every layer's call of one decode step, timed.
+"""A paged decode attention alone: every layer's call of one decode step, timed.
 
   python -m launch.lab.bench_attention --json   # SmolLM2's shapes, bf16, 16 and 64 rows, 200 keys
   python -m launch.lab.bench_attention --model tiny --rows 2 --context 32 --rounds 1 --json
+  python -m launch.lab.bench_attention --kernel pallas_gpu --model palm-8b --rows 64 --context 8192
 
-One jitted call runs ``models.cpu.paged_attention.decode_attention`` once per layer of
+``--kernel``: ``native`` (the CPU kernel, ``models.cpu.paged_attention``), ``pallas_gpu`` (the
+Pallas GPU kernel, ``models.gpu.paged_attention``; ``--interpret`` runs it in Pallas's
+interpreter, for a smoke run off a GPU) or ``gather`` (``models.paged_kv.PagedKV.attend`` on the
+XLA-only backend: the pages gathered into a contiguous buffer, then ``models.attention``). With
+``--hardware`` (a ``partitioning.hardware`` preset) the JSON gives each call's achieved fraction
+of its HBM bandwidth (``hbm_fraction``). One jitted call runs the kernel once per layer of
 ``--model`` (its heads, kv heads and head size; random pages, not its weights) for ``--rows``
 rows that each see ``--context`` keys in pages of ``--page_size``, the rows' pages spread over
 the pool by a random permutation (as a long-running pool's free list gives; ``--noscatter``: in
@@ -11,10 +17,11 @@ order, each row's pages adjacent, as a fresh pool gives; ``--noprefetch_l2``: th
 prefetched into L1, the other choice of the start-up race). Per row count: a warm-up call, then
 ``--rounds`` calls; the figures are the median and the best call, and the K and V bytes a call
 reads over the best time. ``--json`` prints one JSON object {"model", "dtype", "context",
-"page_size", "scatter", "prefetch_l2", "date", "machine", "rows": [{"rows", "ms", "best_ms",
-"kv_bytes", "gb_s"}], "wall_s"}. The kernel must be available (AVX-512 F; bf16 pages take its
-AVX-512 BF16 loops where the CPU has them); otherwise the run is a one-line error (exit 2).
-``run(model, dtype_name, rows, context, page_size, rounds, scatter=True, prefetch_l2=True)``
+"page_size", "scatter", "prefetch_l2", "kernel", "date", "machine", "rows": [{"rows", "ms",
+"best_ms", "kv_bytes", "gb_s"[, "hbm_fraction"]}], "wall_s"}. The native kernel must be available
+(AVX-512 F; bf16 pages take its AVX-512 BF16 loops where the CPU has them); otherwise the run is
+a one-line error (exit 2). ``run(model, dtype_name, rows, context, page_size, rounds,
+scatter=True, prefetch_l2=True, kernel="native", interpret=False, hardware=None)``
 -> dict is the library (a bad argument is a ``ValueError``); the flags exist only when run as a
 program (``_Flags``).
 """
@@ -33,8 +40,35 @@ from launch import cli, machine
 from launch.cli import CliError
 
 
+KERNELS = ("native", "pallas_gpu", "gather")
+
+
+def _layer_call(kernel: str, cfg, dtype, pages: int, page_size: int, m: int, bf16_dot: bool,
+                prefetch_l2: bool, interpret: bool):
+  """``call(q_BNH, k_pages, v_pages, table_BM, pos_B, layer) -> [B, N, H]`` for ``kernel``."""
+  import jax.numpy as jnp
+  from models.cpu import paged_attention
+  from models.gpu import paged_attention as gpu_attention
+  from models.paged_kv import init_paged
+  if kernel == "native":
+    return lambda q, k, v, t, pos, layer: paged_attention.decode_attention(
+        q, k, v, t, pos, layer, m * page_size, bf16_dot, prefetch_l2)
+  if kernel == "pallas_gpu":
+    return lambda q, k, v, t, pos, layer: gpu_attention.decode_attention(
+        q, k, v, t, pos + 1, layer, interpret=interpret)
+  # gather: the engine's XLA path over the same pool (q unscaled: ``attend`` scales it)
+  def gather(q, k, v, t, pos, layer):
+    kv = init_paged(cfg, t.shape[0], pages, page_size, m, dtype).replace(
+        k_pages=k, v_pages=v, page_table=t)
+    out = kv.attend(layer, (q.astype(jnp.float32) * q.shape[-1] ** 0.5).astype(q.dtype)[:, None],
+                    pos[:, None], m * page_size)
+    return out[:, 0]
+  return gather
+
+
 def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_size: int,
-        rounds: int, scatter: bool = True, prefetch_l2: bool = True) -> dict:
+        rounds: int, scatter: bool = True, prefetch_l2: bool = True, kernel: str = "native",
+        interpret: bool = False, hardware: str | None = None) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -43,8 +77,14 @@ def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_s
 
   t0 = time.perf_counter()
   cfg = get_preset(model)
-  if not paged_attention.available():
+  if kernel not in KERNELS:
+    raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}")
+  if kernel == "native" and not paged_attention.available():
     raise ValueError("the native paged attention is not available on this CPU (AVX-512 F)")
+  hbm = None
+  if hardware:
+    from partitioning.hardware import get_hardware
+    hbm = get_hardware(hardware).hbm_bandwidth
   if context < 1 or page_size < 16 or page_size % 16 or min(rows) < 1:
     raise ValueError("--context >= 1, --page_size a multiple of 16, --rows >= 1")
   dtype = jnp.float32 if dtype_name == "float32" else jnp.bfloat16
@@ -62,14 +102,13 @@ def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_s
     table_BM = jnp.asarray(ids.reshape(b, m), jnp.int32)
     pos_B = jnp.full((b,), context - 1, jnp.int32)
     q_BNH = jnp.asarray(rng.standard_normal((b, n, h), np.float32) * h ** -0.5, dtype)
+    call = _layer_call(kernel, cfg, dtype, pages, page_size, m, bf16_dot, prefetch_l2, interpret)
 
     @jax.jit
     def step(q_BNH, k_pages, v_pages, table_BM, pos_B):
       acc_BNH = jnp.zeros(q_BNH.shape, jnp.float32)
       for layer in range(layers):
-        acc_BNH += paged_attention.decode_attention(q_BNH, k_pages, v_pages, table_BM, pos_B,
-                                                    layer, m * page_size, bf16_dot,
-                                                    prefetch_l2)
+        acc_BNH += call(q_BNH, k_pages, v_pages, table_BM, pos_B, layer).astype(jnp.float32)
       return acc_BNH
 
     args = (q_BNH, k_pages, v_pages, table_BM, pos_B)
@@ -80,10 +119,13 @@ def run(model: str, dtype_name: str, rows: tuple[int, ...], context: int, page_s
       step(*args).block_until_ready()
       times.append(time.perf_counter() - t)
     kv_bytes = 2 * layers * b * context * k * h * jnp.dtype(dtype).itemsize
-    out.append({"rows": b, "ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times),
-                "kv_bytes": kv_bytes, "gb_s": kv_bytes / min(times) / 1e9})
+    row = {"rows": b, "ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times),
+           "kv_bytes": kv_bytes, "gb_s": kv_bytes / min(times) / 1e9}
+    if hbm:
+      row["hbm_fraction"] = kv_bytes / min(times) / hbm
+    out.append(row)
   return {"model": model, "dtype": dtype_name, "context": context, "page_size": page_size,
-          "scatter": scatter, "prefetch_l2": prefetch_l2,
+          "scatter": scatter, "prefetch_l2": prefetch_l2, "kernel": kernel,
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "machine": machine.describe(), "rows": out, "wall_s": time.perf_counter() - t0}
 
@@ -102,6 +144,10 @@ class _Flags:
                                      "in order)")
     self.prefetch_l2 = flags.DEFINE_bool("prefetch_l2", True, "prefetch the next page into L2 "
                                          "(else L1)")
+    self.kernel = flags.DEFINE_enum("kernel", "native", list(KERNELS), "which attention")
+    self.interpret = flags.DEFINE_bool("interpret", False, "pallas_gpu: Pallas's interpreter")
+    self.hardware = flags.DEFINE_string("hardware", None, "a hardware preset: report the "
+                                        "fraction of its HBM bandwidth")
     self.json = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
 
@@ -110,7 +156,8 @@ def main(f: _Flags, argv: list[str]) -> None:
   rows = cli.positive_ints("rows", f.rows.value)
   try:
     r = run(cli.preset(f.model.value), f.dtype.value, rows, f.context.value, f.page_size.value,
-            f.rounds.value, f.scatter.value, f.prefetch_l2.value)
+            f.rounds.value, f.scatter.value, f.prefetch_l2.value, f.kernel.value,
+            f.interpret.value, f.hardware.value)
   except ValueError as e:
     raise CliError(str(e))
   if f.json.value:

@@ -6,7 +6,10 @@ Contract:
     ``amx``, ``dpbf16`` (AVX512-BF16), ``tiled`` (AVX512-BF16 on tiled weight copies),
     ``tiled_w8a8`` (AVX512-VNNI on tiled copies of W8A8 weights),
     ``paged_attention`` and its ``paged_bf16_dot`` path, ``lora`` (each row's own LoRA
-    adapter for decode rows, ``models.cpu.kernels.lora_group``).
+    adapter for decode rows, ``models.cpu.kernels.lora_group``); on an accelerator,
+    ``pallas_attention``: the Pallas kernel decode attention runs (``"gpu"``:
+    ``models.gpu.paged_attention``; ``""``: the gather path) and ``pallas_interpret`` (the tests:
+    that kernel through Pallas's interpreter, on CPU).
     Steps and KV stores hold it and the model's functions take it as a static argument, so it
     is part of every jit key;
     nothing reads the environment or a module global at trace time.
@@ -38,6 +41,8 @@ class CpuBackend:
   paged_attention: bool = False
   paged_bf16_dot: bool = False
   lora: bool = False
+  pallas_attention: str = ""  # "gpu": models.gpu.paged_attention decodes; "": the gather path
+  pallas_interpret: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Resolved:
             "dpbf16_kernel": b.dpbf16, "tiled_kernel": b.tiled,
             "tiled_w8a8_kernel": b.tiled_w8a8,
             "paged_attention": b.paged_attention, "lora_kernel": b.lora,
+            "pallas_attention": b.pallas_attention or "none",
             "measurements": c.measurements}
 
 
@@ -74,7 +80,10 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
 
 def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
   """See the module contract; call once at start-up, before any trace."""
+  import jax
   b = native(DEFAULT, env.native_kernels())
+  if jax.default_backend() == "gpu":  # no native CPU kernel runs there; decode reads in place
+    b = dataclasses.replace(b, pallas_attention="gpu")
   choice = lowering.choose(env.measure_lowering() if measure is None else measure,
                            b.matmul_kernels, b.amx, env.cache_dir(), refresh, b.dpbf16, b.tiled)
   return Resolved(dataclasses.replace(b, policy=choice.policy), choice)

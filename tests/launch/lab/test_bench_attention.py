@@ -41,3 +41,15 @@ def test_bad_page_size_is_a_one_line_error():
   r = _run("--model", "tiny", "--page_size", "24")
   assert r.returncode == 2
   assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "gather"])
+def test_the_accelerator_kernels_smoke(kernel):
+  """The Pallas GPU kernel (interpreted here) and the gather path it replaces, as the device
+  check times them, with the fraction of a preset's HBM bandwidth."""
+  r = _run("--model", "tiny", "--rows", "2", "--context", "40", "--page_size", "16",
+           "--rounds", "1", "--kernel", kernel, "--interpret", "--hardware", "h200", "--json")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert out["kernel"] == kernel and out["rows"][0]["best_ms"] > 0
+  assert 0 < out["rows"][0]["hbm_fraction"] < 1

@@ -1,0 +1,1 @@
+"""Kernels for GPU backends (Pallas, Triton lowering), tested on CPU in Pallas's interpreter."""
