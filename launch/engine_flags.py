@@ -60,6 +60,10 @@ PREFILL_LAYOUT = flags.DEFINE_string("prefill_layout", None,
 DECODE_LAYOUT = flags.DEFINE_string("decode_layout", None,
                                     "ffn:attn for decode (default: the planner's choice)")
 HARDWARE = flags.DEFINE_string("hardware", "local", "cost-model hardware for the planner")
+COLLECTIVE_MATMUL = flags.DEFINE_bool(
+    "collective_matmul", False, "on a mesh: loop the weight-stationary layouts' (ws_1d, ws_2d) "
+    "FFN all-gather and reduce-scatter into its matmuls (the paper's looped einsum; the planner "
+    "costs it so)")
 WARMUP_THREADS = flags.DEFINE_integer(
     "warmup_threads", 0, "programs the warm-up compiles side by side (0: the CPU count, at most 4)",
     lower_bound=0)
@@ -271,7 +275,7 @@ def build(max_waiting: int, registry: "prom.CollectorRegistry | None" = None,
     deployment = Deployment(mode,  # type: ignore[arg-type]  # an enum flag: one of the modes
                             PREFILL_LAYOUT.value, DECODE_LAYOUT.value,
                             PREFILL_DEVICES.value, HARDWARE.value, SCAN.value,
-                            CALIBRATION.value)
+                            CALIBRATION.value, COLLECTIVE_MATMUL.value)
     check_multiprocess(deployment, HOST_TIER.value)
     steps = make_steps(cfg, deployment,
                        max_slots=config.max_slots, max_chunk=config.max_chunk,

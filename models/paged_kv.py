@@ -198,12 +198,13 @@ class PagedKV:
              end_B: jax.Array | None = None) -> jax.Array:
     b, t, n, h = q_BTNH.shape
     end_B = kv_cache.written_end(pos_BT, pos_BT) if end_B is None else end_B
+    k, v = self.k_pages, self.v_pages
     if (t == 1 and self.backend.pallas_attention == "gpu" and not self.sink_pool
-        and gpu_paged_attention.supported(self.k_pages)):
+        and isinstance(k, jax.Array) and isinstance(v, jax.Array)
+        and gpu_paged_attention.supported(k)):
       if attend_len > self.max_len:
         raise ValueError(f"attend_len {attend_len} > page capacity {self.max_len}")
-      return gpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
-                                              self.page_table, pos_BT, layer,
+      return gpu_paged_attention.attend_paged(q_BTNH, k, v, self.page_table, pos_BT, layer,
                                               attend_len, self.backend.pallas_interpret)
     if self.native_attention(n, t):
       if attend_len > self.max_len:

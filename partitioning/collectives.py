@@ -35,7 +35,7 @@ from models.layers import Rotation, glu, mlp, rms_norm, rotate, rotation
 from models.quant import QuantArray
 from models.transformer import embed as embed_lookup
 from models.weights import Params
-from partitioning import comm
+from partitioning import collective_matmul, comm
 from partitioning.layouts import (
     AttnLayout, FfnLayout, LayoutPlan, Resolved, cache_sharding, cache_spec, get_attn_layout,
     get_ffn_layout, make_plan, match_params, param_shardings, param_specs, spec_entry)
@@ -159,9 +159,27 @@ def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, p
     x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)
     return x + comm.reduce(ffn, 2, plan.wf, plan.we, plan.re), store
   x = x + comm.reduce(attn, 2, plan.wh, plan.we, plan.re)  # [B.rb, T, E.re]
+  if plan.looped:  # the AG(re - we) and RS(wf) inside the FFN's first and last einsums
+    return x + _mlp_looped(x, layer, plan, cfg, backend), store
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["mlp_norm"], cfg, plan.we)
   x = x + comm.reduce(_mlp(h, layer, plan, cfg, backend), 2, plan.wf, plan.we, plan.re)
   return x, store
+
+
+def _mlp_looped(x, layer, plan: LayoutPlan, cfg: ModelConfig, backend: CpuBackend) -> jax.Array:
+  """[B.rb, T, E.re] -> [B.rb, T, E.re], the normed FFN with ws_*'s activation collectives
+  looped into its einsums (``partitioning.collective_matmul``; re = we + wf)."""
+  # The norm on this chip's E.re chunk: mean square all-reduced over re, weight E.we sliced.
+  h = _norm(x, comm.slice_chunk(layer["mlp_norm"], 0, plan.wf), cfg, plan.re)
+  # [B.rb, T, E.re] --looped AG(wf) x W_in [E.we, F.wf]--> [B.rb, T, F.wf]{we}
+  gate, up = collective_matmul.ag_einsums(("btd,df->btf",) * 2, h,
+                                          (layer["gate"], layer["up"]), plan.wf, backend)
+  fs = plan.wf + plan.f_scatter
+  gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
+  up = comm.reduce(up, 2, plan.we, plan.wf, fs)
+  hid = comm.reshard(glu(gate, up, cfg.activation, h.dtype), 2, fs, plan.wf)  # [B.rb, T, F.wf]
+  # [B.rb, T, F.wf] x W_out [F.wf, E.we] --looped RS(wf)--> [B.rb, T, E.re]
+  return collective_matmul.einsum_rs("btf,fd->btd", hid, layer["down"], plan.wf, backend)
 
 
 def _unembed(x, top, last_B, plan: LayoutPlan, cfg: ModelConfig, all_logits: bool,

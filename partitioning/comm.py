@@ -24,7 +24,8 @@ from jax import lax
 Axes = tuple[str, ...]
 
 
-def _name(axes: Axes):
+def axis_name(axes: Axes):
+  """The axis name a collective over ``axes`` takes (one name, or the tuple)."""
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
@@ -51,11 +52,11 @@ def slice_chunk(x: jax.Array, dim: int, axes: Axes) -> jax.Array:
 
 
 def psum(x: jax.Array, axes: Axes) -> jax.Array:
-  return lax.psum(x, _name(axes)) if axes else x
+  return lax.psum(x, axis_name(axes)) if axes else x
 
 
 def all_gather(x: jax.Array, dim: int, axes: Axes) -> jax.Array:
-  return lax.all_gather(x, _name(axes), axis=dim, tiled=True) if axes else x
+  return lax.all_gather(x, axis_name(axes), axis=dim, tiled=True) if axes else x
 
 
 def _common_prefix(a: Axes, b: Axes) -> int:
@@ -72,7 +73,7 @@ def reshard(x: jax.Array, dim: int, src: Axes, dst: Axes) -> jax.Array:
 
 def reduce(x: jax.Array, dim: int, unreduced: Axes, src: Axes, dst: Axes) -> jax.Array:
   if unreduced and tuple(dst) == tuple(src) + tuple(unreduced):
-    return lax.psum_scatter(x, _name(unreduced), scatter_dimension=dim, tiled=True)
+    return lax.psum_scatter(x, axis_name(unreduced), scatter_dimension=dim, tiled=True)
   return reshard(psum(x, unreduced), dim, src, dst)
 
 
@@ -87,8 +88,8 @@ def gather_weight(w: jax.Array, dim: int, src: Axes, dst: Axes, permute: bool) -
 def all_to_all(x: jax.Array, axes: Axes, split: int, concat: int) -> jax.Array:
   if not axes:
     return x
-  return lax.all_to_all(x, _name(axes), split, concat, tiled=True)
+  return lax.all_to_all(x, axis_name(axes), split, concat, tiled=True)
 
 
 __all__ = ["linear_index", "slice_chunk", "psum", "all_gather", "reshard", "reduce",
-           "gather_weight", "all_to_all", "axis_size"]
+           "gather_weight", "all_to_all", "axis_size", "axis_name"]

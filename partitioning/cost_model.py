@@ -219,10 +219,20 @@ def validate_workload(phase: str, batch: int, context: int, weights: str) -> Non
     raise ValueError(f"context must be >= {1 if phase == 'prefill' else 0} for {phase}")
 
 
+def loops_ffn(model: ModelConfig, layout: str) -> bool:
+  """Whether ``--collective_matmul`` changes ``layout``'s program for ``model``: the
+  weight-stationary layouts' FFN collectives, in sequential blocks
+  (``partitioning.layouts.LayoutPlan.looped``)."""
+  return layout in ("ws_1d", "ws_2d") and not model.parallel_block
+
+
 def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention: AttnLayoutName,
               mesh: MeshShape, phase: Phase, batch: int, context: int,
-              weights: WeightsDtype = "bf16") -> StepCost:
-  """Predicted cost of one ``phase`` step; raises ValueError for invalid inputs."""
+              weights: WeightsDtype = "bf16", collective_matmul: bool = False) -> StepCost:
+  """Predicted cost of one ``phase`` step; raises ValueError for invalid inputs.
+  ``collective_matmul``: where ``loops_ffn``, the FFN's activation all-gather and
+  reduce-scatter run under its matmuls (the looped einsum): only what exceeds the FFN's compute
+  time stays exposed, the rest of the communication as before."""
   validate_workload(phase, batch, context, weights)
   reason = check_layout(layout, attention, mesh, batch)
   if reason:
@@ -255,13 +265,16 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention
   def wire(axes: str) -> float:  # bytes/s of a collective over these mesh axes
     return hw.collective_bandwidth(len(_live(mesh, axes)))
 
+  looped = 0.0  # bytes/W seconds per layer hidden under the FFN's matmuls (collective matmul)
   if layout == "ws_1d":  # a single chip communicates nothing: ring(1) = 0
     comm += serial * 2 * tokens * e * a * ring(n) / wire("xyz")
     steps += serial * 2 * hw.collective_steps(n)
+    looped = 2 * tokens * e * a * ring(n) / wire("xyz")
   elif layout == "ws_2d":
     yz = y * z
     comm += serial * 2 * tokens * a * (e / x * ring(yz) / wire("yz") + f / yz * ring(x) / wire("x"))
     steps += serial * 2 * (hw.collective_steps(yz) + hw.collective_steps(x))
+    looped = 2 * tokens * a * e / x * ring(yz) / wire("yz")
   else:
     gathered = ffn_batch_chips(layout, mesh)
     gathered_axes = _FFN_BATCH_AXES[layout]
@@ -309,6 +322,13 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention
   kv_flops = model.num_layers * 2.0 * tokens * e * 2 * model.num_kv_heads * model.head_dim
   redundant = kv_flops * (1.0 / kv_split - 1.0 / n)  # per chip, beyond its even share
   compute_s = (flops / n + redundant) / hw.peak_flops_bf16
+  if collective_matmul and loops_ffn(model, layout):
+    # The FFN's share of the matmul FLOPs (gate, up, down of E x F each) is the time its looped
+    # collectives can hide under; what they need beyond it stays exposed.
+    glu_mats = 3 if model.activation in ("swiglu", "geglu") else 2
+    ffn_s = model.num_layers * 2.0 * tokens * glu_mats * e * f / n / hw.peak_flops_bf16
+    hidden = min(model.num_layers * looped, ffn_s)
+    comm_s -= hidden
   weight_mem_s = weights_read / hw.hbm_bandwidth
   kv_mem_s = kv_per_chip / hw.hbm_bandwidth
   latency_s = max(compute_s, weight_mem_s + kv_mem_s) + comm_s

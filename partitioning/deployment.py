@@ -44,10 +44,16 @@ class Deployment:
   # The planner's calibration (``partitioning.calibration.resolve``): "auto" = the one installed
   # for ``hardware`` if any, "none", or a launch.lab.calibrate JSON path.
   calibration: str = "auto"
+  # The weight-stationary layouts' FFN collectives looped into its matmuls
+  # (``partitioning.collective_matmul``); the planner costs them so.
+  collective_matmul: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+    if self.collective_matmul and self.mode == "single":
+      raise ValueError("collective_matmul runs on a mesh (modes interleaved / disaggregated, "
+                       "more than one device)")
     if self.scan_layers and self.mode != "single":
       raise ValueError("scan_layers runs in mode single only (the sharded step loops)")
     for name in ("prefill_layout", "decode_layout"):
@@ -71,8 +77,8 @@ class Steps:
 
 def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, int, int],
             batch: int, context: int, quantized: bool, hardware: str,
-            family: str | None = None,
-            calibration: str = "auto") -> tuple[tuple[str, str], str]:
+            family: str | None = None, calibration: str = "auto",
+            collective_matmul: bool = False) -> tuple[tuple[str, str], str]:
   """The given layout, or the planner's best on ``mesh``, the shape that will run it (another
   ordering of the same chips could make the pair invalid there, or cost it differently); with
   ``family`` (an FFN layout), only the layouts storing the weights as it does, so one resident
@@ -94,8 +100,9 @@ def _choose(cfg: ModelConfig, given: str | None, phase: str, mesh: tuple[int, in
   best = plan(cfg, hw, chips, phase, batch, context,  # type: ignore[arg-type]  # phase: a str
               weights="int8" if quantized else "bf16", meshes=[mesh],
               layouts=ffns,  # type: ignore[arg-type]  # layout names from FFN_LAYOUTS' keys
-              calibration=cal).best
-  how = "" if cal is None else f", calibrated by {calibrated_by}"
+              calibration=cal, collective_matmul=collective_matmul).best
+  how = ("" if cal is None else f", calibrated by {calibrated_by}") + (
+      ", collective matmul" if best.collective_matmul else "")
   return (best.layout, best.attention), (
       f"planner ({hardware}{how}): {best.layout}+{best.attention}, predicted "
       f"{best.latency_s * 1e3:.3f} ms, MFU {best.mfu:.2f}")
@@ -136,12 +143,13 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   def choose() -> list[object]:
     pre = _choose(cfg, deployment.prefill_layout, "prefill", mesh_shape(pre_mesh), 1,
                   max_chunk, quantized, deployment.hardware,
-                  calibration=deployment.calibration)
+                  calibration=deployment.calibration,
+                  collective_matmul=deployment.collective_matmul)
     # One mesh: decode shares prefill's resident params, so it is chosen in that family.
     family = pre[0][0] if deployment.mode == "interleaved" else None
     return [pre, _choose(cfg, deployment.decode_layout, "decode", mesh_shape(dec_mesh),
                          max_slots, max_context, quantized, deployment.hardware, family,
-                         deployment.calibration)]
+                         deployment.calibration, deployment.collective_matmul)]
 
   # A bad --calibration fails on every process here, not on process 0 alone inside ``agree``
   # (the others would wait for its answer until the timeout).
@@ -153,7 +161,7 @@ def make_steps(cfg: ModelConfig, deployment: Deployment, *, max_slots: int, max_
   pre, dec = tuple(pre), tuple(dec)
   steps = PS.phase_steps(cfg, pre_mesh, pre, dec,
                          decode_mesh=dec_mesh if deployment.mode == "disaggregated" else None,
-                         backend=backend)
+                         backend=backend, collective_matmul=deployment.collective_matmul)
   one_pool = deployment.mode == "interleaved" and not steps.relayout and steps.shared_params
   # One pool: decode runs its own program (its layout's collectives) over prefill's params and
   # pages, unless the two layouts are one.

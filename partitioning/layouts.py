@@ -310,6 +310,10 @@ class LayoutPlan:
   ab: Axes
   ub: Axes
   reasons: tuple[str, ...] = ()
+  # The FFN's activation all-gather (over re less we) and its reduce-scatter (over wf) looped
+  # into its first and last einsums (``partitioning.collective_matmul``): ws_1d / ws_2d,
+  # sequential blocks, when asked for.
+  looped: bool = False
 
   def key(self) -> tuple:
     """Equal for two (ffn, attn) names that run exactly the same collectives."""
@@ -327,7 +331,7 @@ class LayoutPlan:
 
 @functools.lru_cache(maxsize=256)
 def _make_plan(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
-               batch: int) -> LayoutPlan:
+               batch: int, collective_matmul: bool = False) -> LayoutPlan:
   reasons: list[str] = []
 
   def fit(size, axes, what):
@@ -383,17 +387,29 @@ def _make_plan(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
                    f"{''.join(wanted)} (= {size(wanted)}); batch-sharded over "
                    f"{''.join(rb + move) or 'nothing'}")
   ub = rb + we if we and local_b % size(we) == 0 else rb
+  looped = False
+  if collective_matmul:
+    gathered = re[len(we):]
+    if cfg.parallel_block:
+      reasons.append("collective matmul: sequential blocks only (a parallel block's attention "
+                     "needs the gathered activations too); plain collectives")
+    elif re[:len(we)] != we or gathered != wf or size(wf) < 2:
+      reasons.append(f"collective matmul: {ffn.name} gathers no activations into its FFN "
+                     "(weight-stationary layouts only); plain collectives")
+    else:
+      looped = True
   return LayoutPlan(ffn=ffn.name, attn=attn.name, batch=batch, rb=rb, re=re, we=we, wh=wh, wf=wf,
-                  wv=wv, sh=sh, q_scatter=q_scatter, f_scatter=f_scatter, move=move,
-                  ab=rb + move, ub=ub, reasons=tuple(reasons))
+                    wv=wv, sh=sh, q_scatter=q_scatter, f_scatter=f_scatter, move=move,
+                    ab=rb + move, ub=ub, reasons=tuple(reasons), looped=looped)
 
 
 def make_plan(cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout, attn: str | AttnLayout,
-              batch: int) -> LayoutPlan:
+              batch: int, collective_matmul: bool = False) -> LayoutPlan:
   """The effective plan of one step of ``batch`` rows (see ``LayoutPlan``)."""
   if batch < 1:
     raise ValueError(f"batch must be >= 1, got {batch}")
-  return _make_plan(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), batch)
+  return _make_plan(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), batch,
+                    collective_matmul)
 
 
 def cache_spec(plan: LayoutPlan) -> PartitionSpec:

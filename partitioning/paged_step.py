@@ -2,7 +2,9 @@
 attention layout), and the pair of steps for two phases (one mesh or two sub-meshes).
 
 Contract:
-  * ``PagedShardedStep(cfg, mesh, ffn, attn, backend)``: ``partitioning.collectives``' forward
+  * ``PagedShardedStep(cfg, mesh, ffn, attn, backend, collective_matmul)``:
+    ``partitioning.collectives``' forward (``collective_matmul``: ws_*'s FFN collectives looped
+    into its einsums, ``partitioning.collective_matmul``)
     (one ``shard_map``) over a ``models.paged_kv.PagedKV``; ``backend`` (static, a
     ``models.cpu.backend.CpuBackend``) is part of every jit key and of the pools it makes.
   * Pool sharding: the page axis is sharded over ``kv_axes`` (the layout's attention batch
@@ -59,16 +61,19 @@ class PagedShardedStep:
   ffn: FfnLayout
   attn: AttnLayout
   backend: CpuBackend = CpuBackend()  # static: part of the jit key (models.cpu.backend)
+  collective_matmul: bool = False  # the FFN's collectives looped into its einsums (ws_*)
 
   @classmethod
   def make(cls, cfg: ModelConfig, mesh: Mesh, ffn: str | FfnLayout,
-           attn: str | AttnLayout, backend: CpuBackend = CpuBackend()) -> "PagedShardedStep":
-    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), backend)
+           attn: str | AttnLayout, backend: CpuBackend = CpuBackend(),
+           collective_matmul: bool = False) -> "PagedShardedStep":
+    return cls(cfg, mesh, get_ffn_layout(ffn), get_attn_layout(attn), backend,
+               collective_matmul)
 
   # -- the pool's sharding ------------------------------------------------------------------
 
   def plan(self, batch: int) -> LayoutPlan:
-    return make_plan(self.cfg, self.mesh, self.ffn, self.attn, batch)
+    return make_plan(self.cfg, self.mesh, self.ffn, self.attn, batch, self.collective_matmul)
 
   @property
   def kv_axes(self) -> Axes:
@@ -144,6 +149,7 @@ class PagedShardedStep:
         "kind": "paged_sharded", "model": self.cfg.name, "ffn": self.ffn.name,
         "attn": self.attn.name, "mesh": dict(zip(self.mesh.axis_names, mesh_shape(self.mesh))),
         "plan": plan.describe(), "reasons": list(plan.reasons),
+        "collective_matmul": plan.looped,
         "param_fallbacks": param_fallbacks(self.cfg, self.mesh, self.ffn),
         "kv_axes": list(self.kv_axes), "kv_shards": self.kv_shards,
         "kv": (f"pages [L, P{'_' + ab if ab else ''}, K, Z, H]: {self.kv_shards} sub-pool(s), "
@@ -286,26 +292,28 @@ class PhaseSteps:
 
 def phase_steps(cfg: ModelConfig, mesh: Mesh, prefill: LayoutChoice, decode: LayoutChoice, *,
                 decode_mesh: Mesh | None = None, on_mismatch: Mismatch = "family",
-                backend: CpuBackend = CpuBackend()) -> PhaseSteps:
+                backend: CpuBackend = CpuBackend(), collective_matmul: bool = False
+                ) -> PhaseSteps:
   """The (prefill, decode) pair on ``mesh`` (or decode on its own ``decode_mesh``:
   disaggregated, always its own params copy and pool)."""
   p_ffn, p_attn, p_note = _names(prefill)
   d_ffn, d_attn, d_note = _names(decode)
   notes = [n for n in (p_note, d_note) if n]
-  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn, backend)
+  cm = collective_matmul
+  pre = PagedShardedStep.make(cfg, mesh, p_ffn, p_attn, backend, cm)
   if decode_mesh is not None:
-    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn, backend)
+    dec = PagedShardedStep.make(cfg, decode_mesh, d_ffn, d_attn, backend, cm)
     notes.append("disaggregated: decode on its own sub-mesh with its own params copy and pool; "
                  "KV moves by transfer_pages")
     return PhaseSteps(pre, dec, shared_params=False, relayout=True, notes=tuple(notes))
-  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn, backend)
+  dec = PagedShardedStep.make(cfg, mesh, d_ffn, d_attn, backend, cm)
   shared = pre.ffn.stored == dec.ffn.stored
   if not shared:
     if on_mismatch == "family":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: decode "
                    f"kept in the prefill layout's family ({pre.ffn.name}+{dec.attn.name}), one "
                    "params copy")
-      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn, backend)
+      dec = PagedShardedStep(cfg, mesh, pre.ffn, dec.attn, backend, cm)
       shared = True
     elif on_mismatch == "two_copies":
       notes.append(f"{pre.ffn.name} and {dec.ffn.name} store different weight layouts: two "

@@ -43,6 +43,7 @@ class Candidate:
   attention: AttnLayoutName
   mesh: MeshShape
   cost: StepCost
+  collective_matmul: bool = False  # costed with the FFN's collectives looped into its einsums
 
   @property
   def latency_s(self) -> float:
@@ -69,6 +70,7 @@ class Candidate:
     c = self.cost
     return {
         "layout": self.layout, "attention": self.attention, "mesh": list(self.mesh),
+        "collective_matmul": self.collective_matmul,
         "attention_batch_axes": self.attention_batch_axes, "n_chips": c.n_chips,
         "latency_s": c.latency_s, "mfu": c.mfu,
         "cost_chip_s_per_token": c.cost_chip_s_per_token, "fits": c.fits,
@@ -109,6 +111,7 @@ class Plan:
     best = self.best
     return {
         "layout": best.layout, "attention": best.attention, "mesh": list(best.mesh),
+        "collective_matmul": best.collective_matmul,
         "attention_batch_axes": best.attention_batch_axes, "n_chips": best.cost.n_chips,
         "latency_s": best.latency_s, "mfu": best.mfu,
         "cost_chip_s_per_token": best.cost_chip_s_per_token, "objective": self.objective,
@@ -146,8 +149,10 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
          context: int, weights: WeightsDtype = "bf16", objective: Objective = "latency",
          latency_bound_s: float | None = None, calibration: Calibration | None = None,
          meshes: "Sequence[MeshShape] | None" = None,
-         layouts: "Sequence[FfnLayoutName] | None" = None) -> Plan:
-  """Best layout for the workload; see the module docstring."""
+         layouts: "Sequence[FfnLayoutName] | None" = None,
+         collective_matmul: bool | None = False) -> Plan:
+  """Best layout for the workload; see the module docstring. ``collective_matmul``: None costs
+  both variants of each layout it changes (``cost_model.loops_ffn``), a bool only that one."""
   if chips < 1:
     raise ValueError(f"chips must be >= 1, got {chips}")
   if chips > hardware.max_chips:
@@ -173,9 +178,15 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
               or cost_model.canonical_attention(layout, attention, mesh) != attention):
             continue  # not a distinct plan on this mesh (e.g. batch_z with z = 1 is heads)
           reason = cost_model.check_layout(layout, attention, mesh, batch)
-          if reason is None:
-            cost = cost_model.step_cost(
-                model, hardware, layout, attention, mesh, phase, batch, context, weights)
+          if reason is not None:
+            dropped.append(Dropped(layout, attention, mesh, reason))
+            continue
+          loops = cost_model.loops_ffn(model, layout)
+          variants = [False, True] if collective_matmul is None and loops else \
+              [bool(collective_matmul) and loops]
+          for looped in variants:
+            cost = cost_model.step_cost(model, hardware, layout, attention, mesh, phase, batch,
+                                        context, weights, collective_matmul=looped)
             if calibration is not None:
               cost = calibration.apply(cost, model.num_layers)
             if not cost.fits:
@@ -184,18 +195,18 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
             elif latency_bound_s is not None and cost.latency_s > latency_bound_s:
               reason = f"latency {cost.latency_s:.4g} s > bound {latency_bound_s:.4g} s"
             else:
-              kept.append(Candidate(layout, attention, mesh, cost))
+              kept.append(Candidate(layout, attention, mesh, cost, looped))
               continue
-          dropped.append(Dropped(layout, attention, mesh, reason))
+            dropped.append(Dropped(layout, attention, mesh, reason))
   if not kept:
     raise NoFeasiblePlan(
         f"no layout for {model.name} on {chips} x {hardware.name} ({phase}, batch {batch}, "
         f"context {context}, {weights} weights): {_summarise(dropped)}")
   kept.sort(key=lambda c: _sort_key(objective, c))
   unique: list[Candidate] = []
-  seen: set[tuple[str, str, StepCost]] = set()
+  seen: set[tuple[str, str, StepCost, bool]] = set()
   for cand in kept:  # meshes the model cannot tell apart (y <-> z, ...): keep the most cubic
-    key = (cand.layout, cand.attention, cand.cost)
+    key = (cand.layout, cand.attention, cand.cost, cand.collective_matmul)
     if key not in seen:
       seen.add(key)
       unique.append(cand)

@@ -45,11 +45,15 @@ _CALIBRATION = flags.DEFINE_string(
     "calibration", "auto", "A launch.lab.calibrate JSON to plan with the calibrated model; 'auto': "
     "the one installed for --hardware (launch.lab.calibrate --install), else the one shipped for it "
     "(tpu-v4), if any; 'none': uncalibrated.")
+_COLLECTIVE_MATMUL = flags.DEFINE_enum(
+    "collective_matmul", "both", ["both", "on", "off"], "Cost the weight-stationary layouts "
+    "with their FFN collectives looped into the matmuls (on), plain (off), or both variants, "
+    "each a candidate (marked +cm).")
 _JSON = flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 
 
 def _table(result: Plan, header: str, top: int) -> str:
-  lines = [header, f"{'#':>3} {'layout':<7} {'attention':<10} {'attn_B':<6} {'mesh':<12} "
+  lines = [header, f"{'#':>3} {'layout':<9} {'attention':<10} {'attn_B':<6} {'mesh':<12} "
            f"{'latency_ms':>12} "
            f"{'mfu':>6} {'chip_ms/tok':>12} {'compute_ms':>11} {'memory_ms':>10} "
            f"{'comm_ms':>10} {'hbm_GiB':>8}"]
@@ -57,7 +61,8 @@ def _table(result: Plan, header: str, top: int) -> str:
     k = c.cost
     mesh = "x".join(str(d) for d in c.mesh)
     lines.append(
-        f"{i:>3} {c.layout:<7} {c.attention:<10} {c.attention_batch_axes or '-':<6} {mesh:<12} "
+        f"{i:>3} {c.layout + ('+cm' if c.collective_matmul else ''):<9} {c.attention:<10} "
+        f"{c.attention_batch_axes or '-':<6} {mesh:<12} "
         f"{k.latency_s * 1e3:>12.3f} "
         f"{k.mfu:>6.1%} {k.cost_chip_s_per_token * 1e3:>12.4f} {k.compute_s * 1e3:>11.3f} "
         f"{(k.weight_mem_s + k.kv_mem_s) * 1e3:>10.3f} {k.comm_s * 1e3:>10.3f} "
@@ -83,7 +88,9 @@ def main(argv: list[str]) -> None:
                   _BATCH.value, _CONTEXT.value,
                   weights=_WEIGHTS.value,  # type: ignore[arg-type]
                   objective=_OBJECTIVE.value,  # type: ignore[arg-type]
-                  latency_bound_s=bound, calibration=calibration)
+                  latency_bound_s=bound, calibration=calibration,
+                  collective_matmul=None if _COLLECTIVE_MATMUL.value == "both"
+                  else _COLLECTIVE_MATMUL.value == "on")
   except (ValueError, OSError) as e:  # OSError: an unreadable --calibration
     cli.fail(str(e))
   if _JSON.value:

@@ -16,7 +16,8 @@ lowest-latency and highest-MFU ends; ``write(points, out_dir, title, meta)``: fr
 (``COLUMNS``), frontier.json (ends, counts) and frontier.png (Pareto runs named by
 ``runs_of_a_layout``). The CLI (flags defined only when run as a program: ``_Flags``) plots
 ``--chips`` x ``--batches`` x ``--weights`` x ``--phases`` at ``--context`` on ``--hardware``, the
-calibrated frontier beside it (``--calibration``, default ``auto``: the installed one; ``none``)
+calibrated frontier beside it (``--calibration``, default ``auto``: the installed one, else the
+shipped one, ``partitioning.calibration.resolve``; ``none``)
 and ``--measured DIR``; it prints the ends as JSON. Bad flags exit 2.
 """
 
@@ -229,8 +230,8 @@ class _Flags:
                                         "a launch.lab.sweep_partitioning --out directory")
     self.calibration = flags.DEFINE_string(
         "calibration", "auto", "a launch.lab.calibrate JSON: adds the calibrated frontier beside "
-        "the uncalibrated one; 'auto': the one installed for --hardware, if any; 'none': no "
-        "calibration")
+        "the uncalibrated one; 'auto': the one installed for --hardware, else the one shipped for "
+        "it (tpu-v4), if any; 'none': no calibration")
     self.out = flags.DEFINE_string("out", None, "output directory (required)")
 
 
