@@ -18,8 +18,12 @@ JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python -m pytest -q -x -p no:ca
 timeout 240 python -m launch.lab.bench_model --model small --json --dtype bfloat16 --quantize both \
   --prefill_tokens 128,512,2048 --prefill_batches 1,8 --decode_batches 1,8,64 \
   > "$OUT/bench_model.json" && tail -c 2000 "$OUT/bench_model.json"
+# The engine's decode with the Pallas attention (the default on a GPU), then with the gather path.
 timeout 240 python -m launch.lab.bench_engine --model small --json --sections decode,continuous \
   --trace_requests 64 --slots 32 > "$OUT/bench_engine.json" && tail -c 2000 "$OUT/bench_engine.json"
+PHASESERVE_PALLAS_ATTENTION=0 timeout 240 python -m launch.lab.bench_engine --model small --json \
+  --sections decode --slots 32 > "$OUT/bench_engine_gather.json" \
+  && tail -c 1000 "$OUT/bench_engine_gather.json"
 python -m launch.lab.plan --model palm-8b --hardware h200 --chips 1 --phase decode --batch 64 \
   --context 2048 --weights int8 --json > "$OUT/plan_h200.json"
 # The Pallas decode attention compiled on the GPU against the gather path it replaces: an 8B

@@ -82,7 +82,7 @@ def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
   """See the module contract; call once at start-up, before any trace."""
   import jax
   b = native(DEFAULT, env.native_kernels())
-  if jax.default_backend() == "gpu":  # no native CPU kernel runs there; decode reads in place
+  if jax.default_backend() == "gpu" and env.pallas_attention():  # decode reads pages in place
     b = dataclasses.replace(b, pallas_attention="gpu")
   choice = lowering.choose(env.measure_lowering() if measure is None else measure,
                            b.matmul_kernels, b.amx, env.cache_dir(), refresh, b.dpbf16, b.tiled)
