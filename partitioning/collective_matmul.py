@@ -8,10 +8,10 @@ the size of ``axes``, chip i its linear index over them; ``axes == ()``: the pla
     dimension is the chunk over ``axes`` of a dimension every ``w`` contracts on its first: chunk
     j meets rows ``[j c, (j + 1) c)`` of each ``w``. The chunks travel the ring (chip k sends to
     k - 1), so after s steps chip i holds chunk ``(i + s) % n``; the sums are f32.
-  * ``einsum_rs(spec, x, w, axes, backend)``: ``RS(einsum(spec, x, w))`` over ``axes`` along the
-    result's last dimension (the columns of ``w``'s last): at step s chip i computes columns
-    chunk ``(i + s + 1) % n``, adds the running sum from chip i + 1 and passes it on; after n
-    steps it holds the sum of its own chunk i.
+  * ``einsums_rs(specs, xs, ws, axes, backend)``: ``RS(sum of einsum(spec, x, w))`` over
+    ``axes`` along the result's last dimension (the columns of each ``w``'s last): at step s
+    chip i computes columns chunk ``(i + s + 1) % n`` of every einsum, adds the running sum from
+    chip i + 1 and passes it on; after n steps it holds the sum of its own chunk i.
   * Weights may be ``models.quant.QuantArray`` (rows or columns sliced with their scales).
 Numerics: the same products summed in another order (f32 accumulation).
 """
@@ -65,19 +65,24 @@ def ag_einsums(specs: Sequence[str], x: jax.Array, ws: Sequence, axes: Axes,
   return [a.astype(x.dtype) for a in accs]
 
 
-def einsum_rs(spec: str, x: jax.Array, w, axes: Axes,
-              backend: CpuBackend = CpuBackend()) -> jax.Array:
+def einsums_rs(specs: Sequence[str], xs: Sequence[jax.Array], ws: Sequence, axes: Axes,
+               backend: CpuBackend = CpuBackend()) -> jax.Array:
+  def columns(k, n: int) -> jax.Array:  # column chunk k of n of every einsum, summed in f32
+    out = jnp.zeros((), jnp.float32)
+    for spec, x, w in zip(specs, xs, ws):
+      c = w.shape[-1] // n
+      out = out + quant.einsum(spec, x, _slice(w, w.ndim - 1, k * c, c), backend).astype(
+          jnp.float32)
+    return out
+
+  dtype = xs[0].dtype
   if not axes:
-    return quant.einsum(spec, x, w, backend)
+    return columns(0, 1).astype(dtype)
   n, i = comm.axis_size(axes), comm.linear_index(axes)
-  c = w.shape[-1] // n
-  acc = None
-  for s in range(n):
-    k = (i + s + 1) % n
-    part = quant.einsum(spec, x, _slice(w, w.ndim - 1, k * c, c), backend).astype(jnp.float32)
-    acc = part if acc is None else lax.ppermute(acc, comm.axis_name(axes), _ring(n)) + part
-  assert acc is not None
-  return acc.astype(x.dtype)
+  acc = columns((i + 1) % n, n)
+  for s in range(1, n):
+    acc = lax.ppermute(acc, comm.axis_name(axes), _ring(n)) + columns((i + s + 1) % n, n)
+  return acc.astype(dtype)
 
 
-__all__ = ["ag_einsums", "einsum_rs"]
+__all__ = ["ag_einsums", "einsums_rs"]

@@ -96,13 +96,23 @@ def _embed(table, tokens_BT, plan: LayoutPlan, cfg: ModelConfig, dtype) -> jax.A
   return comm.reduce(x, 2, plan.wv, plan.we, plan.re)
 
 
+QKV = ("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh")
+
+
 def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation,
                plan: LayoutPlan,
                cfg: ModelConfig, attend_len: int, backend: CpuBackend):
-  # h: [B.rb, T, E.we], normed. Heads ids ride along every move of the heads dimension.
-  # q [B.rb, T, N.wh, H]{we}; k, v [B.rb, T, K, H]{we}
-  q, k, v = quant.einsums(("btd,dnh->btnh", "btd,dkh->btkh", "btd,dkh->btkh"), h,
-                          (layer["q"], layer["k"], layer["v"]), backend)
+  # h: [B.rb, T, E.we], normed. q [B.rb, T, N.wh, H]{we}; k, v [B.rb, T, K, H]{we}
+  q, k, v = quant.einsums(QKV, h, (layer["q"], layer["k"], layer["v"]), backend)
+  out, store = _attend(q, k, v, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg, attend_len)
+  y = quant.einsum("btnh,nhd->btd", out, layer["o"], backend)  # [B.rb, T, E.we]{wh}
+  return y, store
+
+
+def _attend(q, k, v, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: LayoutPlan,
+            cfg: ModelConfig, attend_len: int):
+  """Projections (partial over we) -> the attention output [B.rb, T, N.wh, H] before ``o``.
+  Heads ids ride along every move of the heads dimension."""
   q = comm.reduce(q, 2, plan.we, plan.wh, plan.wh + plan.q_scatter)  # [B.rb, T, N.wh+qs, H]
   ids = comm.slice_chunk(ids, 0, plan.q_scatter)
   k, v = comm.psum(k, plan.we), comm.psum(v, plan.we)  # [B.rb, T, K, H], same on head shards
@@ -129,8 +139,7 @@ def _attention(h, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotatio
     out = store.attend(l, q, pos_a, attend_len, end_a)  # [B.ab, T, N.(qh - move), H]
   out = comm.all_to_all(out, plan.move, 2, 0)  # [B.rb, T, N.wh+qs, H]
   out = comm.reshard(out, 2, plan.wh + plan.q_scatter, plan.wh)  # AG(qs): [B.rb, T, N.wh, H]
-  y = quant.einsum("btnh,nhd->btd", out, layer["o"], backend)  # [B.rb, T, E.we]{wh}
-  return y, store
+  return out, store
 
 
 def _mlp(h, layer, plan: LayoutPlan, cfg: ModelConfig, backend: CpuBackend) -> jax.Array:
@@ -149,6 +158,9 @@ def _mlp(h, layer, plan: LayoutPlan, cfg: ModelConfig, backend: CpuBackend) -> j
 def _block(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation, plan: LayoutPlan,
            cfg: ModelConfig, attend_len: int, backend: CpuBackend):
   # x: [B.rb, T, E.re]
+  if plan.looped and cfg.parallel_block:
+    return _parallel_looped(x, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg,
+                            attend_len, backend)
   h = _norm(comm.reshard(x, 2, plan.re, plan.we), layer["attn_norm"], cfg, plan.we)
   attn, store = _attention(h, layer, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg,
                            attend_len, backend)
@@ -174,12 +186,33 @@ def _mlp_looped(x, layer, plan: LayoutPlan, cfg: ModelConfig, backend: CpuBacken
   # [B.rb, T, E.re] --looped AG(wf) x W_in [E.we, F.wf]--> [B.rb, T, F.wf]{we}
   gate, up = collective_matmul.ag_einsums(("btd,df->btf",) * 2, h,
                                           (layer["gate"], layer["up"]), plan.wf, backend)
+  hid = _hidden(gate, up, plan, cfg, h.dtype)
+  # [B.rb, T, F.wf] x W_out [F.wf, E.we] --looped RS(wf)--> [B.rb, T, E.re]
+  return collective_matmul.einsums_rs(("btf,fd->btd",), (hid,), (layer["down"],), plan.wf,
+                                      backend)
+
+
+def _hidden(gate, up, plan: LayoutPlan, cfg: ModelConfig, dtype) -> jax.Array:
+  """gate, up [B.rb, T, F.wf]{we} -> the GLU's hidden [B.rb, T, F.wf]."""
   fs = plan.wf + plan.f_scatter
   gate = comm.reduce(gate, 2, plan.we, plan.wf, fs)  # --RS(we)--> [B.rb, T, F.wf+we]
   up = comm.reduce(up, 2, plan.we, plan.wf, fs)
-  hid = comm.reshard(glu(gate, up, cfg.activation, h.dtype), 2, fs, plan.wf)  # [B.rb, T, F.wf]
-  # [B.rb, T, F.wf] x W_out [F.wf, E.we] --looped RS(wf)--> [B.rb, T, E.re]
-  return collective_matmul.einsum_rs("btf,fd->btd", hid, layer["down"], plan.wf, backend)
+  return comm.reshard(glu(gate, up, cfg.activation, dtype), 2, fs, plan.wf)  # --AG(we)-->
+
+
+def _parallel_looped(x, layer, l, store: KVStore, ids, pos_BT, wpos_BT, rot_q: Rotation,
+                     plan: LayoutPlan, cfg: ModelConfig, attend_len: int, backend: CpuBackend):
+  """A parallel block (PaLM) with ws_*'s one all-gather looped into all five input einsums
+  (q, k, v, gate, up) and its one reduce-scatter into both output einsums (o, down; wh = wf)."""
+  h = _norm(x, comm.slice_chunk(layer["attn_norm"], 0, plan.wf), cfg, plan.re)
+  q, k, v, gate, up = collective_matmul.ag_einsums(
+      QKV + ("btd,df->btf",) * 2, h,
+      (layer["q"], layer["k"], layer["v"], layer["gate"], layer["up"]), plan.wf, backend)
+  out, store = _attend(q, k, v, l, store, ids, pos_BT, wpos_BT, rot_q, plan, cfg, attend_len)
+  hid = _hidden(gate, up, plan, cfg, h.dtype)
+  # [B.rb, T, N.wh, H] x o [N.wh, H, E.we] + [B.rb, T, F.wf] x down --looped RS(wf)--> E.re
+  return x + collective_matmul.einsums_rs(("btnh,nhd->btd", "btf,fd->btd"), (out, hid),
+                                          (layer["o"], layer["down"]), plan.wf, backend), store
 
 
 def _unembed(x, top, last_B, plan: LayoutPlan, cfg: ModelConfig, all_logits: bool,

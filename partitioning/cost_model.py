@@ -221,9 +221,10 @@ def validate_workload(phase: str, batch: int, context: int, weights: str) -> Non
 
 def loops_ffn(model: ModelConfig, layout: str) -> bool:
   """Whether ``--collective_matmul`` changes ``layout``'s program for ``model``: the
-  weight-stationary layouts' FFN collectives, in sequential blocks
-  (``partitioning.layouts.LayoutPlan.looped``)."""
-  return layout in ("ws_1d", "ws_2d") and not model.parallel_block
+  weight-stationary layouts' activation collectives around the FFN (a parallel block's one
+  pair, shared with attention; ``partitioning.layouts.LayoutPlan.looped``)."""
+  del model  # every preset shards heads and mlp alike under ws_*
+  return layout in ("ws_1d", "ws_2d")
 
 
 def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention: AttnLayoutName,

@@ -311,8 +311,8 @@ class LayoutPlan:
   ub: Axes
   reasons: tuple[str, ...] = ()
   # The FFN's activation all-gather (over re less we) and its reduce-scatter (over wf) looped
-  # into its first and last einsums (``partitioning.collective_matmul``): ws_1d / ws_2d,
-  # sequential blocks, when asked for.
+  # into its first and last einsums (``partitioning.collective_matmul``; a parallel block: into
+  # the attention's projections too): ws_1d / ws_2d, when asked for.
   looped: bool = False
 
   def key(self) -> tuple:
@@ -390,9 +390,9 @@ def _make_plan(cfg: ModelConfig, mesh: Mesh, ffn: FfnLayout, attn: AttnLayout,
   looped = False
   if collective_matmul:
     gathered = re[len(we):]
-    if cfg.parallel_block:
-      reasons.append("collective matmul: sequential blocks only (a parallel block's attention "
-                     "needs the gathered activations too); plain collectives")
+    if cfg.parallel_block and wh != wf:
+      reasons.append(f"collective matmul: a parallel block's heads ({''.join(wh)}) and mlp "
+                     f"({''.join(wf)}) sharded differently; plain collectives")
     elif re[:len(we)] != we or gathered != wf or size(wf) < 2:
       reasons.append(f"collective matmul: {ffn.name} gathers no activations into its FFN "
                      "(weight-stationary layouts only); plain collectives")

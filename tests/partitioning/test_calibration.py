@@ -278,7 +278,8 @@ def test_installed_calibrations_are_found_by_hardware(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="for tpu-v4, not h100"):
     cal.resolve(path, "h100")
   args = [sys.executable, "-m", "launch.lab.plan", "--model", "palm-62b", "--hardware", "tpu-v4",
-          "--chips", "8", "--phase", "decode", "--batch", "512", "--context", "2048", "--json"]
+          "--chips", "8", "--phase", "decode", "--batch", "512", "--context", "2048", "--json",
+          "--collective_matmul", "off"]  # the plain layouts, as the paper ran them
   plans = {}
   for extra in ([], ["--calibration", "none"]):
     r = subprocess.run(args + extra, cwd=ROOT, env=env, capture_output=True, text=True,

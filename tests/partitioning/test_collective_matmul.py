@@ -1,5 +1,5 @@
 """partitioning.collective_matmul: the paper's looped collective einsum (Sec. 3.5) in the
-weight-stationary FFN layouts, on 8 fake CPU devices.
+weight-stationary FFN layouts, on 8 fake CPU devices (sequential and parallel blocks).
 
 ``--collective_matmul`` loops ws_1d's and ws_2d's activation all-gather into the FFN's first
 einsums (gate, up) and its reduce-scatter into the last (down): n partial einsums with n - 1
@@ -46,12 +46,27 @@ def test_the_looped_step_permutes_and_the_plain_one_does_not(mesh8):
   assert "collective-permute" in looped and "collective-permute" not in plain
 
 
+@pytest.mark.parametrize("ffn", ["ws_1d", "ws_2d"])
+def test_a_parallel_block_loops_all_its_einsums(mesh8, ffn):
+  """PaLM's parallel block: one all-gather looped into q, k, v, gate and up, one reduce-scatter
+  into o and down; equal to the unsharded parallel-block model (f32)."""
+  from models.step import UnshardedStep
+  from models.weights import init_params
+  from models.paged_kv import init_paged
+  palm = CFG.replace(parallel_block=True)
+  params = init_params(palm, jax.random.key(0))
+  _, x, _ = _case(False)
+  kv0 = init_paged(palm, B, NP, Z, M).replace(page_table=jnp.asarray(_table()))
+  ref = _run(UnshardedStep(palm), UnshardedStep(palm), params, kv0, x)
+  step = PS.PagedShardedStep.make(palm, mesh8, ffn, "batch_xyz", collective_matmul=True)
+  assert step.plan(B).looped
+  kv = step.init_kv(B, NP, Z, M, jnp.float32).replace(page_table=jnp.asarray(_table()))
+  _check(_run(step, step, step.place_params(params), kv, x), ref, f"{ffn} parallel looped")
+
+
 def test_layouts_it_does_not_apply_to_say_why(mesh8):
   plan = make_plan(CFG, mesh8, "wg_xyz", "batch_xyz", B, collective_matmul=True)
   assert not plan.looped and any("collective matmul" in r for r in plan.reasons)
-  palm = CFG.replace(parallel_block=True)
-  plan = make_plan(palm, mesh8, "ws_2d", "heads", B, collective_matmul=True)
-  assert not plan.looped and any("sequential blocks only" in r for r in plan.reasons)
   assert make_plan(CFG, mesh8, "ws_2d", "heads", B).key() != make_plan(
       CFG, mesh8, "ws_2d", "heads", B, collective_matmul=True).key()
 
@@ -59,8 +74,9 @@ def test_layouts_it_does_not_apply_to_say_why(mesh8):
 def test_the_cost_model_hides_the_looped_collectives_under_the_ffn():
   """With ``collective_matmul`` the FFN's activation all-gather and reduce-scatter of ws_1d /
   ws_2d hide under the FFN's matmul time (only the excess stays exposed); nothing else changes,
-  and a parallel-block model (PaLM: not looped) or a weight-gathered layout costs the same. The
-  planner reports both variants when asked for both (``collective_matmul=None``)."""
+  and a weight-gathered layout costs the same; a parallel-block model (PaLM: its one pair of
+  collectives looped) gains too. The planner reports both variants when asked for both
+  (``collective_matmul=None``)."""
   from models.config import get_preset
   from partitioning import cost_model, planner
   from partitioning.hardware import get_hardware
@@ -75,9 +91,12 @@ def test_the_cost_model_hides_the_looped_collectives_under_the_ffn():
     assert (looped.compute_s, looped.weight_mem_s, looped.hbm_bytes_per_chip) == (
         plain.compute_s, plain.weight_mem_s, plain.hbm_bytes_per_chip)
     assert looped.comm_s >= looped.all_to_all_s  # only the FFN's part is hidden
-  same = [cost_model.step_cost(mm, hw, lay, "heads", (2, 2, 2), *args, collective_matmul=cm)
-          for mm, lay in ((get_preset("palm-8b"), "ws_2d"), (m, "wg_xyz")) for cm in (0, 1)]
-  assert same[0] == same[1] and same[2] == same[3]
+  same = [cost_model.step_cost(m, hw, "wg_xyz", "heads", (2, 2, 2), *args,
+                                collective_matmul=cm) for cm in (False, True)]
+  assert same[0] == same[1]
+  palm = [cost_model.step_cost(get_preset("palm-8b"), hw, "ws_2d", "heads", (2, 2, 2), *args,
+                               collective_matmul=cm) for cm in (False, True)]
+  assert palm[1].latency_s < palm[0].latency_s
   both = planner.plan(m, hw, 8, *args, meshes=[(2, 2, 2)], collective_matmul=None)
   ws = [(c.layout, c.attention, c.collective_matmul) for c in both.candidates
         if c.layout.startswith("ws")]
