@@ -47,14 +47,17 @@ def test_the_looped_step_permutes_and_the_plain_one_does_not(mesh8):
 
 
 @pytest.mark.parametrize("ffn", ["ws_1d", "ws_2d"])
-def test_a_parallel_block_loops_all_its_einsums(mesh8, ffn):
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+def test_a_parallel_block_loops_all_its_einsums(mesh8, ffn, quantized):
   """PaLM's parallel block: one all-gather looped into q, k, v, gate and up, one reduce-scatter
-  into o and down; equal to the unsharded parallel-block model (f32)."""
+  into o and down; equal to the unsharded parallel-block model."""
   from models.step import UnshardedStep
-  from models.weights import init_params
+  from models.weights import init_params, quantize
   from models.paged_kv import init_paged
   palm = CFG.replace(parallel_block=True)
   params = init_params(palm, jax.random.key(0))
+  if quantized:
+    params = quantize(params, palm)
   _, x, _ = _case(False)
   kv0 = init_paged(palm, B, NP, Z, M).replace(page_table=jnp.asarray(_table()))
   ref = _run(UnshardedStep(palm), UnshardedStep(palm), params, kv0, x)
