@@ -219,11 +219,10 @@ def validate_workload(phase: str, batch: int, context: int, weights: str) -> Non
     raise ValueError(f"context must be >= {1 if phase == 'prefill' else 0} for {phase}")
 
 
-def loops_ffn(model: ModelConfig, layout: str) -> bool:
-  """Whether ``--collective_matmul`` changes ``layout``'s program for ``model``: the
-  weight-stationary layouts' activation collectives around the FFN (a parallel block's one
-  pair, shared with attention; ``partitioning.layouts.LayoutPlan.looped``)."""
-  del model  # every preset shards heads and mlp alike under ws_*
+def loops_ffn(layout: str) -> bool:
+  """Whether ``--collective_matmul`` changes ``layout``'s program: the weight-stationary
+  layouts' activation collectives around the FFN (a parallel block's one pair, shared with
+  attention; ``partitioning.layouts.LayoutPlan.looped``)."""
   return layout in ("ws_1d", "ws_2d")
 
 
@@ -323,7 +322,7 @@ def step_cost(model: ModelConfig, hw: Hardware, layout: FfnLayoutName, attention
   kv_flops = model.num_layers * 2.0 * tokens * e * 2 * model.num_kv_heads * model.head_dim
   redundant = kv_flops * (1.0 / kv_split - 1.0 / n)  # per chip, beyond its even share
   compute_s = (flops / n + redundant) / hw.peak_flops_bf16
-  if collective_matmul and loops_ffn(model, layout):
+  if collective_matmul and loops_ffn(layout):
     # The FFN's share of the matmul FLOPs (gate, up, down of E x F each) is the time its looped
     # collectives can hide under; what they need beyond it stays exposed.
     glu_mats = 3 if model.activation in ("swiglu", "geglu") else 2

@@ -181,7 +181,7 @@ def plan(model: ModelConfig, hardware: Hardware, chips: int, phase: Phase, batch
           if reason is not None:
             dropped.append(Dropped(layout, attention, mesh, reason))
             continue
-          loops = cost_model.loops_ffn(model, layout)
+          loops = cost_model.loops_ffn(layout)
           variants = [False, True] if collective_matmul is None and loops else \
               [bool(collective_matmul) and loops]
           for looped in variants:
