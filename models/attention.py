@@ -115,7 +115,8 @@ def written_seen(end_B: jax.Array, s: int) -> jax.Array:
 
 
 def zero_unseen(v_BKSH: jax.Array, seen_BS: jax.Array) -> jax.Array:
-  """Values of keys no query of the row can see, zeroed (fused into the read's copy)."""
+  """Values where ``seen_BS`` is false (a row's keys past its written end) zeroed, fused into
+  the read's copy."""
   return jnp.where(seen_BS[:, None, :, None], v_BKSH, jnp.zeros((), v_BKSH.dtype))
 
 

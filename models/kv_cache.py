@@ -11,8 +11,8 @@ Contract:
     k_BTKH, v_BTKH)``, ``read(layer, attend_len) -> (k_BKSH, v_BKSH)``,
     ``attend(layer, q_BTNH, pos_BT, attend_len, end_B=None) -> [B, T, N, H]``
     (``models.attention.attend`` over the first ``attend_len`` positions, values at or past
-    the row's written end ``end_B`` zeroed (``written_end(wpos_BT)``; default: past the last
-    query), or the native paged attention where the store's backend allows it) and
+    the row's written end ``end_B`` zeroed (``written_end(wpos_BT, pos_BT)``; default: past
+    the last query), or the native paged attention where the store's backend allows it) and
     ``replace(**fields)``.
   * ``chunk_positions(lengths_B, start_B, lens_B, t, max_len)``: one chunk's absolute and write
     positions (padding routed to ``PAD_POS``, which every store drops), last valid index and
