@@ -2,7 +2,8 @@
 (AMX, AVX512-BF16, tiled) raced against the path its rows would otherwise take, per weight
 format, at start-up only.
 
-Contract: ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
+Contract: ``measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill, float_max, dp)``
+-> (min, max) rows of AMX on a bf16 ``[N, K]`` weight; ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
 stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
 (min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
 the shared race of a kernel given as ``(x, w) -> y``; ``measure_attention(meas, rounds)`` -> the
@@ -30,6 +31,34 @@ def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, floa
   ``cpu_kernels.matmul_amx_group``."""
   return measure_kernel("amx", lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0], meas,
                          rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, rows)
+
+
+def measure_amx_nk(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
+                   float_prefill: str, float_max: int, dp: tuple[int, int],
+                   rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+                   ) -> tuple[int, int]:
+  """AMX on a bf16 ``[N, K]`` weight (``[4n, k]``: the tied unembedding's shape class) vs the
+  router's path without it at each of ``rows``: the AVX512-BF16 ``[N, K]`` kernel in its range
+  ``dp``, else the native float kernel up to ``float_max`` rows, else XLA's dot. Returns the
+  (min, max) rows (``win_range``)."""
+  key = jax.random.key(0)
+  ws = weight_stack(lambda kk: jax.random.normal(kk, (4 * n, k), jnp.bfloat16), stream_bytes,
+                    4 * n * k * 2)
+  fa = jax.jit(lambda x, ws: chain(cpu_kernels.matmul_amx_nk, x, ws))
+  new, other = {}, {}
+  for m in rows:
+    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+    if dp[0] <= m <= dp[1] and dp[1]:
+      inc = cpu_kernels.matmul_dpbf16_nk
+    elif m <= float_max:
+      inc = lambda y, w: cpu_kernels.matmul_float_nk(y.astype(jnp.float32), w)
+    else:
+      inc = lambda y, w: float_dot(y, w, False, float_prefill)
+    fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
+    r = race({"amx": lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
+    new[m], other[m] = r["amx"], r["incumbent"]
+    meas[f"amx_nk_bf16_{m}rows"] = r
+  return win_range(new, other)
 
 
 def measure_dpbf16(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,

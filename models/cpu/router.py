@@ -133,16 +133,18 @@ def _native_kernel(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> str 
 def _amx_rows(mm: Matmul, x_dtype, w: quant.Stored, be: CpuBackend) -> bool:
   """Whether the AMX kernel computes this product: bf16 activations, a ``[K, N]`` bf16 or
   weight-only int8 weight, and a row count in the policy's range for that weight. An ``[N, K]``
-  weight (the tied unembedding) only when weight-only int8 and past the native kernel's rows,
-  where the alternative converts the whole table for XLA's dot on every call (measured ~10x
-  slower than AMX on the Xeon; bf16 ``[N, K]`` tied with XLA's dot and stays there)."""
+  weight (the tied unembedding): bf16 with the rows in the policy's ``amx_nk`` range (raced at
+  start-up), or weight-only int8 past the native kernel's rows, where the alternative converts
+  the whole table for XLA's dot on every call (measured ~10x slower than AMX on the Xeon)."""
   if x_dtype != jnp.bfloat16:
     return False
-  if not mm.w_kn:
-    return (isinstance(w, quant.QuantArray) and not w.act_quant
-            and be.policy.int8_nk_native_max_rows < mm.m <= be.policy.amx_int8_max_rows
-            and be.amx)
   p = be.policy
+  if not mm.w_kn:
+    if isinstance(w, quant.QuantArray):
+      return (not w.act_quant and be.amx
+              and p.int8_nk_native_max_rows < mm.m <= p.amx_int8_max_rows)
+    return (be.amx and w.dtype == jnp.dtype(jnp.bfloat16)
+            and p.amx_nk_min_rows <= mm.m <= p.amx_nk_max_rows and p.amx_nk_max_rows > 0)
   return be.amx and _in_range(mm, w, (p.amx_min_rows, p.amx_max_rows),
                               (p.amx_int8_min_rows, p.amx_int8_max_rows))
 
@@ -201,9 +203,8 @@ def _native_product(kernel: str, mm: Matmul, w: quant.Stored, be: CpuBackend) ->
     return _dpbf16_products([mm], [w])[0]
   if kernel == "dpbf16_nk":
     return _scaled([cpu_kernels.matmul_dpbf16_nk(mm.x2, _raw(mm, w))], [mm], [w])[0]
-  if kernel == "amx_nk":  # weight-only int8 [N, K]
-    assert isinstance(w, quant.QuantArray)
-    return cpu_kernels.matmul_amx_nk(mm.x2, _weight_2d(mm, w.quant)) * w.scale.reshape(1, mm.n)
+  if kernel == "amx_nk":  # bf16 or weight-only int8 [N, K]
+    return _scaled([cpu_kernels.matmul_amx_nk(mm.x2, _raw(mm, w))], [mm], [w])[0]
   x32 = mm.x2.astype(jnp.float32)
   if kernel in ("float", "float_nk"):
     fn = cpu_kernels.matmul_float if mm.w_kn else cpu_kernels.matmul_float_nk

@@ -6,6 +6,7 @@ bad groups refused; and the policy's range rule. Skipped where the CPU has no AM
 machines): there the kernel is never chosen (``amx_available()`` is False)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
                                reason="no AMX on this CPU (or the OS refused its tile state)")
 AMX = dataclasses.replace(NATIVE, policy=dataclasses.replace(
     cpu_lowering.DEFAULT, amx_min_rows=4, amx_max_rows=96, amx_int8_min_rows=4,
-    amx_int8_max_rows=96))
+    amx_int8_max_rows=96, amx_nk_min_rows=4, amx_nk_max_rows=96))
 
 
 def _rel_err(got, ref) -> float:
@@ -113,6 +114,10 @@ def test_einsums_on_amx_equal_xla(quantize, rows):
   calls = _amx_calls(make(AMX), x, h)
   # In the range [4, 96]: one grouped call for q / k / v and one for down; outside it none.
   assert calls == (2 if 4 <= rows <= 96 else 0)
+  # The tied table: bf16 in the amx_nk range; int8 past the native [N, K] kernel's rows.
+  nk_calls = jax.jit(make(AMX)).lower(x, h).compile().as_text().count("phaseserve_amx_matmul_nk")
+  int8_nk = AMX.policy.int8_nk_native_max_rows < rows <= AMX.policy.amx_int8_max_rows
+  assert nk_calls == (int8_nk if quantize else 4 <= rows <= 96)
   for g, r in zip(got, ref):
     assert g.dtype == jnp.bfloat16 and g.shape == r.shape
     # Both are f32 sums of exact products rounded once to bf16: within a few bf16 ulps.
@@ -128,7 +133,8 @@ def test_amx_routing_rules():
   x16 = jnp.ones((16, 64), jnp.bfloat16)
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, AMX), x16) == 1
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8, AMX), x16) == 1
-  # Not: f32 activations (AMX would round them to bf16), W8A8, an [N, K] weight, too few rows.
+  # Not: f32 activations (AMX would round them to bf16), W8A8, too few rows; an [N, K] weight
+  # not through the [K, N] kernel.
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, AMX),
                     x16.astype(jnp.float32)) == 0
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_w8a8, AMX), x16) == 0
@@ -142,6 +148,16 @@ def test_amx_routing_rules():
   assert jax.jit(nk).lower(x24).compile().as_text().count("phaseserve_amx_matmul_nk") == 1
   assert jax.jit(nk).lower(x16[:AMX.policy.int8_nk_native_max_rows]).compile().as_text().count(
       "phaseserve_amx_matmul_nk") == 0
+  # bf16 [N, K]: rows in the policy's amx_nk range (raced at start-up); not outside it.
+  t_bf16 = w_bf16.T
+  nk16 = lambda x, p=AMX.policy: quant.einsum(  # noqa: E731
+      "MK,NK->MN", x, t_bf16, dataclasses.replace(AMX, policy=p))
+  nk_calls = lambda x, **kw: jax.jit(functools.partial(  # noqa: E731
+      nk16, p=dataclasses.replace(AMX.policy, **kw))).lower(x).compile().as_text().count(
+          "phaseserve_amx_matmul_nk")
+  assert nk_calls(x16) == 1
+  assert nk_calls(x16, amx_nk_max_rows=0) == 0
+  assert nk_calls(x16[:3]) == 0 and nk_calls(x24, amx_nk_max_rows=16) == 0
   off = dataclasses.replace(AMX, policy=dataclasses.replace(AMX.policy, amx_max_rows=0))
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_bf16, off), x16) == 0
   assert _amx_calls(lambda x: quant.einsum("MK,KN->MN", x, w_int8, off), x16) == 1

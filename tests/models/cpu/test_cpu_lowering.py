@@ -78,12 +78,14 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
     assert p.attention_prefetch_l2 == (not att["l1"] * (1 + cpu_lowering.MARGIN) < att["l2"])
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
   amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
+  amx_keys |= {f"amx_nk_bf16_{m}rows" for m in (1, 4, 8, 16, 32, 64, 128, 256, 512)}
   if native and amx:
     assert amx_keys <= set(r["measurements"])
     assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx_keys)
   else:
     assert not amx_keys & set(r["measurements"])
-    assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows) == (0,) * 4
+    assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows,
+            p.amx_nk_min_rows, p.amx_nk_max_rows) == (0,) * 6
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
     stored = json.load(f)[r["key"]]
