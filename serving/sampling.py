@@ -143,14 +143,31 @@ class SamplingArrays:
         f32(r.repetition_penalty for r in rows), bias_ids, bias, f32(r.min_p for r in rows))))
 
 
+def _argmax_blocks(v: int) -> int:
+  """Blocks of ``argmax``'s two-level search over ``v`` ids: the divisor of ``v`` whose block
+  is nearest 2,048 ids, between 512 and 4,096; 1 (one level) where none is."""
+  cands = [n for n in range(max(1, v // 4096), v // 512 + 1) if v % n == 0 and n > 1]
+  return min(cands, key=lambda n: abs(v // n - 2048), default=1)
+
+
 def argmax(logits_BV: jax.Array) -> jax.Array:
-  """First index of the row maximum, int32 [B]. Two plain reductions: XLA:CPU lowers
-  ``jnp.argmax`` to a variadic reduce that is ~9x slower (0.15 vs 0.02 ms at B=1, V=32000)."""
-  v = logits_BV.shape[-1]
-  m_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
-  iota = jnp.arange(v, dtype=jnp.int32)
-  idx_B = jnp.min(jnp.where(logits_BV == m_B1, iota, v), axis=-1)
-  return jnp.minimum(idx_B, v - 1).astype(jnp.int32)  # an all-NaN row gives v - 1, not v
+  """First index of the row maximum, int32 [B]; a row holding a NaN gives ``v - 1`` (a valid
+  id). Plain reductions: XLA:CPU lowers ``jnp.argmax`` to a variadic reduce that is ~9x slower
+  (0.15 vs 0.02 ms at B=1, V=32000). Two levels where ``v`` splits into blocks
+  (``_argmax_blocks``): the blocks' maxima, then the first index in the first block holding
+  the maximum; one pass over the logits instead of two (B=64, V=49,152 on the Xeon: 0.8 vs
+  1.4 ms; inside the sampler, where the logits are read by more than the search, more)."""
+  b, v = logits_BV.shape
+  nb = _argmax_blocks(v)
+  s = v // nb
+  x_BNS = logits_BV.reshape(b, nb, s)
+  m_BN = jnp.max(x_BNS, axis=-1)
+  m_B1 = jnp.max(m_BN, axis=-1, keepdims=True)
+  blk_B = jnp.min(jnp.where(m_BN == m_B1, jnp.arange(nb, dtype=jnp.int32), nb), axis=-1)
+  blk_B = jnp.minimum(blk_B, nb - 1)
+  row_BS = jnp.take_along_axis(x_BNS, blk_B[:, None, None], axis=1)[:, 0]
+  j_B = jnp.min(jnp.where(row_BS == m_B1, jnp.arange(s, dtype=jnp.int32), s), axis=-1)
+  return jnp.where(j_B < s, blk_B * s + j_B, v - 1).astype(jnp.int32)
 
 
 def _gumbel_argmax(keys_B: jax.Array, z_BN: jax.Array) -> jax.Array:

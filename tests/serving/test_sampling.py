@@ -148,6 +148,27 @@ def test_argmax_matches_numpy_including_ties():
   assert int(argmax(jnp.full((1, 7), jnp.nan))[0]) == 6  # stays a valid id
 
 
+@pytest.mark.parametrize("v", [8192, 49152, 50257])
+def test_two_level_argmax_is_the_first_index_of_the_maximum(v):
+  from serving.sampling import _argmax_blocks
+  nb = _argmax_blocks(v)
+  assert nb > 1 and v % nb == 0  # these sizes take the two-level search
+  s = v // nb
+  rng = np.random.default_rng(v)
+  x = rng.standard_normal((8, v)).astype(np.float32)
+  x[1, [s - 1, s, 3 * s]] = 9.0  # a tie across blocks: the first block's id
+  x[2, [s + 5, s + 6]] = 9.0  # a tie inside a block
+  x[3, -1] = 9.0  # the last id
+  x[4] = -np.inf  # nothing but -inf: id 0, as np.argmax
+  x[5, 7] = 9.0
+  got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+  np.testing.assert_array_equal(got[:6], np.argmax(x[:6], -1))
+  x[6, s + 3] = np.nan  # a NaN anywhere: the last id (a valid id), as the one-level search
+  x[7, :] = np.nan
+  got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+  assert got[6] == got[7] == v - 1
+
+
 def _mixed_batch(rng: np.random.Generator, v: int = 3000
                  ) -> tuple[np.ndarray, list[SamplingParams]]:
   params = [SamplingParams(0.0, top_k=5, top_p=0.5),  # greedy, filters ignored
