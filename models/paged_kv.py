@@ -212,7 +212,8 @@ class PagedKV:
       return cpu_paged_attention.attend_paged(q_BTNH, self.k_pages, self.v_pages,
                                               self.page_table, pos_BT, layer, attend_len,
                                               self.backend.paged_bf16_dot,
-                                              self.backend.policy.attention_prefetch_l2)
+                                              self.backend.policy.attention_prefetch_l2,
+                                              self.backend.amx)
     if self.sink_pool:
       out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len, end_B)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys

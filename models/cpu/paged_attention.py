@@ -15,6 +15,11 @@ Contract:
   * ``attend_paged(q_BTNH, ...)``: the same, called as ``models.attention.attend`` is.
   * ``prefetch_l2``: where the next page is prefetched (L2, else L1; the backend policy's
     ``attention_prefetch_l2``, raced at start-up); the outputs do not depend on it.
+  * ``amx_blocks`` (only where AMX is available and granted: ``CpuBackend.amx``): rows of one
+    sequence at consecutive positions (a prefill chunk, a token a row) run in blocks of up to 16
+    on AMX tiles (``native/attention_blocks.h``), each page read once a block; bf16 pages on
+    the ``bf16_dot`` path only, head size and page size multiples of 32; the same numerics as
+    that path (q and the probabilities rounded to bf16), up to summation order.
   * Numerics: f32 products and sums, online softmax: the gather path up to summation order;
     ``bf16_dot`` (int8 pools, or bf16 pools with a bf16 query) rounds q and the probabilities
     to bf16 (relative error ~1e-3).
@@ -22,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import ctypes
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +40,34 @@ Pages = jax.Array | QuantArray  # as models.paged_kv.Pages (int8 values + float3
 
 _TARGET = "phaseserve_paged_decode_attention"
 _FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-          "-mavx512bf16"]
+          "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]  # AMX only runs under amx_blocks
 MAX_GROUP = 16
+
+
+def _lib():
+  return native_build.load("paged_attention", tuple(_FLAGS), frozenset({"avx512f"}),
+                           ((_TARGET, "PhaseservePagedDecodeAttention"),))
 
 
 def available() -> bool:
   """True when the kernel is loaded (see the module contract); builds on the first call."""
-  return native_build.load("paged_attention", tuple(_FLAGS), frozenset({"avx512f"}),
-                           ((_TARGET, "PhaseservePagedDecodeAttention"),)) is not None
+  return _lib() is not None
+
+
+def block_rows(pos_R: np.ndarray, table_RM: np.ndarray) -> np.ndarray:
+  """The ``amx_blocks`` path's plan for rows at ``pos_R`` through ``table_RM`` (the kernel's own
+  function): ``[R]`` int64, the rows of the unit starting at each row (1: the row path), 0
+  inside a block. Call only when ``available()``."""
+  pos = np.ascontiguousarray(pos_R, np.int32)
+  table = np.ascontiguousarray(table_RM, np.int32)
+  out = np.zeros(pos.shape[0], np.int64)
+  lib = _lib()
+  assert lib is not None, "block_rows needs the native kernel"
+  ptr = lambda a, t: a.ctypes.data_as(ctypes.POINTER(t))  # noqa: E731
+  lib.phaseserve_attention_blocks(ptr(pos, ctypes.c_int32), ptr(table, ctypes.c_int32),
+                                  ctypes.c_int64(pos.shape[0]), ctypes.c_int64(table.shape[1]),
+                                  ptr(out, ctypes.c_int64))
+  return out
 
 
 def bf16_dot_supported() -> bool:
@@ -57,7 +83,8 @@ def supported(n_heads: int, kv_heads: int, head_dim: int, dtype) -> bool:
 
 def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
                      pos_B: jax.Array, layer: int | jax.Array, max_keys: int,
-                     bf16_dot: bool = False, prefetch_l2: bool = True) -> jax.Array:
+                     bf16_dot: bool = False, prefetch_l2: bool = True,
+                     amx_blocks: bool = False) -> jax.Array:
   """See the module contract (call only when ``available()`` and ``supported(...)``)."""
   b, n, h = q_BNH.shape
   if isinstance(k_pages, QuantArray) and isinstance(v_pages, QuantArray):
@@ -78,12 +105,14 @@ def decode_attention(q_BNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM:
               pos_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
               max_keys=np.int64(max_keys),
               bf16_dot=np.int32(1 if _dot_path(bf16_dot, q_BNH.dtype, k_arr.dtype) else 0),
-              prefetch_l2=np.int32(1 if prefetch_l2 else 0))
+              prefetch_l2=np.int32(1 if prefetch_l2 else 0),
+              amx_blocks=np.int32(1 if amx_blocks else 0))
 
 
 def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: jax.Array,
                  pos_BT: jax.Array, layer: int | jax.Array, max_keys: int,
-                 bf16_dot: bool = False, prefetch_l2: bool = True) -> jax.Array:
+                 bf16_dot: bool = False, prefetch_l2: bool = True,
+                 amx_blocks: bool = False) -> jax.Array:
   """``models.attention.attend`` of every query of a chunk over a pool read through
   ``table_BM`` (``[B, T, N, H]`` in q's dtype; q scaled by ``H ** -0.5`` and rounded to its
   dtype as ``attend`` does): query t of row b is one row of ``decode_attention`` at position
@@ -95,7 +124,7 @@ def attend_paged(q_BTNH: jax.Array, k_pages: Pages, v_pages: Pages, table_BM: ja
   q_RNH = (q_BTNH.reshape(b * t, n, h).astype(jnp.float32) * (h ** -0.5)).astype(q_BTNH.dtype)
   table_RM = table_BM if t == 1 else jnp.repeat(table_BM, t, axis=0)  # R = B * T rows
   out_RNH = decode_attention(q_RNH, k_pages, v_pages, table_RM, pos_BT.reshape(b * t), layer,
-                             max_keys, bf16_dot, prefetch_l2)
+                             max_keys, bf16_dot, prefetch_l2, amx_blocks)
   return out_RNH.reshape(b, t, n, h).astype(q_BTNH.dtype)
 
 
@@ -109,5 +138,5 @@ def _dot_path(bf16_dot: bool, q_dtype, pages_dtype) -> bool:
       jnp.dtype(q_dtype) == jnp.dtype(jnp.bfloat16))
 
 
-__all__ = ["available", "bf16_dot_supported", "supported", "decode_attention", "attend_paged",
+__all__ = ["available", "block_rows", "bf16_dot_supported", "supported", "decode_attention", "attend_paged",
            "MAX_GROUP"]

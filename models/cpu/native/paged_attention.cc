@@ -107,6 +107,12 @@ inline void finish(float* o, const float* acc, const float* lrun, int64_t H) {
   }
 }
 
+// A unit of work of the block path (attention_blocks.h): rows [r0, r0 + n) of the call for kv
+// head kh (n == 1: the row path's item r0 * K + kh).
+struct Unit {
+  int64_t r0, n, kh;
+};
+
 struct Job {
   const float* q;
   const void* k;
@@ -120,6 +126,7 @@ struct Job {
   int64_t parts;
   bool dp;
   bool pf_l2;  // the next page's prefetch into L2 (else L1): chosen per machine at start-up
+  std::vector<Unit> units;  // the block path's work (attention_blocks.h); empty: items
   std::atomic<int64_t> next{0};     // the next work item to hand out
   std::atomic<int64_t> started{0};  // helpers that began taking items
   std::atomic<int64_t> finished{0};  // helpers that stopped
@@ -435,6 +442,38 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
   }
 }
 
+#include "attention_blocks.h"
+
+// The block path's units (bf16 pages, bf16 dot products, AMX): blocks on tiles, single rows as
+// items of the row path.
+template <int G>
+void run_units(const std::shared_ptr<Job>& jp, float* s, float* acc, const uint16_t* zeros) {
+  const Job& j = *jp;
+  const std::vector<Unit>& units = j.units;
+  const int64_t nu = int64_t(units.size());
+  std::vector<uint16_t> qb(G * j.H);
+  std::vector<uint32_t> pp(G * j.Z / 2);
+  std::unique_ptr<BlockScratch> bs;
+  auto item_of = [&](int64_t k) { return units[k].r0 * j.K + units[k].kh; };
+  for (int64_t it = jp->next.fetch_add(1); it < nu;) {
+    const int64_t nxt = jp->next.fetch_add(1);
+    const Unit& u = units[it];
+    if (u.n == 1) {
+      const int64_t next_item = nxt < nu && units[nxt].n == 1 ? item_of(nxt) : j.B * j.K;
+      item_bf16<uint16_t, G>(j, item_of(it), next_item, s, acc, zeros, qb.data(), pp.data(),
+                             nullptr, nullptr);
+    } else {
+      if (!bs) {
+        bs = std::make_unique<BlockScratch>(G, j.H, j.Z);
+        configure_block_tiles();
+      }
+      block_item<G>(j, u, *bs, zeros);
+    }
+    it = nxt;
+  }
+  if (bs) _tile_release();
+}
+
 template <typename T, int G>
 void run_items(const std::shared_ptr<Job>& jp) {
   const Job& j = *jp;
@@ -461,6 +500,10 @@ void run_items(const std::shared_ptr<Job>& jp) {
   }
   std::vector<T> zeros(j.Z * j.H, T(0));
   if constexpr (sizeof(T) == 2) {
+    if (j.dp && !j.units.empty()) {
+      run_units<G>(jp, s.data(), acc.data(), zeros.data());
+      return;
+    }
     if (j.dp) {
       std::vector<uint16_t> qb(G * j.H);
       std::vector<uint32_t> pp(G * j.Z / 2);
@@ -506,7 +549,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
                                     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> pos,
                                     ffi::Buffer<ffi::S32> layer_buf,
                                     ffi::ResultBuffer<ffi::F32> out, int64_t max_keys,
-                                    int32_t bf16_dot, int32_t prefetch_l2) {
+                                    int32_t bf16_dot, int32_t prefetch_l2, int32_t amx_blocks) {
   const int64_t layer = layer_buf.element_count() == 1 ? int64_t(*layer_buf.typed_data()) : -1;
   auto qd = q.dimensions();
   auto kd = k.dimensions();
@@ -531,6 +574,10 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   const bool bf16 = et == ffi::BF16;
   j.dp = (bf16 || et == ffi::S8) && bf16_dot && j.Z % 16 == 0 && j.H % 32 == 0;
   j.pf_l2 = prefetch_l2 != 0;
+  if (amx_blocks && bf16 && j.dp && j.H % 32 == 0 && j.Z % 32 == 0) {
+    j.units = plan_units(j.pos, j.table, j.B, j.M, j.K);
+    if (int64_t(j.units.size()) == j.B * j.K) j.units.clear();  // no block: the items
+  }
   if (!bf16 && et != ffi::F32 && et != ffi::S8)
     return ffi::Error::InvalidArgument(
         "phaseserve_paged_decode_attention: pages f32, bf16 or s8");
@@ -539,7 +586,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     return ffi::Error::InvalidArgument(
         "phaseserve_paged_decode_attention: s8 pages need scales [L, P, K, Z, 1]");
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  j.parts = std::max<int64_t>(1, std::min<int64_t>(threads, j.B * j.K));
+  const int64_t n_work = j.units.empty() ? j.B * j.K : int64_t(j.units.size());
+  j.parts = std::max<int64_t>(1, std::min<int64_t>(threads, n_work));
   auto run = [et](const std::shared_ptr<Job>& jp, bool as_helper) {
     if (et == ffi::BF16) as_helper ? helper<uint16_t>(jp) : work<uint16_t>(jp);
     else if (et == ffi::S8) as_helper ? helper<int8_t>(jp) : work<int8_t>(jp);
@@ -552,6 +600,14 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }
 
 }  // namespace
+
+// The block path's plan (plan_units, one kv head) for pos [B] and table [B, M]: n_out[r] is the
+// rows of the unit that starts at row r (1: a single row), 0 inside a block. For tests.
+extern "C" void phaseserve_attention_blocks(const int32_t* pos, const int32_t* table, int64_t B,
+                                            int64_t M, int64_t* n_out) {
+  std::fill(n_out, n_out + B, 0);
+  for (const Unit& u : plan_units(pos, table, B, M, 1)) n_out[u.r0] = u.n;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseservePagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
@@ -567,4 +623,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseservePagedDecodeAttention, PagedDecodeAttenti
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("max_keys")
                                   .Attr<int32_t>("bf16_dot")
-                                  .Attr<int32_t>("prefetch_l2"));
+                                  .Attr<int32_t>("prefetch_l2")
+                                  .Attr<int32_t>("amx_blocks"));
