@@ -213,7 +213,8 @@ class PagedKV:
                                               self.page_table, pos_BT, layer, attend_len,
                                               self.backend.paged_bf16_dot,
                                               self.backend.policy.attention_prefetch_l2,
-                                              self.backend.amx)
+                                              self.backend.amx
+                                              and self.backend.policy.attention_amx_blocks)
     if self.sink_pool:
       out_BTNH = self._attend_sinks(layer, q_BTNH, pos_BT, attend_len, end_B)
       if self.rings_only(n):  # decode: rows without a window through the kernel, all keys

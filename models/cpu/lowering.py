@@ -34,7 +34,7 @@ from jax import lax
 
 from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
-VERSION = 11
+VERSION = 12
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -83,6 +83,9 @@ class CpuPolicy:
   # The native paged attention prefetches the next page into L2 (else L1). DEFAULT: the AMD
   # EPYC Zen 4 (L2 1.4-1.7x faster there); measured where the kernel is available.
   attention_prefetch_l2: bool = True
+  # Prefill chunks through the paged attention's AMX blocks (models/cpu/native/
+  # attention_blocks.h) rather than a row a token; raced where AMX is (DEFAULT: no AMX).
+  attention_amx_blocks: bool = False
 
   @property
   def tiles_pairs(self) -> bool:
@@ -421,8 +424,11 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
 
   # The paged attention's prefetch target, where its kernel loads.
   attention_prefetch_l2 = DEFAULT.attention_prefetch_l2
+  attention_amx_blocks = False
   if native:
     attention_prefetch_l2 = lowering_kernels.measure_attention(meas, rounds)
+    if amx:
+      attention_amx_blocks = lowering_kernels.measure_attention_blocks(meas, rounds)
 
   policy = CpuPolicy(float_prefill=float_prefill, f32_prefill=f32_prefill,
                      float_native_max_rows=float_max,
@@ -437,5 +443,6 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
                      tiled_min_rows=tiled_bf16[0], tiled_max_rows=tiled_bf16[1],
                      tiled_int8_min_rows=tiled_int8[0], tiled_int8_max_rows=tiled_int8[1],
                      tiled_w8a8_min_rows=tiled_w8a8[0], tiled_w8a8_max_rows=tiled_w8a8[1],
-                     attention_prefetch_l2=attention_prefetch_l2)
+                     attention_prefetch_l2=attention_prefetch_l2,
+                     attention_amx_blocks=attention_amx_blocks)
   return policy, meas, time.perf_counter() - t0

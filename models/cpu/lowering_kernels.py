@@ -7,7 +7,8 @@ Contract: ``measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill, floa
 stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
 (min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
 the shared race of a kernel given as ``(x, w) -> y``; ``measure_attention(meas, rounds)`` -> the
-paged attention's prefetch target (True: L2); ``measure_tiled_w8a8`` -> the W8A8 tiled kernel's
+paged attention's prefetch target (True: L2); ``measure_attention_blocks(meas, rounds)`` -> whether
+its AMX blocks take prefill chunks; ``measure_tiled_w8a8`` -> the W8A8 tiled kernel's
 (min, max) rows.
 """
 
@@ -211,3 +212,35 @@ def measure_attention(meas: dict, rounds: int, rows: int = 16, keys: int = 200,
   r = race({"l2": calls(True), "l1": calls(False)}, 2 * rounds)  # a 10-70% effect
   meas[f"attention_prefetch_{rows}rows_{keys}keys"] = r
   return not r["l1"] * (1 + MARGIN) < r["l2"]
+
+
+def measure_attention_blocks(meas: dict, rounds: int, tokens: int = 128, layers: int = 8
+                             ) -> bool:
+  """The paged attention's AMX blocks against its row path on one prefill chunk of ``tokens``
+  from position 0 (SmolLM2's attention shape, bf16 pages of 64), ``layers`` calls a timing;
+  the blocks when faster by ``MARGIN``. Call only where AMX is available; False without the
+  kernel's bf16 dot path (the blocks' precondition)."""
+  if not (paged_attention.available() and paged_attention.bf16_dot_supported()):
+    return False
+  n, k, h, z = 9, 3, 64, 64
+  m = -(-tokens // z)
+  key = jax.random.key(0)
+  k_pages = jax.random.normal(key, (layers, m, k, z, h), jnp.bfloat16)
+  v_pages = jax.random.normal(jax.random.key(1), (layers, m, k, z, h), jnp.bfloat16)
+  table = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (tokens, m))
+  pos = jnp.arange(tokens, dtype=jnp.int32)
+  q = jax.random.normal(key, (tokens, n, h), jnp.bfloat16) * h ** -0.5
+
+  def calls(blocks: bool):
+    @jax.jit
+    def f(q, k_pages, v_pages):
+      out = jnp.zeros(q.shape, jnp.float32)
+      for layer in range(layers):
+        out += paged_attention.decode_attention(q, k_pages, v_pages, table, pos, layer, m * z,
+                                                True, amx_blocks=blocks)
+      return out
+    return lambda: f(q, k_pages, v_pages)
+
+  r = race({"blocks": calls(True), "rows": calls(False)}, rounds)
+  meas[f"attention_blocks_{tokens}tokens"] = r
+  return r["blocks"] * (1 + MARGIN) < r["rows"]

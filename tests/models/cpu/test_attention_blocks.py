@@ -116,8 +116,9 @@ def test_a_chunk_through_blocks_equals_the_reference(t, start, n, kh, h, z):
 
 @needs_amx
 def test_the_engine_prefill_takes_blocks_and_matches_the_row_path():
-  """``PagedKV.attend`` passes ``amx_blocks`` where the backend has AMX: a two-sequence chunk
-  (rows of unequal starts) gives the row path's outputs within the tolerance."""
+  """``PagedKV.attend`` passes ``amx_blocks`` where the backend has AMX and its policy chose the
+  blocks: a two-sequence chunk (rows of unequal starts) gives the row path's outputs within
+  the tolerance, and the compiled call carries the switch."""
   rng = np.random.default_rng(7)
   b, t, n, kh, h, z, m = 2, 20, 9, 3, 64, 64, 4
   p = b * m + 2
@@ -127,13 +128,16 @@ def test_the_engine_prefill_takes_blocks_and_matches_the_row_path():
   start = np.asarray([0, 37], np.int32)
   pos_BT = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
   q = jnp.asarray(rng.standard_normal((b, t, n, h)) * 0.5, jnp.bfloat16)
-  native = dataclasses.replace(NATIVE, paged_bf16_dot=True, amx=True)
+  native = dataclasses.replace(NATIVE, paged_bf16_dot=True, amx=True, policy=dataclasses.replace(
+      NATIVE.policy, attention_amx_blocks=True))
   outs = []
   for backend in (native, dataclasses.replace(native, amx=False)):
     kv = PK.PagedKV(k_pages=k, v_pages=v, page_table=table, lengths=jnp.asarray(start),
                     backend=backend)
     assert kv.native_attention(n, t)
-    outs.append(np.asarray(jax.jit(kv.attend, static_argnums=(0, 3))(1, q, pos_BT, m * z),
-                           np.float64))
+    fn = jax.jit(kv.attend, static_argnums=(0, 3))
+    hlo = fn.lower(1, q, pos_BT, m * z).as_text()
+    assert ("amx_blocks = 1" in hlo) == backend.amx, hlo[-2000:]
+    outs.append(np.asarray(fn(1, q, pos_BT, m * z), np.float64))
   ref = outs[1]
   assert np.max(np.abs(outs[0] - ref)) <= TOL * max(1.0, np.max(np.abs(ref)))

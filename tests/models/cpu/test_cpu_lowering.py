@@ -79,13 +79,20 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
   amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
   amx_keys |= {f"amx_nk_bf16_{m}rows" for m in (1, 4, 8, 16, 32, 64, 128, 256, 512)}
+  blocks_key = "attention_blocks_128tokens"  # the AMX attention blocks against the rows
   if native and amx:
     assert amx_keys <= set(r["measurements"])
     assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx_keys)
+    if cpa.available() and cpa.bf16_dot_supported():
+      blocks = r["measurements"][blocks_key]
+      assert set(blocks) == {"blocks", "rows"}
+      assert p.attention_amx_blocks == (blocks["blocks"] * (1 + cpu_lowering.MARGIN)
+                                        < blocks["rows"])
   else:
-    assert not amx_keys & set(r["measurements"])
+    assert not (amx_keys | {blocks_key}) & set(r["measurements"])
     assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows,
             p.amx_nk_min_rows, p.amx_nk_max_rows) == (0,) * 6
+    assert not p.attention_amx_blocks
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
     stored = json.load(f)[r["key"]]
