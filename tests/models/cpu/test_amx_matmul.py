@@ -37,11 +37,15 @@ def _amx_calls(fn, *args) -> int:
 
 # Rows across the 16- and 32-row tile blocks (1, 17, 33, 64), K off the 32-row K step (100,
 # 31), N off the 16- and 32-column tiles (33, 17) and wider than one chunk (1536; 20000 with a
-# short K), and a group of several widths.
+# short K), and a group of several widths; prefill-sized rows (>= 256: the whole-K loop, each
+# C block written straight to y or through its buffer where it crosses row M or column N),
+# including a K whose whole-K panel is a single 32-column chunk (K 8000).
 @needs_amx
 @pytest.mark.parametrize("wdtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("m,k,ns", [(1, 576, (576, 192, 192)), (17, 100, (33, 64)),
-                                    (33, 31, (17,)), (64, 1536, (576,)), (5, 40, (20000, 48))])
+                                    (33, 31, (17,)), (64, 1536, (576,)), (5, 40, (20000, 48)),
+                                    (256, 576, (1536, 192)), (300, 100, (33, 700)),
+                                    (257, 8000, (40,))])
 def test_amx_group_equals_the_products(wdtype, m, k, ns):
   rng = np.random.default_rng(m + k)
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
