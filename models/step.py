@@ -112,9 +112,11 @@ class UnshardedStep:
     params = jax.device_put(params, jax.local_devices()[0])
     be = self.backend
     pairs = be.tiled and be.policy.tiles_pairs
+    amx_tiles = be.amx and be.policy.amx_tiled_max_rows > 0  # bf16 copies AMX reads as tiles
     w8a8 = be.tiled_w8a8 and be.policy.tiled_w8a8_max_rows > 0
-    if pairs or w8a8:
-      params = tile_params(params, self.cfg, pairs=pairs, w8a8=w8a8)
+    if pairs or amx_tiles or w8a8:
+      params = tile_params(params, self.cfg, pairs=pairs or amx_tiles, w8a8=w8a8,
+                           int8=pairs and be.policy.tiled_int8_max_rows > 0)
     return params
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:

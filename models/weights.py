@@ -151,11 +151,11 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
 
 
 
-def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool = True
-                ) -> Params:
+def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool = True,
+                int8: bool = True) -> Params:
   """Every matmul weight a tiled kernel takes as a ``TiledArray`` (its tiles contracted as
-  ``ArrayInfo`` says): bf16 and weight-only int8 ones where ``pairs`` (AVX512-BF16), W8A8 ones
-  where ``w8a8`` (AVX512-VNNI); the rest as it is."""
+  ``ArrayInfo`` says): bf16 ones where ``pairs`` (AVX512-BF16 or AMX), weight-only int8 ones
+  where ``pairs`` and ``int8``, W8A8 ones where ``w8a8`` (AVX512-VNNI); the rest as it is."""
   infos = param_infos(cfg)
   stacked = is_stacked(params)
   if stacked:  # one info per stacked leaf, its axes after the leading [L]
@@ -166,7 +166,8 @@ def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool
       return w
     tiled_w8a8 = isinstance(w, QuantArray) and w.act_quant
     if not (w8a8 if tiled_w8a8 else pairs) or (
-        not isinstance(w, QuantArray) and w.dtype != jnp.bfloat16):
+        not isinstance(w, QuantArray) and w.dtype != jnp.bfloat16) or (
+        isinstance(w, QuantArray) and not tiled_w8a8 and not int8):
       return w
     return _tiler(info.contract_axes, layered)(w)
 

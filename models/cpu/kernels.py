@@ -189,6 +189,7 @@ def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> ja
 
 _AMX_GROUP_TARGET = "phaseserve_amx_matmul_group"
 _AMX_NK_TARGET = "phaseserve_amx_matmul_nk"
+_AMX_TILED_TARGET = "phaseserve_amx_tiled_group"
 _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512fp16",
               "-mamx-tile", "-mamx-bf16"]
 AMX_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
@@ -201,7 +202,8 @@ def amx_available() -> bool:
   return native_build.load(
       "amx_matmul", tuple(_AMX_FLAGS),
       frozenset({"amx_tile", "amx_bf16", "avx512bw", "avx512vl", "avx512_fp16"}),
-      ((_AMX_GROUP_TARGET, "PhaseserveAmxMatmulGroup"), (_AMX_NK_TARGET, "PhaseserveAmxMatmulNK")),
+      ((_AMX_GROUP_TARGET, "PhaseserveAmxMatmulGroup"), (_AMX_NK_TARGET, "PhaseserveAmxMatmulNK"),
+       (_AMX_TILED_TARGET, "PhaseserveAmxTiledGroup")),
       init="phaseserve_amx_init", optional=True) is not None
 
 
@@ -212,6 +214,25 @@ def matmul_amx_group(x_MK: jax.Array, ws_KN: Sequence[jax.Array]) -> list[jax.Ar
   ``preferred_element_type=f32`` up to summation order (call only when ``amx_available()``)."""
   return _group_call(_AMX_GROUP_TARGET, "matmul_amx_group", x_MK, ws_KN, jnp.bfloat16,
                      AMX_WEIGHT_DTYPES)
+
+
+def matmul_amx_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence[int]
+                           ) -> list[jax.Array]:
+  """``matmul_amx_group`` on bf16 weights given as ``tile_weight(w)`` (``quant.TiledArray``'s
+  copy, which for ``K % 32 == 0`` is a sequence of AMX B tiles: nothing re-laid per call), with
+  ``w``'s column counts ``ns`` (call only when ``amx_available()``)."""
+  m, k = x_MK.shape
+  if (x_MK.dtype != jnp.bfloat16 or k % 32 or not tiles or len(tiles) != len(ns)
+      or any(t.dtype != jnp.bfloat16 or t.shape != (-(-n // TILE_COLUMNS), k // 2,
+                                                     2 * TILE_COLUMNS)
+             for t, n in zip(tiles, ns))):
+    raise ValueError(f"matmul_amx_tiled_group wants bf16 [M, K] (K % 32 == 0) and bf16 "
+                     f"[ceil(N/16), K/2, 32] tiles, got {x_MK.shape} {x_MK.dtype}, "
+                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
+  call = jax.ffi.ffi_call(_AMX_TILED_TARGET,
+                          [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
+                          vmap_method="sequential")
+  return list(call(x_MK, *tiles))
 
 
 def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:

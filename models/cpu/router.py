@@ -267,10 +267,23 @@ def _tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
                                 2 * cpu_kernels.TILE_COLUMNS))
 
 
-def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
-                    ) -> list[jax.Array]:
+def _amx_tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+  """Whether AMX computes this product straight from the weight's tiled copy (which is a
+  sequence of AMX B tiles when ``K % 32 == 0``): a ``TiledArray`` with bf16 tiles of this
+  product's ``[K, N]``, bf16 activations, rows in the policy's ``amx_tiled`` range."""
+  p = be.policy
+  return (isinstance(w, quant.TiledArray) and _on_cpu() and be.amx
+          and x_dtype == jnp.bfloat16 and w.tiles.dtype == jnp.bfloat16 and mm.k % 32 == 0
+          and p.amx_tiled_max_rows > 0 and p.amx_tiled_min_rows <= mm.m <= p.amx_tiled_max_rows
+          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), mm.k // 2,
+                                2 * cpu_kernels.TILE_COLUMNS))
+
+
+def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
+                    amx: bool = False) -> list[jax.Array]:
   tws = [w for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
-  kernel = (cpu_kernels.matmul_tiled_w8a8_group if tws[0].tiles.dtype == jnp.uint8
+  kernel = (cpu_kernels.matmul_amx_tiled_group if amx
+            else cpu_kernels.matmul_tiled_w8a8_group if tws[0].tiles.dtype == jnp.uint8
             else cpu_kernels.matmul_tiled_group)
   y2s = kernel(mms[0].x2, [w.tiles for w in tws], [mm.n for mm in mms])
   y2s = _scaled(y2s, mms, [w.array for w in tws])
@@ -278,6 +291,8 @@ def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight]
 
 
 def matmul(mm: Matmul, x_dtype, w: quant.Weight, backend: CpuBackend) -> jax.Array:
+  if _amx_tiled_rows(mm, x_dtype, w, backend):
+    return _tiled_products([mm], x_dtype, [w], amx=True)[0]
   if _tiled_rows(mm, x_dtype, w, backend):
     return _tiled_products([mm], x_dtype, [w])[0]
   sw = quant.stored(w)
@@ -292,6 +307,9 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
   """The products of one activation with several weights in ONE native call, when every one
   would go to the same native ``[K, N]`` kernel with weights of one dtype; else None."""
   same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
+  if (len(ws) >= 2 and same_x
+      and all(_amx_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))):
+    return _tiled_products(mms, x_dtype, ws, amx=True)
   if (len(ws) >= 2 and same_x and len({w.tiles.dtype for w in ws
                                        if isinstance(w, quant.TiledArray)}) == 1
       and all(_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))):

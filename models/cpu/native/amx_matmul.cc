@@ -299,6 +299,8 @@ const uint16_t* padded_x(const uint16_t* x, int64_t M, int64_t K, int64_t Mp, in
   return xb;
 }
 
+#include "amx_tiled.h"
+
 template <typename W>
 void amx_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
                const std::vector<Weight>& ws) {
@@ -458,6 +460,13 @@ extern "C" int phaseserve_amx_init() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveAmxMatmulGroup, AmxMatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveAmxTiledGroup, AmxTiledGroupImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()

@@ -1,6 +1,6 @@
 """The AMX kernel (``cpu_kernels.matmul_amx_group``) and how ``models.quant`` routes to it: the
 product of bf16 activations with bf16 or int8 ``[K, N]`` weights against an f64 reference for
-shapes off every tile boundary; ``einsum`` / ``einsums`` under a policy that enables it equal
+shapes off every tile boundary (also from tiled copies: ``matmul_amx_tiled_group``); ``einsum`` / ``einsums`` under a policy that enables it equal
 XLA's dot; the routing rules (bf16 activations, ``[K, N]``, weight-only int8, the row range);
 bad groups refused; and the policy's range rule. Skipped where the CPU has no AMX (the AMD EPYC
 machines): there the kernel is never chosen (``amx_available()`` is False)."""
@@ -194,3 +194,99 @@ def test_decode_step_on_amx_equals_xla(quantize):
   assert hlo.count("phaseserve_amx_matmul_group") >= 3 * get_preset("tiny").num_layers
   # bf16 activations rounded at every layer on both sides, sums in different orders.
   assert _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32)) < 2 ** -5
+
+
+# Rows across the 16- and 32-row blocks and past 64 (1, 17, 33, 64, 100, 300), N off the 16-
+# and 32-column tiles (40: an odd count of column tiles; 17), a group of several widths.
+@needs_amx
+@pytest.mark.parametrize("m,k,ns", [(1, 576, (576, 192, 192)), (17, 64, (40,)),
+                                    (33, 96, (17, 1536)), (64, 1536, (576,)), (100, 32, (48,)),
+                                    (300, 576, (1536,))])
+def test_amx_tiled_group_equals_the_products(m, k, ns):
+  rng = np.random.default_rng(m * 7 + k)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  ws = [jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16) for n in ns]
+  got = jax.jit(cpu_kernels.matmul_amx_tiled_group, static_argnums=2)(
+      x, [cpu_kernels.tile_weight(w) for w in ws], tuple(ns))
+  assert [g.shape for g in got] == [(m, n) for n in ns]
+  for g, w in zip(got, ws):
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert _rel_err(g, ref) < 1e-5
+
+
+@needs_amx
+def test_amx_tiled_refuses_what_it_cannot_read():
+  x = jnp.ones((4, 48), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K % 32"):  # K off the 32-row K step
+    cpu_kernels.matmul_amx_tiled_group(x, [cpu_kernels.tile_weight(jnp.ones((48, 16)))], [16])
+  x = jnp.ones((4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="bf16"):  # int8 tiles
+    cpu_kernels.matmul_amx_tiled_group(
+        x, [cpu_kernels.tile_weight(jnp.ones((64, 16), jnp.int8))], [16])
+
+
+AMX_TILED = dataclasses.replace(AMX, policy=dataclasses.replace(
+    AMX.policy, amx_tiled_min_rows=8, amx_tiled_max_rows=64))
+
+
+@needs_amx
+def test_amx_tiled_routing_rules():
+  """A ``TiledArray`` with bf16 tiles goes to AMX on its tiles for bf16 activations in the
+  policy's ``amx_tiled`` rows (grouped: one call); other rows read the stored weight (AMX's
+  panel kernel in its range); f32 activations and K off 32 never."""
+  rng = np.random.default_rng(3)
+  a = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+  w = quant.TiledArray(a, cpu_kernels.tile_weight(a))
+  tiled_calls = lambda fn, x: jax.jit(fn).lower(x).compile().as_text().count(  # noqa: E731
+      "phaseserve_amx_tiled_group")
+  one = lambda x: quant.einsum("MK,KN->MN", x, w, AMX_TILED)  # noqa: E731
+  two = lambda x: quant.einsums(["MK,KN->MN"] * 2, x, [w, w], AMX_TILED)  # noqa: E731
+  x16 = jnp.ones((16, 64), jnp.bfloat16)
+  assert tiled_calls(one, x16) == 1 and tiled_calls(two, x16) == 1
+  assert tiled_calls(one, x16[:4]) == 0 and _amx_calls(one, x16[:4]) == 1  # below: the panel
+  assert tiled_calls(one, jnp.ones((65, 64), jnp.bfloat16)) == 0
+  assert tiled_calls(one, x16.astype(jnp.float32)) == 0
+  np.testing.assert_allclose(np.asarray(jax.jit(one)(x16), np.float32),
+                             np.asarray(quant.einsum("MK,KN->MN", x16, w.array, XLA_ONLY),
+                                        np.float32), rtol=2 ** -7)
+  k48 = quant.TiledArray(jnp.ones((48, 32), jnp.bfloat16),
+                         cpu_kernels.tile_weight(jnp.ones((48, 32), jnp.bfloat16)))
+  assert tiled_calls(lambda x: quant.einsum("MK,KN->MN", x, k48, AMX_TILED),
+                     jnp.ones((16, 48), jnp.bfloat16)) == 0
+
+
+@needs_amx
+def test_decode_step_on_amx_tiles_equals_xla():
+  """A whole decode step of the tiny model at 24 rows from tiled copies: every [K, N] matmul
+  on AMX's tiled path against XLA's dots."""
+  got, ref, hlo = decode_step_vs_xla(AMX_TILED, False, tile=True)
+  assert hlo.count("phaseserve_amx_tiled_group") >= 3 * get_preset("tiny").num_layers
+  assert "phaseserve_amx_matmul_group" not in hlo
+  assert _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32)) < 2 ** -5
+
+
+@needs_amx
+@pytest.mark.parametrize("quantize", [False, True])
+def test_placement_makes_amx_tiles_for_bf16_weights_only(quantize):
+  """Without the AVX512-BF16 tiled kernel, AMX's tiled rows alone make the copies: every bf16
+  matmul weight of the step is a ``TiledArray``; weight-only int8 ones are left as stored (AMX
+  reads only bf16 tiles)."""
+  from models import weights
+  from models.step import UnshardedStep
+  cfg = get_preset("tiny")
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights.init_params(cfg, jax.random.key(0)))
+  if quantize:
+    params = weights.quantize(params, cfg)
+  be = dataclasses.replace(AMX_TILED, tiled=False)
+  placed = UnshardedStep(cfg, backend=be).place_params(params)
+  leaves = jax.tree.leaves(placed["layers"], is_leaf=lambda w: isinstance(
+      w, (quant.TiledArray, quant.QuantArray)))
+  tiled = [w for w in leaves if isinstance(w, quant.TiledArray)]
+  if quantize:
+    assert not tiled
+  else:
+    assert len(tiled) >= 7 * cfg.num_layers and all(w.tiles.dtype == jnp.bfloat16 for w in tiled)
+  none = UnshardedStep(cfg, backend=dataclasses.replace(be, policy=dataclasses.replace(
+      be.policy, amx_tiled_max_rows=0))).place_params(params)
+  assert not any(isinstance(w, quant.TiledArray) for w in jax.tree.leaves(
+      none, is_leaf=lambda w: isinstance(w, quant.TiledArray)))

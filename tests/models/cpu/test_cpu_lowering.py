@@ -78,11 +78,13 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
     assert p.attention_prefetch_l2 == (not att["l1"] * (1 + cpu_lowering.MARGIN) < att["l2"])
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
   amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
-  amx_keys |= {f"amx_nk_bf16_{m}rows" for m in (1, 4, 8, 16, 32, 64, 128, 256, 512)}
+  amx_keys |= {f"amx_{kind}_bf16_{m}rows" for kind in ("nk", "tiled")
+               for m in (1, 4, 8, 16, 32, 64, 128, 256, 512)}
   blocks_key = "attention_blocks_128tokens"  # the AMX attention blocks against the rows
   if native and amx:
     assert amx_keys <= set(r["measurements"])
-    assert all(set(r["measurements"][k]) == {"amx", "incumbent"} for k in amx_keys)
+    assert all(set(r["measurements"][k]) in ({"amx", "incumbent"}, {"amx_tiled", "incumbent"})
+               for k in amx_keys)
     if cpa.available() and cpa.bf16_dot_supported():
       blocks = r["measurements"][blocks_key]
       assert set(blocks) == {"blocks", "rows"}
@@ -91,7 +93,8 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   else:
     assert not (amx_keys | {blocks_key}) & set(r["measurements"])
     assert (p.amx_min_rows, p.amx_max_rows, p.amx_int8_min_rows, p.amx_int8_max_rows,
-            p.amx_nk_min_rows, p.amx_nk_max_rows) == (0,) * 6
+            p.amx_nk_min_rows, p.amx_nk_max_rows, p.amx_tiled_min_rows,
+            p.amx_tiled_max_rows) == (0,) * 8
     assert not p.attention_amx_blocks
   json.dumps(r)  # JSON-able
   with open(os.path.join(tmp_path, cpu_lowering.CACHE_FILE)) as f:
