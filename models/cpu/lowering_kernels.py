@@ -50,6 +50,7 @@ def measure_amx_nk(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
   new, other = {}, {}
   for m in rows:
     xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+    inc: Callable[[jax.Array, jax.Array], jax.Array]
     if dp[0] <= m <= dp[1] and dp[1]:
       inc = cpu_kernels.matmul_dpbf16_nk
     elif m <= float_max:
