@@ -221,18 +221,8 @@ def matmul_amx_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequ
   """``matmul_amx_group`` on bf16 weights given as ``tile_weight(w)`` (``quant.TiledArray``'s
   copy, which for ``K % 32 == 0`` is a sequence of AMX B tiles: nothing re-laid per call), with
   ``w``'s column counts ``ns`` (call only when ``amx_available()``)."""
-  m, k = x_MK.shape
-  if (x_MK.dtype != jnp.bfloat16 or k % 32 or not tiles or len(tiles) != len(ns)
-      or any(t.dtype != jnp.bfloat16 or t.shape != (-(-n // TILE_COLUMNS), k // 2,
-                                                     2 * TILE_COLUMNS)
-             for t, n in zip(tiles, ns))):
-    raise ValueError(f"matmul_amx_tiled_group wants bf16 [M, K] (K % 32 == 0) and bf16 "
-                     f"[ceil(N/16), K/2, 32] tiles, got {x_MK.shape} {x_MK.dtype}, "
-                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
-  call = jax.ffi.ffi_call(_AMX_TILED_TARGET,
-                          [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
-                          vmap_method="sequential")
-  return list(call(x_MK, *tiles))
+  return _tiled_call(_AMX_TILED_TARGET, "matmul_amx_tiled_group", x_MK, tiles, ns,
+                     (jnp.dtype(jnp.bfloat16),), 32)
 
 
 def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:
@@ -319,18 +309,27 @@ def matmul_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence
   ``tiled_available()``; int8: the raw values, the caller applies the scales): bf16 products
   (exact in f32), f32 sums, so XLA's bf16 dot with ``preferred_element_type=f32`` up to
   summation order."""
+  return _tiled_call(_TILED_GROUP_TARGET, "matmul_tiled_group", x_MK, tiles, ns,
+                     AMX_WEIGHT_DTYPES, 1)
+
+
+def _tiled_call(target: str, name: str, x_MK: jax.Array, tiles: Sequence[jax.Array],
+                ns: Sequence[int], dtypes: tuple, k_multiple: int) -> list[jax.Array]:
+  """One call of a tiled-weight FFI target: bf16 ``x_MK`` times ``tile_weight`` copies of one
+  dtype among ``dtypes`` (``[ceil(N/16), ceil(K/2), 32]`` for the column counts ``ns``), K a
+  multiple of ``k_multiple``; f32 ``[M, N]`` results. Bad operands raise ``ValueError``."""
   m, k = x_MK.shape
   p = -(-k // 2)
-  if (x_MK.dtype != jnp.bfloat16 or not tiles or len(tiles) != len(ns)
-      or tiles[0].dtype not in AMX_WEIGHT_DTYPES
+  if (x_MK.dtype != jnp.bfloat16 or k % k_multiple or not tiles or len(tiles) != len(ns)
+      or tiles[0].dtype not in dtypes
       or any(t.dtype != tiles[0].dtype
              or t.shape != (-(-n // TILE_COLUMNS), p, 2 * TILE_COLUMNS)
              for t, n in zip(tiles, ns))):
-    raise ValueError(f"matmul_tiled_group wants bf16 [M, K] and [ceil(N/16), ceil(K/2), 32] "
-                     f"tiles of one dtype (bf16|int8), got {x_MK.shape} {x_MK.dtype}, "
-                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
-  call = jax.ffi.ffi_call(_TILED_GROUP_TARGET,
-                          [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
+    raise ValueError(f"{name} wants bf16 [M, K] (K % {k_multiple} == 0) and "
+                     f"[ceil(N/16), ceil(K/2), 32] tiles of one dtype "
+                     f"({'|'.join(jnp.dtype(d).name for d in dtypes)}), got {x_MK.shape} "
+                     f"{x_MK.dtype}, {[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
+  call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
                           vmap_method="sequential")
   return list(call(x_MK, *tiles))
 

@@ -35,6 +35,25 @@ def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, floa
                          rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, rows)
 
 
+def _bf16_incumbent(m: int, float_max: int, float_prefill: str, dp: tuple[int, int],
+                    amx: tuple[int, int] = (0, 0), w_kn: bool = True
+                    ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The product the router gives ``m`` rows of bf16 activations and a bf16 weight (``[K, N]``
+  where ``w_kn``, else ``[N, K]``) without the kernel being raced: AMX re-laying the weight in
+  its range ``amx``, else AVX512-BF16 in ``dp``, else the native float kernel up to
+  ``float_max`` rows, else XLA's dot lowered as ``float_prefill``."""
+  if amx[1] and amx[0] <= m <= amx[1]:
+    return (lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]) if w_kn else (
+        cpu_kernels.matmul_amx_nk)
+  if dp[1] and dp[0] <= m <= dp[1]:
+    return (lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]) if w_kn else (
+        cpu_kernels.matmul_dpbf16_nk)
+  if m <= float_max:
+    fn = cpu_kernels.matmul_float if w_kn else cpu_kernels.matmul_float_nk
+    return lambda y, w: fn(y.astype(jnp.float32), w)
+  return lambda y, w: float_dot(y, w, w_kn, float_prefill)
+
+
 def measure_amx_nk(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
                    float_prefill: str, float_max: int, dp: tuple[int, int],
                    rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -50,13 +69,7 @@ def measure_amx_nk(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
   new, other = {}, {}
   for m in rows:
     xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-    inc: Callable[[jax.Array, jax.Array], jax.Array]
-    if dp[0] <= m <= dp[1] and dp[1]:
-      inc = cpu_kernels.matmul_dpbf16_nk
-    elif m <= float_max:
-      inc = lambda y, w: cpu_kernels.matmul_float_nk(y.astype(jnp.float32), w)
-    else:
-      inc = lambda y, w: float_dot(y, w, False, float_prefill)
+    inc = _bf16_incumbent(m, float_max, float_prefill, dp, w_kn=False)
     fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
     r = race({"amx": lambda: fa(xm, ws), "incumbent": lambda: fo(xm, ws)}, rounds)
     new[m], other[m] = r["amx"], r["incumbent"]
@@ -82,14 +95,7 @@ def measure_amx_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int
   new, other = {}, {}
   for m in rows:
     xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-    if amx[0] <= m <= amx[1] and amx[1]:
-      inc = lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]
-    elif dp[0] <= m <= dp[1] and dp[1]:
-      inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]
-    elif m <= float_max:
-      inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)
-    else:
-      inc = lambda y, w: float_dot(y, w, True, float_prefill)
+    inc = _bf16_incumbent(m, float_max, float_prefill, dp, amx)
     fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
     r = race({"amx_tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
     new[m], other[m] = r["amx_tiled"], r["incumbent"]
@@ -235,19 +241,25 @@ def measure_attention(meas: dict, rounds: int, rows: int = 16, keys: int = 200,
   q = jax.random.normal(key, (rows, n, h), jnp.bfloat16) * h ** -0.5
   dot = paged_attention.bf16_dot_supported()
 
-  def calls(l2: bool):
-    @jax.jit
-    def f(q, k_pages, v_pages):
-      out = jnp.zeros(q.shape, jnp.float32)
-      for layer in range(layers):
-        out += paged_attention.decode_attention(q, k_pages, v_pages, table, pos, layer, m * z,
-                                                dot, prefetch_l2=l2)
-      return out
-    return lambda: f(q, k_pages, v_pages)
-
+  calls = lambda l2: _layer_calls(q, k_pages, v_pages, table, pos, layers, m * z,  # noqa: E731
+                                   bf16_dot=dot, prefetch_l2=l2)
   r = race({"l2": calls(True), "l1": calls(False)}, 2 * rounds)  # a 10-70% effect
   meas[f"attention_prefetch_{rows}rows_{keys}keys"] = r
   return not r["l1"] * (1 + MARGIN) < r["l2"]
+
+
+def _layer_calls(q, k_pages, v_pages, table, pos, layers: int, max_keys: int, **kw
+                 ) -> Callable[[], jax.Array]:
+  """One timing of the paged attention: a jitted call over ``layers`` layers of the pool (the
+  kernel's switches in ``kw``)."""
+  @jax.jit
+  def f(q, k_pages, v_pages):
+    out = jnp.zeros(q.shape, jnp.float32)
+    for layer in range(layers):
+      out += paged_attention.decode_attention(q, k_pages, v_pages, table, pos, layer, max_keys,
+                                              **kw)
+    return out
+  return lambda: f(q, k_pages, v_pages)
 
 
 def measure_attention_blocks(meas: dict, rounds: int, tokens: int = 128, layers: int = 8
@@ -267,16 +279,8 @@ def measure_attention_blocks(meas: dict, rounds: int, tokens: int = 128, layers:
   pos = jnp.arange(tokens, dtype=jnp.int32)
   q = jax.random.normal(key, (tokens, n, h), jnp.bfloat16) * h ** -0.5
 
-  def calls(blocks: bool):
-    @jax.jit
-    def f(q, k_pages, v_pages):
-      out = jnp.zeros(q.shape, jnp.float32)
-      for layer in range(layers):
-        out += paged_attention.decode_attention(q, k_pages, v_pages, table, pos, layer, m * z,
-                                                True, amx_blocks=blocks)
-      return out
-    return lambda: f(q, k_pages, v_pages)
-
+  calls = lambda blocks: _layer_calls(q, k_pages, v_pages, table, pos, layers,  # noqa: E731
+                                       m * z, bf16_dot=True, amx_blocks=blocks)
   r = race({"blocks": calls(True), "rows": calls(False)}, rounds)
   meas[f"attention_blocks_{tokens}tokens"] = r
   return r["blocks"] * (1 + MARGIN) < r["rows"]

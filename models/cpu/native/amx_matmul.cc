@@ -46,27 +46,16 @@ constexpr int64_t kWholeKRows = 256;
 // Xeon, 16 rows ahead into L3 streamed 15-19 GB/s per thread, 6 rows ahead into L1 14-16.
 constexpr int64_t kPrefetchRows = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows x 64 bytes: tmm0-3 C (16 x 16 f32), tmm4-5 A (16 x 32 bf16), tmm6-7 B.
-void configure_tiles() {
-  TileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+// Tiles: tmm0-3 C, tmm4-5 A, tmm6-7 B.
+#include "amx_tile_config.h"
 
 #include "group_args.h"
+
+#include "run_parts.h"
+
+const uint16_t* padded_x(const uint16_t* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp);
+
+#include "amx_tiled.h"
 
 struct Chunk {
   int g;
@@ -179,69 +168,19 @@ void tile_block(const uint16_t* xb, int64_t Kp, int64_t m0, const uint16_t* pane
   }
 }
 
-// Prefill-sized products (Mp >= kWholeKRows): C rows [m0, m0 + 16 A) x the 32 columns of the
-// panel's column tiles t, t + 1 over every K step (the panel holds the chunk's whole K), kept in
-// the tiles from the first step to the last and written once to y (row stride N; through a
-// small buffer where the block crosses row M or column N).
-template <int A>
-void tile_block_y(const uint16_t* xb, int64_t Kp, int64_t m0, const uint16_t* panel, int64_t t,
-                  int64_t S, float* y, int64_t M, int64_t N, int64_t col) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (A == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const uint16_t* b0 = panel + t * S * 512;
-  const uint16_t* b1 = b0 + S * 512;
-  const uint16_t* a0 = xb + m0 * Kp;
-  const uint16_t* a1 = a0 + 16 * Kp;
-  for (int64_t s = 0; s < S; ++s) {
-    _tile_loadd(6, b0 + s * 512, 64);
-    _tile_loadd(7, b1 + s * 512, 64);
-    _tile_loadd(4, a0 + s * 32, Kp * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (A == 2) {
-      _tile_loadd(5, a1 + s * 32, Kp * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  if (m0 + 16 * A <= M && col + 32 <= N) {
-    float* c = y + m0 * N + col;
-    _tile_stored(0, c, N * 4);
-    _tile_stored(1, c + 16, N * 4);
-    if (A == 2) {
-      _tile_stored(2, c + 16 * N, N * 4);
-      _tile_stored(3, c + 16 * N + 16, N * 4);
-    }
-    return;
-  }
-  alignas(64) float cb[32 * 32];
-  _tile_stored(0, cb, 128);
-  _tile_stored(1, cb + 16, 128);
-  if (A == 2) {
-    _tile_stored(2, cb + 16 * 32, 128);
-    _tile_stored(3, cb + 16 * 32 + 16, 128);
-  }
-  const int64_t rows = std::min<int64_t>(16 * A, M - m0), cols = std::min<int64_t>(32, N - col);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (m0 + r) * N + col, cb + r * 32, cols * 4);
-}
-
-// A chunk of a prefill-sized product: its whole K re-laid into the panel once, then every
-// 32-row block of x times every pair of column tiles (tile_block_y).
+// A chunk of a prefill-sized product (Mp >= kWholeKRows): its whole K re-laid into the panel
+// once, then every 32-row block of x times every pair of column tiles, each C block kept in its
+// tiles over all of K and written once to y (amx_tiled.h's tiled_block on the panel).
 template <typename W>
 void run_chunk_whole_k(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t S,
                        const Weight& wt, const Chunk& c, uint16_t* panel) {
   const int64_t Kp = S * 32;
   repack<W>(static_cast<const W*>(wt.w), K, wt.N, c.c0, c.cw, 0, S, panel);
+  const TiledWeight pw{panel, wt.N, c.cw / 16, wt.y};  // the panel holds the chunk's tiles
   for (int64_t m0 = 0; m0 < Mp; m0 += 32)
     for (int64_t t = 0; t < c.cw / 16; t += 2) {
-      if (Mp - m0 >= 32)
-        tile_block_y<2>(xb, Kp, m0, panel, t, S, wt.y, M, wt.N, c.c0 + t * 16);
-      else
-        tile_block_y<1>(xb, Kp, m0, panel, t, S, wt.y, M, wt.N, c.c0 + t * 16);
+      if (Mp - m0 >= 32) tiled_block<2, 2>(xb, Kp, m0, M, pw, t, S, false, c.c0);
+      else tiled_block<1, 2>(xb, Kp, m0, M, pw, t, S, false, c.c0);
     }
 }
 
@@ -269,7 +208,6 @@ void run_chunk(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t S, 
     std::memcpy(wt.y + m * wt.N + c.c0, acc + m * c.cw, nv * sizeof(float));
 }
 
-#include "run_parts.h"
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
@@ -298,8 +236,6 @@ const uint16_t* padded_x(const uint16_t* x, int64_t M, int64_t K, int64_t Mp, in
   std::memset(xb + M * Kp, 0, (Mp - M) * Kp * 2);
   return xb;
 }
-
-#include "amx_tiled.h"
 
 template <typename W>
 void amx_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,

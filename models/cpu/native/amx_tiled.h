@@ -1,5 +1,6 @@
 // AMX products on weights already laid out as B tiles, for amx_matmul.cc (inlined by
-// models.cpu.build.source; needs its padded_x, configure_tiles and run_parts).
+// models.cpu.build.source; needs its padded_x, configure_tiles and run_parts). tiled_block
+// also serves amx_matmul.cc's whole-K panels, which hold a chunk's tiles in the same order.
 //
 // The tiled copy of a bf16 weight (models.quant.TiledArray, kernels.tile_weight: [T, P, 32],
 // [t, p, 2c + j] = w[2p + j, 16t + c]) is, for K % 32 == 0, a sequence of AMX B tiles: tile
@@ -16,10 +17,11 @@ struct TiledWeight {
   float* y;  // [M, N]
 };
 
-// C rows [m0, m0 + 16 A) x column tiles t .. t + C - 1 (C <= 2) of w over its S K steps.
+// C rows [m0, m0 + 16 A) x column tiles t .. t + C - 1 (C <= 2) of w over its S K steps,
+// written to y's columns from col0 + 16 t (col0: where w's tiles start in y).
 template <int A, int C>
 void tiled_block(const uint16_t* xb, int64_t Kp, int64_t m0, int64_t M, const TiledWeight& w,
-                 int64_t t, int64_t S, bool prefetch) {
+                 int64_t t, int64_t S, bool prefetch, int64_t col0 = 0) {
   _tile_zero(0);
   if (C == 2) _tile_zero(1);
   if (A == 2) {
@@ -50,7 +52,7 @@ void tiled_block(const uint16_t* xb, int64_t Kp, int64_t m0, int64_t M, const Ti
       if (C == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const int64_t col = t * 16;
+  const int64_t col = col0 + t * 16;
   if (m0 + 16 * A <= M && col + 16 * C <= w.N) {
     float* c = w.y + m0 * w.N + col;
     _tile_stored(0, c, w.N * 4);

@@ -12,28 +12,9 @@
 // s < nkeys(i): causal within the block). Numerics as the row path's bf16 dot products: q and
 // the probabilities rounded to bf16, f32 products and sums. Keys past the block's last visible
 // key are read as zeros (a reused page's stale NaN never meets a zero probability).
-// Every tile is 16 rows x 64 bytes: tmm0 S, tmm1 O, tmm4 / tmm5 A, tmm6 / tmm7 B.
+// Tiles (amx_tile_config.h): tmm0 S, tmm1 O, tmm4 / tmm5 A, tmm6 / tmm7 B.
 
 constexpr int64_t kMinBlockRows = 4;  // fewer rows take the row path
-
-struct alignas(64) BlockTileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-inline void configure_block_tiles() {
-  BlockTileConfig c;
-  std::memset(&c, 0, sizeof c);
-  c.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    c.rows[i] = 16;
-    c.colsb[i] = 64;
-  }
-  _tile_loadconfig(&c);
-}
 
 // The call's units in row order, for K kv heads: blocks of up to 16 rows (one table,
 // consecutive positions >= 0; at least kMinBlockRows), single rows elsewhere.

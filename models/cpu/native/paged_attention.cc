@@ -442,6 +442,7 @@ void item_bf16(const Job& j, int64_t it, int64_t next_it, float* s, float* acc,
   }
 }
 
+#include "amx_tile_config.h"
 #include "attention_blocks.h"
 
 // The block path's units (bf16 pages, bf16 dot products, AMX): blocks on tiles, single rows as
@@ -465,7 +466,7 @@ void run_units(const std::shared_ptr<Job>& jp, float* s, float* acc, const uint1
     } else {
       if (!bs) {
         bs = std::make_unique<BlockScratch>(G, j.H, j.Z);
-        configure_block_tiles();
+        configure_tiles();
       }
       block_item<G>(j, u, *bs, zeros);
     }
