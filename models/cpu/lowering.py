@@ -277,11 +277,13 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
             rounds: int = 7, k: int = 768,
             n: int = 2048,
             prefill_rows: int = 512, stream_bytes: int = 48 * 2**20,
-            rows: tuple[int, ...] = (1, 8, 16)) -> tuple[CpuPolicy, dict, float]:
+            rows: tuple[int, ...] = (1, 8, 16),
+            kernel_rows: tuple[int, ...] | None = None) -> tuple[CpuPolicy, dict, float]:
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
   Decode-shaped classes stream ``stream_bytes`` of weights per call (more than the L3 of the
   machines seen) so they measure memory-bound behaviour; prefill uses one ``[prefill_rows, k] x
-  [k, n]`` product."""
+  [k, n]`` product. ``kernel_rows``: the row counts of the AMX ``[N, K]`` and tiled-copy races
+  (default: their own, 1-512; the tests give fewer)."""
   from models.cpu import lowering_kernels  # it builds on this module's helpers
   t0 = time.perf_counter()
   meas: dict[str, dict[str, float]] = {}
@@ -412,10 +414,12 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   # AMX for the bf16 [N, K] unembedding, and AMX on tiled copies, against the router's paths.
   amx_nk = amx_tiled = (0, 0)
   if native and amx:
+    kw = {} if kernel_rows is None else {"rows": kernel_rows}
     amx_nk = lowering_kernels.measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill,
-                                             float_max, dp_bf16)
+                                             float_max, dp_bf16, **kw)
     amx_tiled = lowering_kernels.measure_amx_tiled(meas, rounds, k, n, stream_bytes,
-                                                   float_prefill, float_max, dp_bf16, amx_bf16)
+                                                   float_prefill, float_max, dp_bf16, amx_bf16,
+                                                   **kw)
 
   # The tiled kernel against the path each row count takes without it.
   tiled_bf16 = tiled_int8 = (0, 0)

@@ -21,7 +21,8 @@ from models.quant import quantize_array
 from tests.cpu_policies import NATIVE
 
 # A measurement small enough for the suite (well under a second on the 2-core dev machine).
-SMALL = dict(rounds=1, k=64, n=128, prefill_rows=48, stream_bytes=2**20, rows=(1, 8))
+SMALL = dict(rounds=1, k=64, n=128, prefill_rows=48, stream_bytes=2**20, rows=(1, 8),
+             kernel_rows=(8, 16))
 
 
 def test_not_allowed_is_the_default_and_measures_nothing(monkeypatch, tmp_path):
@@ -79,7 +80,7 @@ def test_measured_once_cached_and_read_back(monkeypatch, tmp_path):
   # AMX is raced only where the CPU has it (the Xeon); elsewhere its ranges stay 0 / 0.
   amx_keys = {f"amx_{w}_{m}rows" for w in ("bf16", "int8") for m in (8, 16, 32, 64, 128, 256, 512)}
   amx_keys |= {f"amx_{kind}_bf16_{m}rows" for kind in ("nk", "tiled")
-               for m in (1, 4, 8, 16, 32, 64, 128, 256, 512)}
+               for m in SMALL["kernel_rows"]}
   blocks_key = "attention_blocks_128tokens"  # the AMX attention blocks against the rows
   if native and amx:
     assert amx_keys <= set(r["measurements"])
