@@ -282,8 +282,8 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   """Measures every shape class on this machine: (policy, medians in ms, seconds taken).
   Decode-shaped classes stream ``stream_bytes`` of weights per call (more than the L3 of the
   machines seen) so they measure memory-bound behaviour; prefill uses one ``[prefill_rows, k] x
-  [k, n]`` product. ``kernel_rows``: the row counts of the AMX ``[N, K]`` and tiled-copy races
-  (default: their own, 1-512; the tests give fewer)."""
+  [k, n]`` product. ``kernel_rows``: the row counts of the bf16-activation kernels' races (AMX, AVX512-BF16,
+  tiled; default: each its own, up to 512; the tests give fewer)."""
   from models.cpu import lowering_kernels  # it builds on this module's helpers
   t0 = time.perf_counter()
   meas: dict[str, dict[str, float]] = {}
@@ -385,10 +385,11 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
       del wq
 
   # AMX for decode batches: against what each row count would otherwise use.
+  kw = {} if kernel_rows is None else {"rows": kernel_rows}
   amx_bf16 = amx_int8 = (0, 0)
   if native and amx:
     amx_bf16, amx_int8 = lowering_kernels.measure_amx(
-        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max)
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, **kw)
 
   # int8 XLA row multiple: one prefill-sized and (without native kernels) one decode-sized call.
   wq1 = jax.random.randint(key, (k, n), -127, 128, jnp.int8)
@@ -409,12 +410,11 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   dp_bf16 = dp_int8 = (0, 0)
   if native and dpbf16:
     dp_bf16, dp_int8 = lowering_kernels.measure_dpbf16(
-        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max)
+        meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, **kw)
 
   # AMX for the bf16 [N, K] unembedding, and AMX on tiled copies, against the router's paths.
   amx_nk = amx_tiled = (0, 0)
   if native and amx:
-    kw = {} if kernel_rows is None else {"rows": kernel_rows}
     amx_nk = lowering_kernels.measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill,
                                              float_max, dp_bf16, **kw)
     amx_tiled = lowering_kernels.measure_amx_tiled(meas, rounds, k, n, stream_bytes,
@@ -426,7 +426,7 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
   if native and tiled:
     tiled_bf16, tiled_int8 = lowering_kernels.measure_tiled(
         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, (dp_bf16, dp_int8),
-        (amx_bf16, amx_int8))
+        (amx_bf16, amx_int8), **kw)
   tiled_w8a8 = (0, 0)
   if native and cpu_kernels.tiled_w8a8_available():
     tiled_w8a8 = lowering_kernels.measure_tiled_w8a8(meas, rounds, k, n, stream_bytes, int8_max,
