@@ -73,16 +73,20 @@ Stored = jax.Array | QuantArray  # a weight as stored (what every path but the t
 Weight = Stored | TiledArray
 
 
-def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int]) -> TiledArray:
+def tile_array(w: jax.Array | QuantArray, contract_axes: Sequence[int], quads: bool = False
+               ) -> TiledArray:
   """``w`` (bf16, or int8) with its tiled copy: the contracted axes first, as ``[K, N]``
-  (W8A8 weights: ``tile_weight_w8a8``'s quads, else ``tile_weight``'s pairs)."""
+  (W8A8 weights: ``tile_weight_w8a8``'s biased quads; weight-only int8 with ``quads``:
+  ``tile_weight_quads``' for AMX's int8 products; else ``tile_weight``'s pairs)."""
   values = w.quant if isinstance(w, QuantArray) else w
   free = [a for a in range(w.ndim) if a not in contract_axes]
   k = math.prod(w.shape[a] for a in contract_axes)
   w_KN = jnp.transpose(values, (*contract_axes, *free)).reshape(k, -1)
-  w8a8 = isinstance(w, QuantArray) and w.act_quant
-  return TiledArray(array=w, tiles=cpu_kernels.tile_weight_w8a8(w_KN) if w8a8
-                    else cpu_kernels.tile_weight(w_KN))
+  if isinstance(w, QuantArray) and w.act_quant:
+    return TiledArray(array=w, tiles=cpu_kernels.tile_weight_w8a8(w_KN))
+  if isinstance(w, QuantArray) and quads:
+    return TiledArray(array=w, tiles=cpu_kernels.tile_weight_quads(w_KN))
+  return TiledArray(array=w, tiles=cpu_kernels.tile_weight(w_KN))
 
 
 def stored(w: Weight) -> Stored:

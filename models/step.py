@@ -113,10 +113,12 @@ class UnshardedStep:
     be = self.backend
     pairs = be.tiled and be.policy.tiles_pairs
     amx_tiles = be.amx and be.policy.amx_tiled_max_rows > 0  # bf16 copies AMX reads as tiles
+    amx_quads = be.amx and be.policy.amx_w8_max_rows > 0  # weight-only int8: AMX int8 tiles
     w8a8 = be.tiled_w8a8 and be.policy.tiled_w8a8_max_rows > 0
-    if pairs or amx_tiles or w8a8:
+    if pairs or amx_tiles or amx_quads or w8a8:
       params = tile_params(params, self.cfg, pairs=pairs or amx_tiles, w8a8=w8a8,
-                           int8=pairs and be.policy.tiled_int8_max_rows > 0)
+                           int8=pairs and be.policy.tiled_int8_max_rows > 0,
+                           int8_quads=amx_quads)
     return params
 
   def param_sharding(self, path: str, sds: jax.ShapeDtypeStruct) -> jax.sharding.Sharding:

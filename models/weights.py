@@ -152,10 +152,11 @@ def logical_axes(cfg: ModelConfig, quantized: bool = False) -> Params:
 
 
 def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool = True,
-                int8: bool = True) -> Params:
+                int8: bool = True, int8_quads: bool = False) -> Params:
   """Every matmul weight a tiled kernel takes as a ``TiledArray`` (its tiles contracted as
-  ``ArrayInfo`` says): bf16 ones where ``pairs`` (AVX512-BF16 or AMX), weight-only int8 ones
-  where ``pairs`` and ``int8``, W8A8 ones where ``w8a8`` (AVX512-VNNI); the rest as it is."""
+  ``ArrayInfo`` says): bf16 ones where ``pairs`` (AVX512-BF16 or AMX); weight-only int8 ones
+  as AMX int8 quads where ``int8_quads``, else as pairs where ``pairs`` and ``int8``; W8A8
+  ones where ``w8a8`` (AVX512-VNNI); the rest as it is."""
   infos = param_infos(cfg)
   stacked = is_stacked(params)
   if stacked:  # one info per stacked leaf, its axes after the leading [L]
@@ -164,12 +165,16 @@ def tile_params(params: Params, cfg: ModelConfig, pairs: bool = True, w8a8: bool
   def one(info: ArrayInfo, w, layered: bool):
     if not info.quantizable or isinstance(w, TiledArray):
       return w
-    tiled_w8a8 = isinstance(w, QuantArray) and w.act_quant
-    if not (w8a8 if tiled_w8a8 else pairs) or (
-        not isinstance(w, QuantArray) and w.dtype != jnp.bfloat16) or (
-        isinstance(w, QuantArray) and not tiled_w8a8 and not int8):
+    if isinstance(w, QuantArray) and w.act_quant:
+      tiled = w8a8
+    elif isinstance(w, QuantArray):
+      tiled = int8_quads or (pairs and int8)
+    else:
+      tiled = pairs and w.dtype == jnp.bfloat16
+    if not tiled:
       return w
-    return _tiler(info.contract_axes, layered)(w)
+    quads = isinstance(w, QuantArray) and not w.act_quant and int8_quads
+    return _tiler(info.contract_axes, layered, quads)(w)
 
   out = {k: jax.tree.map(lambda i, w: one(i, w, False), infos[k], v, is_leaf=_is_info)
          for k, v in params.items() if k != "layers"}
@@ -186,10 +191,10 @@ def untile(params: Params) -> Params:
 
 
 @functools.cache
-def _tiler(contract_axes: tuple[int, ...], layered: bool):
+def _tiler(contract_axes: tuple[int, ...], layered: bool, quads: bool = False):
   """One jitted ``tile_array`` per contraction (compiled once per weight shape, not per weight;
-  ``layered``: over a leading ``[L]`` axis)."""
-  tile = functools.partial(tile_array, contract_axes=contract_axes)
+  ``layered``: over a leading ``[L]`` axis; ``quads``: weight-only int8 as AMX int8 quads)."""
+  tile = functools.partial(tile_array, contract_axes=contract_axes, quads=quads)
   return jax.jit(jax.vmap(tile) if layered else tile)
 
 

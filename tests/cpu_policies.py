@@ -18,11 +18,11 @@ XLA_ONLY = dataclasses.replace(
 
 
 def decode_step_vs_xla(backend, quantize: bool, rows: int = 24, tile: bool = False,
-                       stacked: bool = False):
+                       stacked: bool = False, int8_quads: bool = False):
   """A whole decode step of the tiny model (bf16 weights, weight-only int8 when ``quantize``) at
   ``rows`` rows under ``backend`` and under ``XLA_ONLY``: (logits, XLA's logits, compiled HLO
   text of the ``backend`` step). ``stacked``: the layers stacked (one ``lax.scan``); ``tile``:
-  both runs on ``weights.tile_params``' params."""
+  both runs on ``weights.tile_params``' params (``int8_quads``: weight-only int8 as AMX quads)."""
   import jax
   import jax.numpy as jnp
 
@@ -39,7 +39,7 @@ def decode_step_vs_xla(backend, quantize: bool, rows: int = 24, tile: bool = Fal
   if stacked:
     params = weights.stack_layers(params)
   if tile:
-    params = weights.tile_params(params, cfg)
+    params = weights.tile_params(params, cfg, int8_quads=int8_quads)
   toks = jax.random.randint(jax.random.key(1), (rows,), 0, cfg.vocab_size)
   cache = init_cache(cfg, rows, 32, jnp.bfloat16).replace(lengths=jnp.full((rows,), 5, jnp.int32))
 

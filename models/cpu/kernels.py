@@ -190,8 +190,9 @@ def matmul_w8a8_nk(x_MK: jax.Array, w_NK: jax.Array, w_scale_N: jax.Array) -> ja
 _AMX_GROUP_TARGET = "phaseserve_amx_matmul_group"
 _AMX_NK_TARGET = "phaseserve_amx_matmul_nk"
 _AMX_TILED_TARGET = "phaseserve_amx_tiled_group"
+_AMX_W8_TARGET = "phaseserve_amx_w8_group"
 _AMX_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512fp16",
-              "-mamx-tile", "-mamx-bf16"]
+              "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 AMX_WEIGHT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
 
@@ -201,9 +202,9 @@ def amx_available() -> bool:
   ``models/cpu/native/amx_matmul.cc`` compiled and registered. Builds on the first call."""
   return native_build.load(
       "amx_matmul", tuple(_AMX_FLAGS),
-      frozenset({"amx_tile", "amx_bf16", "avx512bw", "avx512vl", "avx512_fp16"}),
+      frozenset({"amx_tile", "amx_bf16", "amx_int8", "avx512bw", "avx512vl", "avx512_fp16"}),
       ((_AMX_GROUP_TARGET, "PhaseserveAmxMatmulGroup"), (_AMX_NK_TARGET, "PhaseserveAmxMatmulNK"),
-       (_AMX_TILED_TARGET, "PhaseserveAmxTiledGroup")),
+       (_AMX_TILED_TARGET, "PhaseserveAmxTiledGroup"), (_AMX_W8_TARGET, "PhaseserveAmxW8Group")),
       init="phaseserve_amx_init", optional=True) is not None
 
 
@@ -223,6 +224,39 @@ def matmul_amx_tiled_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequ
   ``w``'s column counts ``ns`` (call only when ``amx_available()``)."""
   return _tiled_call(_AMX_TILED_TARGET, "matmul_amx_tiled_group", x_MK, tiles, ns,
                      (jnp.dtype(jnp.bfloat16),), 32)
+
+
+def tile_weight_quads(wq_KN: jax.Array) -> jax.Array:
+  """A weight-only int8 ``[K, N]`` weight as ``matmul_amx_w8_group`` reads it: ``[T, Q, 64]``
+  int8 with ``T = ceil(N / 16)`` column tiles and ``Q = ceil(K / 4)`` row quads,
+  ``[t, q, 4c + j] = w[4q + j, 16t + c]`` (zeros past ``w``); for ``K % 64 == 0`` a sequence of
+  AMX int8 B tiles."""
+  k, n = wq_KN.shape
+  if wq_KN.dtype != jnp.int8:
+    raise ValueError(f"tile_weight_quads wants int8 values, got {wq_KN.dtype}")
+  q, t = -(-k // 4), -(-n // TILE_COLUMNS)
+  w = jnp.pad(wq_KN, ((0, 4 * q - k), (0, TILE_COLUMNS * t - n)))
+  return w.reshape(q, 4, t, TILE_COLUMNS).transpose(2, 0, 3, 1).reshape(t, q, 4 * TILE_COLUMNS)
+
+
+def matmul_amx_w8_group(x_MK: jax.Array, tiles: Sequence[jax.Array], ns: Sequence[int]
+                        ) -> list[jax.Array]:
+  """f32 ``[x_MK @ w for w in ...]`` for bf16 ``x`` and weight-only int8 weights given as
+  ``tile_weight_quads(w)`` (the raw values: the caller applies the scales) with ``w``'s column
+  counts ``ns``, ``K % 64 == 0``, on AMX's int8 products (call only when ``amx_available()``):
+  each row of x quantized to 16 bits (``rint(x * 32767 / max|x|)``) and split into two int8
+  halves, each product exact in int32, so the result is that quantized x times w up to f32
+  rounding."""
+  m, k = x_MK.shape
+  if (x_MK.dtype != jnp.bfloat16 or k % 64 or not tiles or len(tiles) != len(ns)
+      or any(t.dtype != jnp.int8 or t.shape != (-(-n // TILE_COLUMNS), k // 4, 4 * TILE_COLUMNS)
+             for t, n in zip(tiles, ns))):
+    raise ValueError(f"matmul_amx_w8_group wants bf16 [M, K] (K % 64 == 0) and int8 "
+                     f"[ceil(N/16), K/4, 64] tiles, got {x_MK.shape} {x_MK.dtype}, "
+                     f"{[(t.shape, str(t.dtype)) for t in tiles]} for N {list(ns)}")
+  call = jax.ffi.ffi_call(_AMX_W8_TARGET, [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in ns],
+                          vmap_method="sequential")
+  return list(call(x_MK, *tiles))
 
 
 def matmul_amx_nk(x_MK: jax.Array, w_NK: jax.Array) -> jax.Array:

@@ -34,7 +34,7 @@ from jax import lax
 
 from models.cpu import kernels as cpu_kernels, json_cache, build as native_build, cpuinfo
 
-VERSION = 13
+VERSION = 14
 CACHE_FILE = "cpu_lowering.json"
 FLOAT_PREFILL = ("xw", "xw_nacc", "wx", "wt")
 F32_PREFILL = ("xw", "wx", "wt")  # xw_nacc is xw for f32 results
@@ -66,6 +66,10 @@ class CpuPolicy:
   # when this range is not empty); same convention.
   amx_tiled_min_rows: int = 0
   amx_tiled_max_rows: int = 0
+  # AMX's int8 products on a weight-only int8 weight's quad copy (cpu_kernels.matmul_amx_w8_group;
+  # made at placement when this range is not empty); same convention.
+  amx_w8_min_rows: int = 0
+  amx_w8_max_rows: int = 0
   # AVX512-BF16 dot products (bf16 activations, bf16 or weight-only int8 weights, [K, N] and
   # [N, K]): rows in [min, max] go to cpu_kernels.matmul_dpbf16_*, where the CPU has the
   # instruction and AMX does not take the rows. DEFAULT: measured on the AMD EPYC Zen 4.
@@ -413,13 +417,15 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
         meas, rounds, k, n, stream_bytes, float_prefill, float_max, int8_max, **kw)
 
   # AMX for the bf16 [N, K] unembedding, and AMX on tiled copies, against the router's paths.
-  amx_nk = amx_tiled = (0, 0)
+  amx_nk = amx_tiled = amx_w8 = (0, 0)
   if native and amx:
     amx_nk = lowering_kernels.measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill,
                                              float_max, dp_bf16, **kw)
     amx_tiled = lowering_kernels.measure_amx_tiled(meas, rounds, k, n, stream_bytes,
                                                    float_prefill, float_max, dp_bf16, amx_bf16,
                                                    **kw)
+    amx_w8 = lowering_kernels.measure_amx_w8(meas, rounds, k, n, stream_bytes, int8_max,
+                                             dp_int8, amx_int8, **kw)
 
   # The tiled kernel against the path each row count takes without it.
   tiled_bf16 = tiled_int8 = (0, 0)
@@ -449,6 +455,7 @@ def measure(native: bool, amx: bool, dpbf16: bool = False, tiled: bool = False,
                      amx_int8_min_rows=amx_int8[0], amx_int8_max_rows=amx_int8[1],
                      amx_nk_min_rows=amx_nk[0], amx_nk_max_rows=amx_nk[1],
                      amx_tiled_min_rows=amx_tiled[0], amx_tiled_max_rows=amx_tiled[1],
+                     amx_w8_min_rows=amx_w8[0], amx_w8_max_rows=amx_w8[1],
                      dpbf16_min_rows=dp_bf16[0], dpbf16_max_rows=dp_bf16[1],
                      dpbf16_int8_min_rows=dp_int8[0], dpbf16_int8_max_rows=dp_int8[1],
                      tiled_min_rows=tiled_bf16[0], tiled_max_rows=tiled_bf16[1],

@@ -4,7 +4,8 @@ format, at start-up only.
 
 Contract: ``measure_amx_nk(meas, rounds, k, n, stream_bytes, float_prefill, float_max, dp)``
 -> (min, max) rows of AMX on a bf16 ``[N, K]`` weight; ``measure_amx_tiled(..., dp, amx)`` the
-same for AMX on tiled copies; ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
+same for AMX on tiled copies; ``measure_amx_w8(...)`` for AMX's int8 products on weight-only int8
+quad copies; ``measure_amx`` / ``measure_dpbf16`` / ``measure_tiled(meas, rounds, k, n,
 stream_bytes, float_prefill, float_max, int8_max, ...)`` -> ((min, max) rows for bf16 weights,
 (min, max) for weight-only int8), each recording its best times in ``meas``; ``measure_kernel``
 the shared race of a kernel given as ``(x, w) -> y``; ``measure_attention(meas, rounds)`` -> the
@@ -100,6 +101,40 @@ def measure_amx_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int
     r = race({"amx_tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
     new[m], other[m] = r["amx_tiled"], r["incumbent"]
     meas[f"amx_tiled_bf16_{m}rows"] = r
+  del ws, tiles
+  return win_range(new, other)
+
+
+def measure_amx_w8(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, int8_max: int,
+                   dp: tuple[int, int], amx: tuple[int, int],
+                   rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+                   ) -> tuple[int, int]:
+  """AMX's int8 products on weight-only int8 quad copies (``matmul_amx_w8_group``; ``k % 64 ==
+  0``) vs the router's path for such a weight without them at each of ``rows``: AMX widening
+  the stored weight in its range ``amx``, else the AVX512-BF16 kernel in ``dp``, else the native
+  float kernel on the int8 values up to ``int8_max`` rows, else XLA's dot of the converted
+  weight. Returns the (min, max) rows (``win_range``)."""
+  key = jax.random.key(0)
+  ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
+                    stream_bytes, k * n)
+  tiles = [cpu_kernels.tile_weight_quads(w) for w in ws]
+  ft = jax.jit(lambda x, ts: chain(
+      lambda y, t: cpu_kernels.matmul_amx_w8_group(y, [t], [n])[0], x, ts))
+  new, other = {}, {}
+  for m in rows:
+    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
+    if amx[1] and amx[0] <= m <= amx[1]:
+      inc = lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]  # noqa: E731
+    elif dp[1] and dp[0] <= m <= dp[1]:
+      inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]  # noqa: E731
+    elif m <= int8_max:
+      inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)  # noqa: E731
+    else:
+      inc = lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, "xw")  # noqa: E731
+    fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
+    r = race({"amx_w8": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
+    new[m], other[m] = r["amx_w8"], r["incumbent"]
+    meas[f"amx_w8_int8_{m}rows"] = r
   del ws, tiles
   return win_range(new, other)
 

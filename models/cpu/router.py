@@ -16,7 +16,11 @@ Contract:
     bf16 activations with rows in the policy's ``tiled_min_rows..tiled_max_rows`` (int8:
     ``tiled_int8_*``), or, with W8A8 tiles, to ``kernels.matmul_tiled_w8a8_group`` for bf16 or
     f32 activations with rows in ``tiled_w8a8_*`` (the integer sums are exact: the W8A8 result
-    up to the activations' rounding); otherwise its stored ``array`` takes the path above.
+    up to the activations' rounding); with AMX, bf16 tiles go to
+    ``kernels.matmul_amx_tiled_group`` for rows in ``amx_tiled_*`` and a weight-only int8
+    weight's quad tiles to ``kernels.matmul_amx_w8_group`` for rows in ``amx_w8_*`` (the
+    activations quantized to 16 bits a row); otherwise its stored ``array`` takes the path
+    above.
 Off XLA:CPU every product is XLA's plain dot with f32 accumulation.
 """
 
@@ -279,10 +283,25 @@ def _amx_tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> boo
                                 2 * cpu_kernels.TILE_COLUMNS))
 
 
+def _amx_w8_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
+  """Whether AMX's int8 products compute this product from the weight's quad copy: a
+  ``TiledArray`` of a weight-only int8 weight with int8 quad tiles of this product's ``[K, N]``
+  (``K % 64 == 0``), bf16 activations, rows in the policy's ``amx_w8`` range."""
+  p = be.policy
+  return (isinstance(w, quant.TiledArray) and _on_cpu() and be.amx
+          and x_dtype == jnp.bfloat16 and w.tiles.dtype == jnp.int8 and mm.k % 64 == 0
+          and p.amx_w8_max_rows > 0 and p.amx_w8_min_rows <= mm.m <= p.amx_w8_max_rows
+          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), mm.k // 4,
+                                4 * cpu_kernels.TILE_COLUMNS))
+
+
 def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
                     amx: bool = False) -> list[jax.Array]:
   tws = [w for w in ws if isinstance(w, quant.TiledArray)]  # all of them (_tiled_rows)
-  kernel = (cpu_kernels.matmul_amx_tiled_group if amx
+  quads = (tws[0].tiles.dtype == jnp.int8
+           and tws[0].tiles.shape[-1] == 4 * cpu_kernels.TILE_COLUMNS)  # _amx_w8_rows
+  kernel = (cpu_kernels.matmul_amx_w8_group if amx and quads
+            else cpu_kernels.matmul_amx_tiled_group if amx
             else cpu_kernels.matmul_tiled_w8a8_group if tws[0].tiles.dtype == jnp.uint8
             else cpu_kernels.matmul_tiled_group)
   y2s = kernel(mms[0].x2, [w.tiles for w in tws], [mm.n for mm in mms])
@@ -291,7 +310,7 @@ def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
 
 
 def matmul(mm: Matmul, x_dtype, w: quant.Weight, backend: CpuBackend) -> jax.Array:
-  if _amx_tiled_rows(mm, x_dtype, w, backend):
+  if _amx_tiled_rows(mm, x_dtype, w, backend) or _amx_w8_rows(mm, x_dtype, w, backend):
     return _tiled_products([mm], x_dtype, [w], amx=True)[0]
   if _tiled_rows(mm, x_dtype, w, backend):
     return _tiled_products([mm], x_dtype, [w])[0]
@@ -308,7 +327,8 @@ def matmul_group(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
   would go to the same native ``[K, N]`` kernel with weights of one dtype; else None."""
   same_x = all(mm.x_perm == mms[0].x_perm and mm.k == mms[0].k for mm in mms)
   if (len(ws) >= 2 and same_x
-      and all(_amx_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))):
+      and (all(_amx_tiled_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws))
+           or all(_amx_w8_rows(mm, x_dtype, w, backend) for mm, w in zip(mms, ws)))):
     return _tiled_products(mms, x_dtype, ws, amx=True)
   if (len(ws) >= 2 and same_x and len({w.tiles.dtype for w in ws
                                        if isinstance(w, quant.TiledArray)}) == 1

@@ -54,8 +54,10 @@ constexpr int64_t kPrefetchRows = 16;
 #include "run_parts.h"
 
 const uint16_t* padded_x(const uint16_t* x, int64_t M, int64_t K, int64_t Mp, int64_t Kp);
+uint16_t* scratch(int slot, int64_t bytes);
 
 #include "amx_tiled.h"
+#include "amx_w8.h"
 
 struct Chunk {
   int g;
@@ -403,6 +405,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveAmxMatmulGroup, AmxMatmulGroupImpl,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveAmxTiledGroup, AmxTiledGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PhaseserveAmxW8Group, AmxW8GroupImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
