@@ -39,10 +39,11 @@ def measure_amx(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, floa
 def _bf16_incumbent(m: int, float_max: int, float_prefill: str, dp: tuple[int, int],
                     amx: tuple[int, int] = (0, 0), w_kn: bool = True
                     ) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """The product the router gives ``m`` rows of bf16 activations and a bf16 weight (``[K, N]``
-  where ``w_kn``, else ``[N, K]``) without the kernel being raced: AMX re-laying the weight in
-  its range ``amx``, else AVX512-BF16 in ``dp``, else the native float kernel up to
-  ``float_max`` rows, else XLA's dot lowered as ``float_prefill``."""
+  """The product the router gives ``m`` rows of bf16 activations and a bf16 (or weight-only
+  int8: the raw values) weight (``[K, N]`` where ``w_kn``, else ``[N, K]``) without the kernel
+  being raced: AMX re-laying the weight in its range ``amx``, else AVX512-BF16 in ``dp``, else
+  the native float kernel up to ``float_max`` rows, else XLA's dot (of the weight as bf16)
+  lowered as ``float_prefill``."""
   if amx[1] and amx[0] <= m <= amx[1]:
     return (lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]) if w_kn else (
         cpu_kernels.matmul_amx_nk)
@@ -52,7 +53,7 @@ def _bf16_incumbent(m: int, float_max: int, float_prefill: str, dp: tuple[int, i
   if m <= float_max:
     fn = cpu_kernels.matmul_float if w_kn else cpu_kernels.matmul_float_nk
     return lambda y, w: fn(y.astype(jnp.float32), w)
-  return lambda y, w: float_dot(y, w, w_kn, float_prefill)
+  return lambda y, w: float_dot(y, w.astype(jnp.bfloat16), w_kn, float_prefill)
 
 
 def measure_amx_nk(meas: dict, rounds: int, k: int, n: int, stream_bytes: int,
@@ -87,22 +88,12 @@ def measure_amx_tiled(meas: dict, rounds: int, k: int, n: int, stream_bytes: int
   router's path without them at each of ``rows``: AMX re-laying the stored weight in its range
   ``amx``, else the AVX512-BF16 kernel in ``dp``, else the native float kernel up to
   ``float_max`` rows, else XLA's dot. Returns the (min, max) rows (``win_range``)."""
-  key = jax.random.key(0)
   ws = weight_stack(lambda kk: jax.random.normal(kk, (k, n), jnp.bfloat16), stream_bytes,
                     k * n * 2)
-  tiles = [cpu_kernels.tile_weight(w) for w in ws]
-  ft = jax.jit(lambda x, ts: chain(
-      lambda y, t: cpu_kernels.matmul_amx_tiled_group(y, [t], [n])[0], x, ts))
-  new, other = {}, {}
-  for m in rows:
-    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-    inc = _bf16_incumbent(m, float_max, float_prefill, dp, amx)
-    fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
-    r = race({"amx_tiled": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
-    new[m], other[m] = r["amx_tiled"], r["incumbent"]
-    meas[f"amx_tiled_bf16_{m}rows"] = r
-  del ws, tiles
-  return win_range(new, other)
+  return _race_copies(
+      meas, rounds, "amx_tiled", "amx_tiled_bf16", k, ws, cpu_kernels.tile_weight,
+      lambda y, t: cpu_kernels.matmul_amx_tiled_group(y, [t], [n])[0],
+      lambda m: _bf16_incumbent(m, float_max, float_prefill, dp, amx), rows)
 
 
 def measure_amx_w8(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, int8_max: int,
@@ -114,28 +105,31 @@ def measure_amx_w8(meas: dict, rounds: int, k: int, n: int, stream_bytes: int, i
   the stored weight in its range ``amx``, else the AVX512-BF16 kernel in ``dp``, else the native
   float kernel on the int8 values up to ``int8_max`` rows, else XLA's dot of the converted
   weight. Returns the (min, max) rows (``win_range``)."""
-  key = jax.random.key(0)
   ws = weight_stack(lambda kk: jax.random.randint(kk, (k, n), -127, 128, jnp.int8),
                     stream_bytes, k * n)
-  tiles = [cpu_kernels.tile_weight_quads(w) for w in ws]
-  ft = jax.jit(lambda x, ts: chain(
-      lambda y, t: cpu_kernels.matmul_amx_w8_group(y, [t], [n])[0], x, ts))
+  return _race_copies(
+      meas, rounds, "amx_w8", "amx_w8_int8", k, ws, cpu_kernels.tile_weight_quads,
+      lambda y, t: cpu_kernels.matmul_amx_w8_group(y, [t], [n])[0],
+      lambda m: _bf16_incumbent(m, int8_max, "xw", dp, amx), rows)
+
+
+def _race_copies(meas: dict, rounds: int, name: str, key: str, k: int, ws: list,
+                 tile: Callable[[jax.Array], jax.Array],
+                 kernel: Callable[[jax.Array, jax.Array], jax.Array],
+                 incumbent: Callable[[int], Callable[[jax.Array, jax.Array], jax.Array]],
+                 rows: tuple[int, ...]) -> tuple[int, int]:
+  """A kernel on copies ``tile(w)`` of the weights ``ws`` against ``incumbent(m)`` on the
+  stored weights at each of ``rows`` (``meas[f"{key}_{m}rows"]``); the (min, max) rows."""
+  tiles = [tile(w) for w in ws]
+  ft = jax.jit(lambda x, ts: chain(kernel, x, ts))
   new, other = {}, {}
   for m in rows:
-    xm = jax.random.normal(key, (m, k), jnp.bfloat16)
-    if amx[1] and amx[0] <= m <= amx[1]:
-      inc = lambda y, w: cpu_kernels.matmul_amx_group(y, [w])[0]  # noqa: E731
-    elif dp[1] and dp[0] <= m <= dp[1]:
-      inc = lambda y, w: cpu_kernels.matmul_dpbf16_group(y, [w])[0]  # noqa: E731
-    elif m <= int8_max:
-      inc = lambda y, w: cpu_kernels.matmul_float(y.astype(jnp.float32), w)  # noqa: E731
-    else:
-      inc = lambda y, w: float_dot(y, w.astype(jnp.bfloat16), True, "xw")  # noqa: E731
-    fo = jax.jit(lambda x, ws, inc=inc: chain(inc, x, ws))
-    r = race({"amx_w8": lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
-    new[m], other[m] = r["amx_w8"], r["incumbent"]
-    meas[f"amx_w8_int8_{m}rows"] = r
-  del ws, tiles
+    xm = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    fo = jax.jit(lambda x, ws, inc=incumbent(m): chain(inc, x, ws))
+    r = race({name: lambda: ft(xm, tiles), "incumbent": lambda: fo(xm, ws)}, rounds)
+    new[m], other[m] = r[name], r["incumbent"]
+    meas[f"{key}_{m}rows"] = r
+  del tiles
   return win_range(new, other)
 
 

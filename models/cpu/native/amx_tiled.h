@@ -86,13 +86,10 @@ void tiled_columns(const uint16_t* xb, int64_t Kp, int64_t M, int64_t Mp, const 
   }
 }
 
-// ys[g] = x . w_g for the group's tiled weights (K % 32 == 0): the group's column-tile pairs
-// split evenly over the threads.
-void amx_tiled_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
-                     const std::vector<TiledWeight>& ws) {
-  if (M == 0) return;
-  const int64_t S = K / 32, Mp = (M + 15) / 16 * 16;
-  const uint16_t* xb = padded_x(x, M, K, Mp, K);
+// fn(w, t) for every column-tile pair (weight w, first column tile t) of the group, the pairs
+// split evenly over the threads, each thread's tiles configured (also amx_w8.h's driver).
+template <typename W, typename Fn>
+void over_column_pairs(ffi::ThreadPool& pool, const std::vector<W>& ws, Fn fn) {
   std::vector<std::pair<int64_t, int64_t>> pairs;  // (weight, first column tile)
   for (size_t g = 0; g < ws.size(); ++g)
     for (int64_t t = 0; t < ws[g].T; t += 2) pairs.push_back({int64_t(g), t});
@@ -101,41 +98,60 @@ void amx_tiled_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, n));
   run_parts(pool, parts, [&](int64_t p) {
     configure_tiles();
-    for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i) {
-      const TiledWeight& w = ws[pairs[i].first];
-      const int64_t t = pairs[i].second;
-      if (t + 1 < w.T) tiled_columns<2>(xb, K, M, Mp, w, t, S);
-      else tiled_columns<1>(xb, K, M, Mp, w, t, S);
-    }
+    for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i)
+      fn(ws[pairs[i].first], pairs[i].second);
     _tile_release();
   });
+}
+
+// ys[g] = x . w_g for the group's tiled weights (K % 32 == 0).
+void amx_tiled_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
+                     const std::vector<TiledWeight>& ws) {
+  if (M == 0) return;
+  const int64_t S = K / 32, Mp = (M + 15) / 16 * 16;
+  const uint16_t* xb = padded_x(x, M, K, Mp, K);
+  over_column_pairs(pool, ws, [&](const TiledWeight& w, int64_t t) {
+    if (t + 1 < w.T) tiled_columns<2>(xb, K, M, Mp, w, t, S);
+    else tiled_columns<1>(xb, K, M, Mp, w, t, S);
+  });
+}
+
+// A tiled call's operands: x [M, K] bf16 with K % k_step == 0, then G weights' tiles
+// [ceil(N_g / 16), K / k_rows, width] of dtype et, and G f32 results [M, N_g], into ws (W:
+// TiledWeight, or amx_w8.h's W8Weight); false on any mismatch.
+template <typename W>
+bool tiled_operands(const ffi::Buffer<ffi::BF16>& x, ffi::RemainingArgs& args,
+                    ffi::RemainingRets& rets, ffi::DataType et, int64_t k_step, int64_t k_rows,
+                    int64_t width, std::vector<W>& ws) {
+  auto xd = x.dimensions();
+  const size_t G = rets.size();
+  if (xd.size() != 2 || G == 0 || args.size() != G || xd[1] % k_step != 0) return false;
+  const int64_t M = xd[0], K = xd[1];
+  for (size_t i = 0; i < G; ++i) {
+    auto w = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return false;
+    auto wd = w->dimensions();
+    auto yd = (*y)->dimensions();
+    if (w->element_type() != et || wd.size() != 3 || wd[1] != K / k_rows || wd[2] != width ||
+        yd.size() != 2 || yd[0] != M || (yd[1] + 15) / 16 != wd[0])
+      return false;
+    ws.push_back({static_cast<decltype(W::tiles)>(w->untyped_data()), yd[1], wd[0],
+                  (*y)->typed_data()});
+  }
+  return true;
 }
 
 // Operands: x [M, K] bf16 (K % 32 == 0), then G tiled weights [ceil(N_g / 16), K / 2, 32] bf16;
 // results: G f32 [M, N_g].
 ffi::Error AmxTiledGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  constexpr const char* kWant =
-      "phaseserve_amx_tiled_group: want x [M, K] bf16 (K % 32 == 0), G tiles "
-      "[ceil(N/16), K/2, 32] bf16, G f32 results [M, N]";
-  auto xd = x.dimensions();
-  const size_t G = rets.size();
-  if (xd.size() != 2 || G == 0 || args.size() != G || xd[1] % 32 != 0)
-    return ffi::Error::InvalidArgument(kWant);
-  const int64_t M = xd[0], K = xd[1];
   std::vector<TiledWeight> ws;
-  for (size_t i = 0; i < G; ++i) {
-    auto w = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWant);
-    auto wd = w->dimensions();
-    auto yd = (*y)->dimensions();
-    if (w->element_type() != ffi::BF16 || wd.size() != 3 || wd[1] != K / 2 || wd[2] != 32 ||
-        yd.size() != 2 || yd[0] != M || (yd[1] + 15) / 16 != wd[0])
-      return ffi::Error::InvalidArgument(kWant);
-    ws.push_back({static_cast<const uint16_t*>(w->untyped_data()), yd[1], wd[0],
-                  (*y)->typed_data()});
-  }
-  amx_tiled_group(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, ws);
+  if (!tiled_operands(x, args, rets, ffi::BF16, 32, 2, 32, ws))
+    return ffi::Error::InvalidArgument(
+        "phaseserve_amx_tiled_group: want x [M, K] bf16 (K % 32 == 0), G tiles "
+        "[ceil(N/16), K/2, 32] bf16, G f32 results [M, N]");
+  amx_tiled_group(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()),
+                  x.dimensions()[0], x.dimensions()[1], ws);
   return ffi::Error::Success();
 }

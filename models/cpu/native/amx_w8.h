@@ -1,6 +1,6 @@
 // AMX products of bf16 activations with weight-only int8 weights, both in int8 tiles, for
-// amx_matmul.cc (inlined by models.cpu.build.source; needs its scratch, configure_tiles and
-// run_parts). Half the bytes of the bf16 tiles streamed, and no widening of the weights:
+// amx_matmul.cc (inlined by models.cpu.build.source; needs its scratch and amx_tiled.h's
+// over_column_pairs and tiled_operands). Half the bytes of the bf16 tiles streamed, and no widening of the weights:
 //
 // * Weights: kernels.tile_weight_quads(w) [T, K / 4, 64] int8, [t, q, 4c + j] = w[4q + j, 16t + c],
 //   which for K % 64 == 0 is a sequence of AMX int8 B tiles: tile (t, s) is quad rows
@@ -109,7 +109,7 @@ void w8_block(const int8_t* hi, const uint8_t* lo, int64_t K, int64_t m0, int64_
 }
 
 // ys[g] = x . w_g for the group's int8 quad tiles (K % 64 == 0): the group's column-tile pairs
-// split evenly over the threads, each pair's tiles streamed once for every 16-row block.
+// (over_column_pairs), each pair's tiles streamed once for every 16-row block.
 void amx_w8_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K,
                   const std::vector<W8Weight>& ws) {
   if (M == 0) return;
@@ -119,24 +119,12 @@ void amx_w8_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K
   uint8_t* lo = buf + Mp * K;
   float* step = reinterpret_cast<float*>(buf + 2 * Mp * K);
   split_rows(x, M, K, Mp, hi, lo, step);
-  std::vector<std::pair<int64_t, int64_t>> pairs;  // (weight, first column tile)
-  for (size_t g = 0; g < ws.size(); ++g)
-    for (int64_t t = 0; t < ws[g].T; t += 2) pairs.push_back({int64_t(g), t});
-  const int64_t n = int64_t(pairs.size());
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, n));
-  run_parts(pool, parts, [&](int64_t p) {
-    configure_tiles();
-    for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i) {
-      const W8Weight& w = ws[pairs[i].first];
-      const int64_t t = pairs[i].second;
-      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-        const bool first = m0 == 0;  // later row blocks find the tiles in cache
-        if (t + 1 < w.T) w8_block<2>(hi, lo, K, m0, M, step, w, t, S, first);
-        else w8_block<1>(hi, lo, K, m0, M, step, w, t, S, first);
-      }
+  over_column_pairs(pool, ws, [&](const W8Weight& w, int64_t t) {
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+      const bool first = m0 == 0;  // later row blocks find the tiles in cache
+      if (t + 1 < w.T) w8_block<2>(hi, lo, K, m0, M, step, w, t, S, first);
+      else w8_block<1>(hi, lo, K, m0, M, step, w, t, S, first);
     }
-    _tile_release();
   });
 }
 
@@ -144,27 +132,12 @@ void amx_w8_group(ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K
 // results: G f32 [M, N_g] (the raw values' products: the caller applies the scales).
 ffi::Error AmxW8GroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                           ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  constexpr const char* kWant =
-      "phaseserve_amx_w8_group: want x [M, K] bf16 (K % 64 == 0), G int8 tiles "
-      "[ceil(N/16), K/4, 64], G f32 results [M, N]";
-  auto xd = x.dimensions();
-  const size_t G = rets.size();
-  if (xd.size() != 2 || G == 0 || args.size() != G || xd[1] % 64 != 0)
-    return ffi::Error::InvalidArgument(kWant);
-  const int64_t M = xd[0], K = xd[1];
   std::vector<W8Weight> ws;
-  for (size_t i = 0; i < G; ++i) {
-    auto w = args.get<ffi::AnyBuffer>(i);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWant);
-    auto wd = w->dimensions();
-    auto yd = (*y)->dimensions();
-    if (w->element_type() != ffi::S8 || wd.size() != 3 || wd[1] != K / 4 || wd[2] != 64 ||
-        yd.size() != 2 || yd[0] != M || (yd[1] + 15) / 16 != wd[0])
-      return ffi::Error::InvalidArgument(kWant);
-    ws.push_back({static_cast<const int8_t*>(w->untyped_data()), yd[1], wd[0],
-                  (*y)->typed_data()});
-  }
-  amx_w8_group(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K, ws);
+  if (!tiled_operands(x, args, rets, ffi::S8, 64, 4, 64, ws))
+    return ffi::Error::InvalidArgument(
+        "phaseserve_amx_w8_group: want x [M, K] bf16 (K % 64 == 0), G int8 tiles "
+        "[ceil(N/16), K/4, 64], G f32 results [M, N]");
+  amx_w8_group(pool, reinterpret_cast<const uint16_t*>(x.untyped_data()), x.dimensions()[0],
+               x.dimensions()[1], ws);
   return ffi::Error::Success();
 }
