@@ -276,11 +276,8 @@ def _amx_tiled_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> boo
   sequence of AMX B tiles when ``K % 32 == 0``): a ``TiledArray`` with bf16 tiles of this
   product's ``[K, N]``, bf16 activations, rows in the policy's ``amx_tiled`` range."""
   p = be.policy
-  return (isinstance(w, quant.TiledArray) and _on_cpu() and be.amx
-          and x_dtype == jnp.bfloat16 and w.tiles.dtype == jnp.bfloat16 and mm.k % 32 == 0
-          and p.amx_tiled_max_rows > 0 and p.amx_tiled_min_rows <= mm.m <= p.amx_tiled_max_rows
-          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), mm.k // 2,
-                                2 * cpu_kernels.TILE_COLUMNS))
+  return _amx_copy(mm, x_dtype, w, be, jnp.bfloat16, 2,
+                   (p.amx_tiled_min_rows, p.amx_tiled_max_rows))
 
 
 def _amx_w8_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
@@ -288,11 +285,20 @@ def _amx_w8_rows(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend) -> bool:
   ``TiledArray`` of a weight-only int8 weight with int8 quad tiles of this product's ``[K, N]``
   (``K % 64 == 0``), bf16 activations, rows in the policy's ``amx_w8`` range."""
   p = be.policy
+  return _amx_copy(mm, x_dtype, w, be, jnp.int8, 4, (p.amx_w8_min_rows, p.amx_w8_max_rows))
+
+
+def _amx_copy(mm: Matmul, x_dtype, w: quant.Weight, be: CpuBackend, dtype, group: int,
+              rows: tuple[int, int]) -> bool:
+  """A ``TiledArray`` whose tiles (``dtype``, ``group`` K rows a column entry: AMX B tiles of
+  16 x ``16 * group`` K) are this product's ``[K, N]`` with ``K`` a whole number of tiles, bf16
+  activations and rows in ``rows`` (``(min, max)``; max 0: never)."""
+  k_step = 16 * group
   return (isinstance(w, quant.TiledArray) and _on_cpu() and be.amx
-          and x_dtype == jnp.bfloat16 and w.tiles.dtype == jnp.int8 and mm.k % 64 == 0
-          and p.amx_w8_max_rows > 0 and p.amx_w8_min_rows <= mm.m <= p.amx_w8_max_rows
-          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), mm.k // 4,
-                                4 * cpu_kernels.TILE_COLUMNS))
+          and x_dtype == jnp.bfloat16 and w.tiles.dtype == dtype and mm.k % k_step == 0
+          and rows[1] > 0 and rows[0] <= mm.m <= rows[1]
+          and w.tiles.shape == (-(-mm.n // cpu_kernels.TILE_COLUMNS), mm.k // group,
+                                group * cpu_kernels.TILE_COLUMNS))
 
 
 def _tiled_products(mms: Sequence[Matmul], x_dtype, ws: Sequence[quant.Weight],
