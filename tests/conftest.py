@@ -4,8 +4,8 @@ import os
 
 # LLVM's optimization level 0 for the programs the tests compile (XLA's HLO passes, hence the
 # numerics, are unchanged; the tests are compile-bound: the sharded engine tests take 24% less
-# CPU). Set the flag yourself to test another level. Most servers and CLIs the tests start set
-# their own XLA_FLAGS (XLA's default level), as the product does.
+# CPU). Set the flag yourself to test another level. The servers and CLIs the tests start get
+# the same level with flags of their own (tests/cli_env.py), not the 8 fake devices.
 _xla = os.environ.get("XLA_FLAGS", "")
 if "xla_backend_optimization_level" not in _xla:
   _xla += " --xla_backend_optimization_level=0"

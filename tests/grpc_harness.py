@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 TINY = ("--model", "tiny", "--max_context", "128", "--max_slots", "8", "--kv_pages", "64",
         "--page_size", "16", "--max_chunk", "32", "--max_prefill_chunks", "2")
@@ -43,7 +44,7 @@ class ServerProc:
             wait_ready: bool = True) -> "ServerProc":
     port_file = str(tmp_path / "port")
     log_path = str(tmp_path / "server.log")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.server", "--port", "0",
                              "--port_file", port_file, "--metrics_port", "0", *flags],

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Sequence
 
+from tests.cli_env import CLI_XLA_FLAGS
 from tests.refenv import REPO
 
 
@@ -32,7 +33,7 @@ def free_port() -> int:
 
 def worker_env(devices: int) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=f"{CLI_XLA_FLAGS} --xla_force_host_platform_device_count={devices}",
              PHASESERVE_CPU_AUTOTUNE="0", PYTHONUNBUFFERED="1",
              PYTHONFAULTHANDLER="1")  # SIGABRT on a timeout prints every thread's stack
   # Gloo over loopback: keep it off any other interface the machine has.

@@ -15,13 +15,15 @@ import threading
 from typing import Sequence
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 class Launched:
   def __init__(self, module: str, args: Sequence[str], tmp):
     self.proc = subprocess.Popen(
         [sys.executable, "-m", module, *args], cwd=REPO, text=True,
-        env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+        env=dict(os.environ, XLA_FLAGS=CLI_XLA_FLAGS, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
         stderr=open(tmp / f"{module.rsplit('.', 1)[-1]}.err", "w"))
     self._events: queue.Queue[dict] = queue.Queue()
     threading.Thread(target=self._read, daemon=True).start()

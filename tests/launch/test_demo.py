@@ -5,6 +5,7 @@ from tests import paths
 import os
 import subprocess
 import sys
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 
@@ -12,7 +13,7 @@ ROOT = str(paths.REPO)
 def _demo(*args, timeout=300):
   return subprocess.run([sys.executable, "-m", "launch.demo", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=timeout,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS))
 
 
 def test_demo_streams_one_answer_and_stops_the_server():

@@ -15,12 +15,13 @@ import pytest
 from models.config import get_preset
 from models import transformer as T
 from models.weights import init_params
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 
 
 def _run(*args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

@@ -19,6 +19,7 @@ from models.weights import init_params
 from serving.generator import Generator
 from serving.sampling import SamplingParams
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 LINES = [
     {"prompt": "Hello there", "max_tokens": 12, "ignore_eos": True},
@@ -40,7 +41,7 @@ def test_serve_offline_tiny(tmp_path):
   from launch.lab.make_adapters import write_peft_adapter
   adapter = write_peft_adapter(tmp_path / "ad0", get_preset("tiny"), rank=8, seed=0,
                                strength=1.0)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
                       "--requests", str(reqs), "--json", "--kv_pages", "64", "--page_size", "16",
                       "--max_slots", "4", "--max_prefill_chunks", "2", "--trace_out", str(trace),
@@ -83,7 +84,7 @@ def test_serve_offline_tiny(tmp_path):
 
 
 def test_bad_flags_exit_2(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "requests" in r.stderr
@@ -97,7 +98,7 @@ def test_serve_offline_disaggregated_same_tokens(tmp_path):
   reqs.write_text("\n".join(json.dumps({"prompt_ids": list(range(3 + i, 20 + 3 * i)),
                                          "max_tokens": 6, "ignore_eos": True})
                             for i in range(4)) + "\n")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   base = [sys.executable, "-m", "launch.serve_offline", "--model", "tiny", "--requests",
           str(reqs), "--json", "--kv_pages", "64", "--page_size", "16", "--max_slots", "8",
           "--max_context", "128", "--nowarmup"]
@@ -124,7 +125,7 @@ def test_serve_offline_speculative_flags_same_tokens(tmp_path):
   reqs.write_text("\n".join(json.dumps({"prompt_ids": [5 + i, 9, 7, 5 + i, 9, 7, 5 + i, 9],
                                          "max_tokens": 10, "ignore_eos": True})
                             for i in range(3)) + "\n")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   base = [sys.executable, "-m", "launch.serve_offline", "--model", "tiny", "--requests",
           str(reqs), "--json", "--kv_pages", "32", "--page_size", "16", "--max_slots", "4",
           "--max_context", "64", "--dtype", "float32", "--max_chunk", "32", "--nowarmup"]
@@ -153,7 +154,7 @@ def test_serve_offline_speculative_flags_same_tokens(tmp_path):
 def test_draft_model_needs_speculative_tokens_and_the_same_tokenizer(tmp_path):
   reqs = tmp_path / "reqs.jsonl"
   reqs.write_text(json.dumps({"prompt_ids": [1, 2, 3], "max_tokens": 2}) + "\n")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.serve_offline", "--model", "tiny",
                       "--requests", str(reqs), "--draft_model", "tiny", "--nowarmup"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

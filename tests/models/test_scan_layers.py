@@ -25,6 +25,7 @@ from serving import stack
 from partitioning.deployment import Deployment
 from serving.request import Request
 from serving.stop import StopCriteria
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 CFG = get_preset("tiny").replace(num_layers=5, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -102,7 +103,7 @@ def test_scan_layers_needs_mode_single():
 
 
 def test_bench_compile_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.bench_compile", "--layers", "2",
                       "--max_slots", "1", "--max_context", "32", "--max_chunk", "16",
                       "--speed_model", "tiny", "--batch", "1", "--context", "32", "--steps", "1",

@@ -19,6 +19,7 @@ from partitioning import calibration as cal
 from partitioning import cost_model, planner
 from launch.lab import published
 from partitioning.hardware import get_hardware
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 HW = get_hardware("tpu-v4")
@@ -123,7 +124,7 @@ def test_calibrate_cli_on_a_sweep_and_on_the_published_runs(tmp_path):
   (tmp_path / "sw" / "sweep.json").write_text(json.dumps(
       {"model": "palm-62b", "mesh": [2, 2, 4], "hardware_spec": hw, "rows": rows,
        "cells": cells}))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   out = str(tmp_path / "cal")
   r = subprocess.run([sys.executable, "-m", "launch.lab.calibrate", "--sweep", str(tmp_path / "sw"),
                       "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -265,7 +266,7 @@ def test_installed_calibrations_are_found_by_hardware(tmp_path, monkeypatch):
   monkeypatch.setenv("PHASESERVE_CALIBRATION_DIR", str(tmp_path))
   assert cal.resolve("auto", "tpu-v4")[1] == cal.shipped_path("tpu-v4")  # nothing installed
   assert cal.resolve("none", "tpu-v4") == (None, "none")
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.calibrate", "--published", "tpu-v4",
                       "--install"], cwd=ROOT, env=env, capture_output=True, text=True,
                      timeout=120)

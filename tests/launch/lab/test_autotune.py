@@ -12,6 +12,7 @@ from launch.lab import tune_layouts as at
 from partitioning import collectives
 from partitioning.hardware import get_hardware
 from partitioning.mesh import make_mesh
+from tests.cli_env import CLI_XLA_FLAGS
 
 CFG = get_preset("tiny").replace(num_heads=8, vocab_size=256)
 PAIRS = [("ws_2d", "heads"), ("wg_xyz", "batch_xyz"), ("wg_xyz", "heads")]
@@ -57,7 +58,7 @@ def test_predicted_is_none_without_hardware_or_for_rejected_combinations():
 
 
 def test_cli_json_then_cache_hit(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": ""}
+  env = {**os.environ, "XLA_FLAGS": CLI_XLA_FLAGS}
   cmd = [sys.executable, "-m", "launch.lab.tune_layouts", "--fake_devices", "4", "--model", "tiny",
          "--phase", "prefill", "--batch", "4", "--seq", "8", "--candidates", "wg_xyz:heads",
          "--hardware", "none", "--reps", "1", "--cache_dir", str(tmp_path), "--json"]

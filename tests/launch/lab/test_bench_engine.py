@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_engine_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_engine", "--model", "tiny", "--dtype", "float32",
        "--decode_batches", "1,2", "--trace_requests", "6", "--prompt_range", "8,24",
@@ -39,7 +40,7 @@ def test_bench_engine_smoke():
 
 
 def test_bench_engine_bad_flag():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.bench_engine", "--sections", "nope"],
                      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert r.returncode == 2 and "sections" in r.stderr

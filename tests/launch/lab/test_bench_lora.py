@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_lora_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_lora", "--model", "tiny", "--dtype", "float32",
        "--batch", "2", "--adapters", "2", "--prompt_tokens", "16", "--max_tokens", "8",

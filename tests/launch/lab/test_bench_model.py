@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 
 
 def _run(*args, timeout=120):
   # The lowering policy fixed to its defaults: no start-up measurement in the suite.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PHASESERVE_CPU_AUTOTUNE="0")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS, PHASESERVE_CPU_AUTOTUNE="0")
   return subprocess.run([sys.executable, "-m", "launch.lab.bench_model", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

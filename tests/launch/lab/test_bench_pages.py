@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 
 
 def _run(*args, timeout=60):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   return subprocess.run([sys.executable, "-m", "launch.lab.bench_pages", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

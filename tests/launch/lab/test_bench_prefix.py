@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_prefix_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.bench_prefix", "--model", "tiny",
                       "--prefix_len", "40", "--suffix_len", "4", "--requests", "4",
                       "--max_tokens", "4", "--max_slots", "4", "--page_size", "16",
@@ -35,7 +36,7 @@ def test_bench_prefix_smoke():
 
 @pytest.mark.slow  # suite time: the script's default smoke run stays in the suite
 def test_bench_prefix_multiturn_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.bench_prefix", "--model", "tiny",
                       "--multiturn", "--prefix_len", "40", "--suffix_len", "4", "--max_tokens",
                       "8", "--max_slots", "1", "--page_size", "16", "--max_chunk", "32",

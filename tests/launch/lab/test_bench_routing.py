@@ -11,6 +11,7 @@ import sys
 
 from tests.grpc_harness import TINY
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_routing_smoke(tmp_path):
@@ -22,7 +23,8 @@ def test_bench_routing_smoke(tmp_path):
        "--setups", "cache_aware,pd", "--rates", "4", "--repeats", "1", "--max_context", "24",
        "--length_scale", "0.05", "--slo_scale", "100",
        *server, "--out", str(tmp_path), "--json"],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS),
+      capture_output=True,
       text=True, timeout=400)
   assert r.returncode == 0, r.stderr[-3000:]
   out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_service_smoke():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.lab.bench_service", "--model", "tiny",
                       "--requests", "4", "--prompt_len", "8", "--max_tokens", "8",
                       "--max_slots", "4", "--max_context", "64", "--engine_flag=--kv_pages=32",

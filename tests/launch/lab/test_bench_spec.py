@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_bench_spec_smoke():
   """With a self-draft (tiny, the same seed: the target's own weights); n-gram lookup through
   the same code is tests/launch/test_serve_offline.py's."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   draft = ["--draft_model", "tiny"]
   r = subprocess.run(
       [sys.executable, "-m", "launch.lab.bench_spec", "--model", "tiny", "--dtype", "float32",

@@ -20,6 +20,7 @@ import pytest
 from launch.lab.intervention_lib import check, gate_compare, gate_sets, load, segments, stats
 from launch.lab.intervention_lib.gate_client import Answer
 from launch.lab.soak_lib.server_proc import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 
 def test_paired_change_calls_only_clear_and_large_enough_shifts():
@@ -157,7 +158,7 @@ def test_every_run_of_a_config_gets_new_prompts():
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
   """The servers see one CPU device, as a user's do (not the suite's 8 fake ones)."""
-  env = dict(os.environ, XLA_FLAGS="")
+  env = dict(os.environ, XLA_FLAGS=CLI_XLA_FLAGS)
   return subprocess.run([sys.executable, "-m", "launch.lab.intervention", *args],
                         capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 

@@ -24,11 +24,12 @@ from launch.lab.loadgen_lib.arrivals import Arrivals, arrival_times_s
 from launch.lab.loadgen_lib.slo import PRESETS, Slo, parse_slo
 from tests.grpc_harness import ServerProc
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 SMALL = ("--model", "tiny", "--max_context", "128", "--max_slots", "4", "--kv_pages", "48",
          "--page_size", "16", "--max_chunk", "32", "--max_prefill_chunks", "1",
          "--early_reject=false")
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
 
 
 def _cli(*args: str, timeout: float = 120) -> dict:

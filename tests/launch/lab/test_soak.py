@@ -27,6 +27,7 @@ from launch.lab.soak_lib import report as soak_report, traffic as soak_traffic
 from launch.cli import CliError
 from launch.lab.soak_lib.server_proc import scrape, slope_per_min
 from tests.refenv import REPO
+from tests.cli_env import CLI_XLA_FLAGS
 
 # The tiny model's server, sized for few programs to warm up (20: decode rows 1-8 x 4 attended
 # lengths, one 16-token prefill chunk x 4): context 128, 16-position pages. The flatness bounds
@@ -147,7 +148,7 @@ def test_analyze_passes_a_clean_run_and_names_each_failure():
 @pytest.mark.slow  # suite time (87 s): serving changes get the 10-minute soak (BUILD_NOTES)
 def test_short_soak_passes(tmp_path):
   out = tmp_path / "soak"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS, PYTHONUNBUFFERED="1")
   cmd = [sys.executable, "-m", "launch.lab.soak", "--model", "tiny", *KNOBS, "--out", str(out),
          "--", *SERVER]
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,

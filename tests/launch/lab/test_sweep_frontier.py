@@ -12,12 +12,13 @@ import subprocess
 import sys
 
 from launch.lab import sweep_frontier
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 
 
 def _run(*args, timeout=120):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   return subprocess.run([sys.executable, "-m", "launch.lab.sweep_frontier", *args], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=timeout)
 

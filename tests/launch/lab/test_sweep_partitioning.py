@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.cli_env import CLI_XLA_FLAGS
 
 ROOT = str(paths.REPO)
 ARGS = ["--fake_devices", "8", "--model", "tiny", "--phases", "decode", "--batches", "8",
@@ -20,7 +21,7 @@ ARGS = ["--fake_devices", "8", "--model", "tiny", "--phases", "decode", "--batch
 
 
 def _run(*args, timeout=180):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   return subprocess.run([sys.executable, "-m", "launch.lab.sweep_partitioning", *args], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -39,6 +39,7 @@ from models.io.hf_import import load_hf_checkpoint
 from models.kv_cache import init_cache
 from models.transformer import forward, jit_decode_step, jit_prefill
 from tests import refenv
+from tests.cli_env import CLI_XLA_FLAGS
 
 REPO = refenv.REPO
 GENERATOR = REPO / "tests" / "reference" / "make_hf_reference.py"
@@ -315,7 +316,7 @@ def test_generate_cli_on_hf_checkpoint(ref_dir):
   from models.io.hf_import import load_hf_checkpoint
   from models.text.tokenizer import load_tokenizer
   path = ref_dir / "llama_mqa"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
   r = subprocess.run([sys.executable, "-m", "launch.generate", "--model", str(path), "--prompt",
                       "hello world", "--max_tokens", "5", "--ignore_eos", "--json"],
                      cwd=paths.REPO, env=env, capture_output=True,
