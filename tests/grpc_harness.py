@@ -4,7 +4,8 @@
 readiness through the health service and returns; ``stop()`` sends SIGTERM, waits, then kills,
 and returns the exit code. ``metrics()`` scrapes the Prometheus endpoint into {series: value}.
 With ``--http_port 0`` among the flags, ``http_port`` is the OpenAI HTTP API's bound port (bound
-before the port file is written, so before the warm-up), else None.
+before the port file is written, so before the warm-up), else None. ``xla_flags``: the server's
+``XLA_FLAGS`` (``tests.cli_env.CLI_XLA_FLAGS`` unless given).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ class ServerProc:
 
   @classmethod
   def start(cls, tmp_path, *flags: str, credentials=None, ready_timeout: float = 240.0,
-            wait_ready: bool = True) -> "ServerProc":
+            wait_ready: bool = True, xla_flags: str = CLI_XLA_FLAGS) -> "ServerProc":
     port_file = str(tmp_path / "port")
     log_path = str(tmp_path / "server.log")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "launch.server", "--port", "0",
                              "--port_file", port_file, "--metrics_port", "0", *flags],

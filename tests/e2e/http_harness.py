@@ -122,12 +122,13 @@ def is_error(body, status_type: str | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def served(tmp, *flags: str, keys: dict | None = None) -> Iterator[ServerProc]:
+def served(tmp, *flags: str, keys: dict | None = None, **start) -> Iterator[ServerProc]:
   """launch.server with ``flags``, HTTP on a free port and ``KEY`` its API key (with ``keys``,
-  more: key -> info); stopped (and its exit checked) when the block ends."""
+  more: key -> info; ``start``: more of ``ServerProc.start``'s arguments); stopped (and its exit
+  checked) when the block ends."""
   (tmp / "keys.json").write_text(json.dumps({KEY: {"name": "test"}, **(keys or {})}))
   s = ServerProc.start(tmp, *flags, "--http_port", "0", "--api_keys", str(tmp / "keys.json"),
-                       "--grace_s", "2")
+                       "--grace_s", "2", **start)
   try:
     yield s
   finally:

@@ -48,7 +48,9 @@ def server(tmp_path_factory):
   with http_harness.served(tmp_path_factory.mktemp("tools"), "--model", MODEL,
                            "--max_context", "1024", "--max_slots", "4", "--kv_pages", "256",
                            "--page_size", "16", "--max_chunk", "128", "--scan_layers",
-                           "--nowarmup", "--watchdog_s", "600") as s:
+                           "--nowarmup", "--watchdog_s", "600",
+                           xla_flags="") as s:  # XLA's default level: this server decodes a
+    # lot (the 50 schemas), and XLA's own code at level 0 runs slower (94 s against 35 s)
     yield s
 
 
