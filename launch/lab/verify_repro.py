@@ -5,7 +5,7 @@ state, every output compared bit for bit with the first run's.
   python -m launch.lab.verify_repro --iters 2500 --mode serial --json
   python -m launch.lab.verify_repro --model tiny --iters 3 --json    # smoke
 
-BUILD_NOTES "Speculative decoding", "Open fault: a rare wrong verify": the verify program
+BUILD_NOTES "Speculative decoding", "Open fault: a rare wrong computation": the verify program
 (``serving.spec_verify.verify_call``, the engine and native CPU backend the speculation test
 uses: 8 slots, 64 pages of 64, k = 4) sometimes computes a row wrong. Here the pool is random
 (``--seed``), one row of slot 0 at ``--position`` with three draft ids. Each iteration makes two

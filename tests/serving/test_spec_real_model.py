@@ -9,7 +9,8 @@ decoding one row through the one-row kernel; in f32 both sum in the same order u
 bits, far below this model's top-2 margins. In bf16 the two kernels round differently and a
 near-tie may flip (as between plain decoding at batch 1 and at batch 8): BUILD_NOTES
 "Speculative decoding". A rare failure here (about one process in six to eight) is a known open
-fault, not a near-tie: BUILD_NOTES "Speculative decoding", "Open fault: a rare wrong verify".
+fault, not a near-tie (reproduced alone by ``launch.lab.verify_repro``): BUILD_NOTES
+"Speculative decoding", "Open fault: a rare wrong computation".
 """
 
 from __future__ import annotations

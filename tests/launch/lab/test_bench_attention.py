@@ -3,23 +3,15 @@ prints one JSON object with positive timings and the K / V bytes it read; a bad 
 a one-line error."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from models.cpu import paged_attention
-from tests import paths
-from tests.cli_env import CLI_XLA_FLAGS
-
-ROOT = str(paths.REPO)
+from tests.cli_env import run_module
 
 
 def _run(*args, timeout=60):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
-  return subprocess.run([sys.executable, "-m", "launch.lab.bench_attention", *args], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+  return run_module("launch.lab.bench_attention", *args, timeout=timeout)
 
 
 @pytest.mark.skipif(not paged_attention.available(), reason="the native kernel needs AVX-512 F")
