@@ -7,14 +7,14 @@ on the Xeon, measured)."""
 CLI_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def run_module(module: str, *args: str, timeout: float = 60):
-  """``python -m module args`` from the repository root, on CPU with ``CLI_XLA_FLAGS``: the
-  completed process (text output captured)."""
+def run_module(module: str, *args: str, timeout: float = 60, env: dict | None = None):
+  """``python -m module args`` from the repository root, on CPU with ``CLI_XLA_FLAGS`` (and
+  ``env`` over the inherited environment): the completed process (text output captured)."""
   import os
   import subprocess
   import sys
 
   from tests import paths
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS)
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=str(paths.REPO), env=env,
+  full = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=CLI_XLA_FLAGS, **(env or {}))
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=str(paths.REPO), env=full,
                         capture_output=True, text=True, timeout=timeout)

@@ -4,6 +4,8 @@ state, every output compared bit for bit with the first run's.
   python -m launch.lab.verify_repro --iters 2500 --json             # SmolLM2, f32 (~14 min)
   python -m launch.lab.verify_repro --iters 2500 --mode serial --json
   python -m launch.lab.verify_repro --model tiny --iters 3 --json    # smoke
+  python -m launch.lab.verify_repro --target attention --iters 36000 --json  # kernel (~10 min)
+  PHASESERVE_AMX=0 python -m launch.lab.verify_repro ...   # the AMX tile state never requested
 
 BUILD_NOTES "Speculative decoding", "Open fault: a rare wrong computation": the verify program
 (``serving.spec_verify.verify_call``, the engine and native CPU backend the speculation test
@@ -14,9 +16,19 @@ copies of the state and runs the call on both: ``async`` dispatches the two call
 reference run is an event: its iteration, which of the two calls (0 / 1), and per layer the
 largest |difference| of its K pool (the first layer that differs shows where the row went
 wrong). The program is deterministic, so every event is a fault. ``--json`` prints one JSON
-object {"model", "dtype", "mode", "iters", "calls", "events": [{"iter", "call", "ids",
-"ref_ids", "first_layer", "k_max_diff_by_layer"}], "wall_s", "date", "machine"}.
+object {"target", "model", "dtype", "mode", "iters", "calls", "amx_allowed", "events":
+[{"iter", "call", "ids", "ref_ids", "first_layer", "k_max_diff_by_layer"}], "wall_s", "date",
+"machine"}.
 ``run(model, iters, mode, position, seed)`` -> dict is the library.
+
+``--target attention`` runs the paged attention kernel alone (``run_attention``), no other
+program in between: one program holds the model's ``L`` layers' calls on a random query
+``[R, N, H]`` (R = 8 slots x 5 positions from ``--position``) over a random pool of the verify
+call's shape; every run's outputs are compared with the first run's, and an event lists the
+differing (layer, row, kv head) items with their largest |difference| (the JSON adds
+"kernel_calls" and "rows"; each event is {"iter", "call", "items_differing", "items": [{"layer",
+"row", "kv_head", "max_diff", "values_differing"}]}). ``PHASESERVE_AMX=0``
+(read by ``models.cpu.env``) keeps the process from requesting the AMX tile state at all.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from launch import cli, machine
 from launch.cli import CliError
 
 MODES = ("async", "serial")
+TARGETS = ("verify", "attention")
 
 
 def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: int = 0) -> dict:
@@ -39,7 +52,7 @@ def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: i
   import jax.numpy as jnp
   import numpy as np
 
-  from models.cpu import backend as cpu_backend, lowering as cpu_lowering
+  from models.cpu import backend as cpu_backend, env, lowering as cpu_lowering
   from models.io.loader import load_model
   from models.step import UnshardedStep
   from serving.engine import Engine, EngineConfig
@@ -54,7 +67,8 @@ def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: i
   t0 = time.perf_counter()
   cfg, params, tok = load_model(model, jnp.float32)
   slots, pages, z = 8, 64, 64
-  engine = Engine(UnshardedStep(cfg, backend=cpu_backend.native(cpu_lowering.DEFAULT)), params,
+  backend = cpu_backend.native(cpu_lowering.DEFAULT, amx=env.amx())
+  engine = Engine(UnshardedStep(cfg, backend=backend), params,
                   EngineConfig(max_slots=slots, num_pages=pages, page_size=z,
                                max_seq_tokens=512, lag=1, spec_tokens=4, spec_rows=8,
                                valid_vocab=tok.vocab_size))
@@ -100,8 +114,69 @@ def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: i
       events.append({"iter": i, "call": j, "ids": ids, "ref_ids": ref_ids,
                      "first_layer": int(nz[0]) if len(nz) else None,
                      "k_max_diff_by_layer": [round(float(x), 6) for x in d]})
-  return {"model": model, "dtype": "float32", "mode": mode, "iters": iters, "calls": 2 * iters,
-          "events": events, "wall_s": round(time.perf_counter() - t0, 1),
+  return {"target": "verify", "model": model, "dtype": "float32", "mode": mode, "iters": iters,
+          "calls": 2 * iters, "amx_allowed": env.amx(), "events": events,
+          "wall_s": round(time.perf_counter() - t0, 1),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "machine": machine.describe()}
+
+
+def run_attention(model: str, iters: int, mode: str = "async", position: int = 69,
+                  seed: int = 0) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from models.config import get_preset
+  from models.cpu import env, paged_attention
+
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if not 0 <= position <= 500:
+    raise ValueError(f"position must be in [0, 500], got {position}")
+  if not paged_attention.available():
+    raise ValueError("the native paged attention kernel is not available on this machine")
+  t0 = time.perf_counter()
+  cfg = get_preset(model)
+  slots, pages, z, rows_per_slot = 8, 64, 64, 5
+  L, N, K, H = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  ks = jax.random.split(jax.random.key(seed), 3)
+  shape = (L, pages, K, z, H)
+  k_pages = jax.random.normal(ks[0], shape, jnp.float32)
+  v_pages = jax.random.normal(ks[1], shape, jnp.float32)
+  R = slots * rows_per_slot
+  q_RNH = jax.random.normal(ks[2], (R, N, H), jnp.float32) * H ** -0.5
+  table_RM = jnp.asarray(np.repeat(np.arange(slots * 8, dtype=np.int32).reshape(slots, 8),
+                                   rows_per_slot, axis=0))
+  pos_R = jnp.asarray(position + np.tile(np.arange(rows_per_slot, dtype=np.int32), slots))
+
+  @jax.jit
+  def layers(q, kp, vp, table, pos):  # [L, R, N, H]: each layer's call on its own query
+    return jnp.stack([paged_attention.decode_attention(q * (1.0 + 0.01 * i), kp, vp, table, pos,
+                                                       i, 8 * z) for i in range(L)])
+
+  same = jax.jit(lambda x, y: jnp.all(x == y))
+  ref = jax.block_until_ready(layers(q_RNH, k_pages, v_pages, table_RM, pos_R))
+  events = []
+  for i in range(iters):
+    first = layers(q_RNH, k_pages, v_pages, table_RM, pos_R)
+    if mode == "serial":
+      jax.block_until_ready(first)
+    outs = (first, layers(q_RNH, k_pages, v_pages, table_RM, pos_R))
+    for j, out in enumerate(outs):
+      if bool(same(out, ref)):
+        continue
+      d_LRKX = np.abs(np.asarray(out) - np.asarray(ref)).reshape(L, R, K, -1)
+      bad = np.argwhere(d_LRKX.max(axis=-1) > 0)
+      events.append({"iter": i, "call": j, "items": [
+          {"layer": int(a), "row": int(b), "kv_head": int(c),
+           "max_diff": float(d_LRKX[a, b, c].max()),
+           "values_differing": int((d_LRKX[a, b, c] > 0).sum())} for a, b, c in bad[:32]],
+          "items_differing": int(len(bad))})
+  return {"target": "attention", "model": model, "dtype": "float32", "mode": mode,
+          "iters": iters, "calls": 2 * iters, "kernel_calls": 2 * iters * L, "rows": R,
+          "amx_allowed": env.amx(), "events": events,
+          "wall_s": round(time.perf_counter() - t0, 1),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "machine": machine.describe()}
 
@@ -115,12 +190,15 @@ class _Flags:
     self.position = flags.DEFINE_integer("position", 69, "the row's position", lower_bound=0)
     self.seed = flags.DEFINE_integer("seed", 0, "the random pool's seed")
     self.json = flags.DEFINE_bool("json", False, "print one JSON object")
+    self.target = flags.DEFINE_enum("target", "verify", list(TARGETS), "the whole verify call "
+                                    "(verify) or the paged attention kernel alone (attention)")
 
 
 def main(f: _Flags, argv: list[str]) -> None:
   cli.start(argv)
   try:
-    r = run(f.model.value, f.iters.value, f.mode.value, f.position.value, f.seed.value)
+    fn = run if f.target.value == "verify" else run_attention
+    r = fn(f.model.value, f.iters.value, f.mode.value, f.position.value, f.seed.value)
   except ValueError as e:
     raise CliError(str(e)) from e
   if f.json.value:
@@ -129,8 +207,12 @@ def main(f: _Flags, argv: list[str]) -> None:
     print(f"{r['model']} {r['mode']}: {len(r['events'])} events in {r['calls']} calls "
           f"({r['wall_s']} s)")
     for e in r["events"]:
-      print(f"  iter {e['iter']} call {e['call']}: first layer {e['first_layer']}, ids "
-            f"{e['ids']} against {e['ref_ids']}")
+      if "items" in e:
+        print(f"  iter {e['iter']} call {e['call']}: {e['items_differing']} items differ, "
+              f"first {e['items'][0]}")
+      else:
+        print(f"  iter {e['iter']} call {e['call']}: first layer {e['first_layer']}, ids "
+              f"{e['ids']} against {e['ref_ids']}")
 
 
 if __name__ == "__main__":

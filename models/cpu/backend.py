@@ -19,7 +19,8 @@ Contract:
     available, and chooses the lowering (``lowering.choose``: cached or measured; ``measure``
     None: the environment's say). ``Resolved.backend`` is the value; ``Resolved.report()`` the
     JSON-able account (policy, source, cache key and path, kernels, measurements).
-  * ``native(policy=DEFAULT)``: every available kernel with ``policy``, nothing measured (tests).
+  * ``native(policy=DEFAULT, allowed=True, amx=True)``: every available kernel with ``policy``
+    (AMX only if ``amx``), nothing measured (tests, the lab tools).
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ class Resolved:
             "measurements": c.measurements}
 
 
-def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
-  """Every native kernel this process can load (none unless ``allowed``), with ``policy``."""
+def native(policy: CpuPolicy = DEFAULT, allowed: bool = True, amx: bool = True) -> CpuBackend:
+  """Every native kernel this process can load (none unless ``allowed``; the AMX ones, and the
+  AMX tile state they ask Linux for, only if ``amx``), with ``policy``."""
   if not allowed:
     return CpuBackend(policy)
   from models.cpu import kernels, paged_attention  # loading them builds the libraries
   pa = paged_attention.available()
   return CpuBackend(policy, matmul_kernels=kernels.available(),
-                    amx=kernels.available() and kernels.amx_available(),
+                    amx=amx and kernels.available() and kernels.amx_available(),
                     dpbf16=kernels.available() and kernels.dpbf16_available(),
                     tiled=kernels.available() and kernels.tiled_available(),
                     tiled_w8a8=kernels.available() and kernels.tiled_w8a8_available(),
@@ -81,7 +83,7 @@ def native(policy: CpuPolicy = DEFAULT, allowed: bool = True) -> CpuBackend:
 def resolve(measure: bool | None = None, refresh: bool = False) -> Resolved:
   """See the module contract; call once at start-up, before any trace."""
   import jax
-  b = native(DEFAULT, env.native_kernels())
+  b = native(DEFAULT, env.native_kernels(), env.amx())
   if jax.default_backend() == "gpu" and env.pallas_attention():  # decode reads pages in place
     b = dataclasses.replace(b, pallas_attention="gpu")
   choice = lowering.choose(env.measure_lowering() if measure is None else measure,

@@ -7,6 +7,8 @@ helpers), never at trace time; library code takes the values these return.
   * ``measure_lowering()``: ``PHASESERVE_CPU_AUTOTUNE`` is not ``0`` (may the CPU lowering be
     read from its cache or measured at start-up; else ``models.cpu.lowering.DEFAULT``).
   * ``paged_bf16_dot()``: ``PHASESERVE_PAGED_BF16_DOT`` is not ``0``.
+  * ``amx()``: ``PHASESERVE_AMX`` is not ``0`` (may the process ask Linux for the AMX tile state
+    and load the AMX kernels; ``0``: neither, so no thread of the process can use AMX).
   * ``pallas_attention()``: ``PHASESERVE_PALLAS_ATTENTION`` is not ``0`` (on a GPU backend, may
     decode attention run the Pallas kernel; ``0``: the gather path, the device check's A/B).
   * ``cache_dir()``: ``$PHASESERVE_CACHE_DIR``, default ``~/.cache/phaseserve`` (the one
@@ -36,6 +38,10 @@ def paged_bf16_dot() -> bool:
   return _on("PHASESERVE_PAGED_BF16_DOT")
 
 
+def amx() -> bool:
+  return _on("PHASESERVE_AMX")
+
+
 def pallas_attention() -> bool:
   return _on("PHASESERVE_PALLAS_ATTENTION")
 
@@ -50,5 +56,5 @@ def calibration_dir() -> str:
       os.path.expanduser("~"), ".cache", "phaseserve", "calibration")
 
 
-__all__ = ["native_kernels", "measure_lowering", "paged_bf16_dot", "pallas_attention", "cache_dir",
-           "calibration_dir"]
+__all__ = ["native_kernels", "measure_lowering", "paged_bf16_dot", "amx", "pallas_attention",
+           "cache_dir", "calibration_dir"]

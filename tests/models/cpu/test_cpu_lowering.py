@@ -34,13 +34,20 @@ def test_not_allowed_is_the_default_and_measures_nothing(monkeypatch, tmp_path):
 
 def test_resolve_reads_the_switches_once(monkeypatch, tmp_path):
   """``models.cpu.backend.resolve``: PHASESERVE_CPU_AUTOTUNE=0 -> the defaults, nothing measured;
-  PHASESERVE_NATIVE_KERNELS=0 -> no native kernel; a resolved value is frozen and hashable."""
+  PHASESERVE_AMX=0 -> no AMX; PHASESERVE_NATIVE_KERNELS=0 -> no native kernel; a resolved value is frozen and hashable."""
   monkeypatch.setenv("PHASESERVE_CPU_AUTOTUNE", "0")
   monkeypatch.setenv("PHASESERVE_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(cpu_lowering, "measure", lambda **kw: pytest.fail("measured"))
   r = cpu_backend.resolve()
   assert r.backend == NATIVE and r.report()["source"] == "default"
   json.dumps(r.report())
+  # PHASESERVE_AMX=0: the AMX library is never asked for (so the process never requests the
+  # AMX tile state), the other kernels stay.
+  from models.cpu import kernels
+  monkeypatch.setattr(kernels, "amx_available", lambda: pytest.fail("AMX asked for"))
+  monkeypatch.setenv("PHASESERVE_AMX", "0")
+  no_amx = cpu_backend.resolve().backend
+  assert no_amx == dataclasses.replace(NATIVE, amx=False)
   monkeypatch.setenv("PHASESERVE_NATIVE_KERNELS", "0")
   off = cpu_backend.resolve().backend
   assert off == cpu_backend.CpuBackend() and hash(off) == hash(cpu_backend.CpuBackend())
