@@ -28,7 +28,7 @@ call's shape; every run's outputs are compared with the first run's, and an even
 differing (layer, row, kv head) items with their largest |difference| (the JSON adds
 "kernel_calls" and "rows"; each event is {"iter", "call", "items_differing", "items": [{"layer",
 "row", "kv_head", "max_diff", "values_differing"}]}). ``PHASESERVE_AMX=0``
-(read by ``models.cpu.env``) keeps the process from requesting the AMX tile state at all.
+(read by ``models.cpu.env``) keeps phaseserve from requesting the AMX tile state at all.
 """
 
 from __future__ import annotations

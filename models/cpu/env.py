@@ -8,7 +8,7 @@ helpers), never at trace time; library code takes the values these return.
     read from its cache or measured at start-up; else ``models.cpu.lowering.DEFAULT``).
   * ``paged_bf16_dot()``: ``PHASESERVE_PAGED_BF16_DOT`` is not ``0``.
   * ``amx()``: ``PHASESERVE_AMX`` is not ``0`` (may the process ask Linux for the AMX tile state
-    and load the AMX kernels; ``0``: neither, so no thread of the process can use AMX).
+    and load the AMX kernels; ``0``: neither, so phaseserve itself never runs AMX).
   * ``pallas_attention()``: ``PHASESERVE_PALLAS_ATTENTION`` is not ``0`` (on a GPU backend, may
     decode attention run the Pallas kernel; ``0``: the gather path, the device check's A/B).
   * ``cache_dir()``: ``$PHASESERVE_CACHE_DIR``, default ``~/.cache/phaseserve`` (the one
