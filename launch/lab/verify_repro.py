@@ -47,6 +47,13 @@ MODES = ("async", "serial")
 TARGETS = ("verify", "attention")
 
 
+def _check(mode: str, position: int) -> None:
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if not 0 <= position <= 500:
+    raise ValueError(f"position must be in [0, 500], got {position}")
+
+
 def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: int = 0) -> dict:
   import jax
   import jax.numpy as jnp
@@ -60,10 +67,7 @@ def run(model: str, iters: int, mode: str = "async", position: int = 69, seed: i
   from serving.spec_verify import pack_verify, verify_call
   from serving.step_plan import DecodeRow
 
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  if not 0 <= position <= 500:
-    raise ValueError(f"position must be in [0, 500], got {position}")
+  _check(mode, position)
   t0 = time.perf_counter()
   cfg, params, tok = load_model(model, jnp.float32)
   slots, pages, z = 8, 64, 64
@@ -130,10 +134,7 @@ def run_attention(model: str, iters: int, mode: str = "async", position: int = 6
   from models.config import get_preset
   from models.cpu import env, paged_attention
 
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  if not 0 <= position <= 500:
-    raise ValueError(f"position must be in [0, 500], got {position}")
+  _check(mode, position)
   if not paged_attention.available():
     raise ValueError("the native paged attention kernel is not available on this machine")
   t0 = time.perf_counter()
