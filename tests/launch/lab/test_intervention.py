@@ -177,22 +177,26 @@ def test_bad_flags_exit_2(tmp_path):
 
 
 def test_smoke_on_tiny(tmp_path):
-  # min_effect 20%: tiny's steps take a millisecond, so two identical servers differ by a few
-  # percent from run to run; the check's own default (5%) is for models whose steps dominate.
+  # min_effect 50%: tiny's steps take a millisecond, so its latencies are mostly the host's, and
+  # the suite's other worker moves them between runs (CI, 2026-12-07: an identical B read 15% faster
+  # on TTFT p50 and 36% on TPOT p99, and was called faster at 20%); the check's own default (5%) is
+  # for models whose steps dominate.
   # A small engine (4 slots, one prefill chunk a step: 10 programs to warm) with a context the
   # gates' chats fit in.
   r = _cli("--model", "tiny", "--candidate=", "--candidate=--param_seed 1",
            "--common_flags=--max_context 256 --max_slots 4 --kv_pages 64 --page_size 16 "
            "--max_chunk 32 --max_prefill_chunks 1 --attention_sinks", "--sinks_window", "64",
            "--segments", "interactive", "--requests", "12", "--repeats", "2",
-           "--rate_scale", "8", "--min_effect", "0.2", "--gate_max_tokens", "12",
+           "--rate_scale", "8", "--min_effect", "0.5", "--gate_max_tokens", "12",
            "--long_max_tokens", "256", "--bootstrap", "300", "--json", "--out", str(tmp_path))
   assert r.returncode == 1, r.stderr[-3000:]  # C degraded a gate
   result = json.loads(r.stdout)
   same, broken = result["comparisons"]
   assert (same["candidate"], broken["candidate"]) == ("B", "C")
   seg = same["segments"]["interactive"]
-  assert seg["verdict"] == "no measurable change", seg["changes"]
+  assert seg["verdict"] == "no measurable change", [
+      (c["metric"], round(c["rel"], 3), round(c["lo"], 3), round(c["hi"], 3), c["call"])
+      for c in seg["changes"]]
   assert seg["paired_requests"] == 24 and seg["a"]["failed"] == seg["b"]["failed"] == 0
   assert seg["a"]["phases_s"]["decode"] > 0
   for name, g in same["gates"].items():
