@@ -79,6 +79,13 @@ def test_a_row_that_sees_no_key_gets_zeros_and_layer_may_be_traced():
   assert G.supported(kv.k_pages) and not G.supported(jnp.zeros((1,), jnp.int8))
 
 
+def _slow_when_interpreted(fn):
+  """Interpreted, an engine's run takes 15 s of the CPU suite (`make test-slow` there); compiled
+  on a GPU it is fast and runs with the rest (launch/device_check.sh)."""
+  return pytest.mark.slow(fn) if PALLAS.pallas_interpret else fn
+
+
+@_slow_when_interpreted
 def test_the_engine_decodes_through_the_kernel_with_the_same_greedy_tokens():
   """The serving engine on ``tiny`` (GQA made: 8 query heads over 2 kv heads) with the GPU
   backend's decode attention, interpreted: the same greedy ids as the XLA-only engine."""

@@ -6,8 +6,9 @@ einsums (gate, up) and its reduce-scatter into the last (down): n partial einsum
 ``ppermute`` steps. Checked: equal to the unsharded reference (and so to the plain layout, which
 test_paged_layouts checks against the same reference) within the same tolerance
 (``max |got - ref| <= 1e-5 * max(1, max |ref|)``), for ws_1d and ws_2d x f32 and int8 weights x
-prefill (two ragged chunks) and decode, in one program; the compiled step really permutes
-(collective-permute in its HLO) and the plain one does not; layouts it does not apply to say so.
+prefill (two ragged chunks) and decode, in one program (int8 in ws_1d in `make test-slow`); the
+compiled step really permutes (collective-permute in its HLO) and the plain one does not; layouts
+it does not apply to say so.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from partitioning.layouts import make_plan
 from tests.partitioning.test_paged_layouts import (B, CFG, M, NP, S, Z, _case, _check, _run, _table,
                                                   mesh8)  # noqa: F401  (the fixture)
 
+# int8 weights in ws_1d run in `make test-slow` (12 s of the suite); int8 in ws_2d stays.
+CASES = [pytest.param(ffn, q, id=f"{'int8' if q else 'f32'}-{ffn}",
+                      marks=[pytest.mark.slow] if q and ffn == "ws_1d" else [])
+         for q in (False, True) for ffn in ("ws_1d", "ws_2d")]
 
-@pytest.mark.parametrize("ffn", ["ws_1d", "ws_2d"])
-@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+
+@pytest.mark.parametrize("ffn,quantized", CASES)
 def test_looped_ffn_equals_the_reference(mesh8, ffn, quantized):
   params, x, ref = _case(quantized)
   step = PS.PagedShardedStep.make(CFG, mesh8, ffn, "batch_xyz", collective_matmul=True)
@@ -46,8 +51,7 @@ def test_the_looped_step_permutes_and_the_plain_one_does_not(mesh8):
   assert "collective-permute" in looped and "collective-permute" not in plain
 
 
-@pytest.mark.parametrize("ffn", ["ws_1d", "ws_2d"])
-@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+@pytest.mark.parametrize("ffn,quantized", CASES)
 def test_a_parallel_block_loops_all_its_einsums(mesh8, ffn, quantized):
   """PaLM's parallel block: one all-gather looped into q, k, v, gate and up, one reduce-scatter
   into o and down; equal to the unsharded parallel-block model."""

@@ -245,9 +245,12 @@ def test_disaggregated_transfer_then_decode():
     assert_close(got, want, f"disaggregated {what}")
 
 
-def test_engine_over_the_sharded_step(mesh8):
+@pytest.fixture(scope="module")
+def engine_serve():
+  """``(serve, want)``: ``serve(step, shards, decode=None, pages=64)`` runs 6 ragged requests
+  through the scheduler and an engine over ``step`` (8 slots, chunks of 16) and gives their
+  greedy ids and the engine; ``want``: the unsharded engine's ids."""
   from models.text.tokenizer import ByteTokenizer
-  from models.step import PhaseDecode
   from serving.engine import Engine, EngineConfig
   from serving.kv_pages import PageBudget, PagePool
   from serving.request import Request
@@ -271,10 +274,17 @@ def test_engine_over_the_sharded_step(mesh8):
     got = serve_all(sched, engine, reqs)
     assert pool.pages_used == 0 and sched.idle
     return got, engine
+  return serve, serve(UnshardedStep(CFG), 1)[0]
 
+
+def test_engine_over_the_sharded_step(mesh8, engine_serve):
+  """One layout, then a layout per phase on one mesh (the paper's point), then prefill and
+  decode on two sub-meshes: the unsharded engine's greedy ids each time."""
+  from models.step import PhaseDecode
+
+  serve, want = engine_serve
   step = PS.PagedShardedStep.make(CFG, mesh8, "ws_2d", "batch_xyz")
   got, engine = serve(step, step.kv_shards)
-  want, _ = serve(UnshardedStep(CFG), 1)
   assert engine.prefill_pool.kv.k_pages.sharding.spec == P(None, ("x", "y", "z"))
   assert got == want
   # One mesh, one pool, one params copy, a layout per phase (the paper's point): decode runs
@@ -314,6 +324,17 @@ def test_engine_over_the_sharded_step(mesh8):
                               decode=PhaseDecode(steps.decode, PS.transfer_pages))
   assert split_engine.decode_pool.kv.k_pages.sharding.mesh == dec_mesh
   assert split == want
+
+
+@pytest.mark.slow  # suite time (~25 s); the three engine identities above stay in `make test`
+def test_engine_over_odd_submeshes_two_pools_and_the_planner(mesh8, engine_serve):
+  """Disaggregated over 3 and 2 chips (kv shards dividing neither way), interleaved with a pool
+  per phase (the KV re-laid at insert), and both layouts left to the planner: the unsharded
+  engine's greedy ids each time."""
+  from models.step import PhaseDecode
+  from partitioning.deployment import Deployment, make_steps
+
+  serve, want = engine_serve
   # 3 prefill chips and 2 decode chips: 3 and 2 kv shards, neither dividing the other. The
   # allocator's 6 sub-pools each lie in one shard of each pool, so no sequence straddles a
   # decode shard (with 3 sub-pools one did, and decode read its foreign page as zeros).
@@ -342,10 +363,8 @@ def test_engine_over_the_sharded_step(mesh8):
         "planner (tpu-v4, calibrated by "), planned.description
   auto, _ = serve(planned.step, planned.kv_shards, decode=planned.decode)
   assert auto == want
-  print(f"[paged engine] {engine.programs} programs (one layout), {split_engine.programs} "
-        f"(disaggregated), {inter_engine.programs} (two layouts, one mesh) over {len(reqs)} "
-        f"requests; planner: {planned.description['prefill_choice']} / "
-        f"{planned.description['decode_choice']}")
+  print(f"[paged engine] {inter_engine.programs} programs (two layouts, one mesh); planner: "
+        f"{planned.description['prefill_choice']} / {planned.description['decode_choice']}")
 
 
 @pytest.mark.slow  # suite time (32-48 s); the sharded engine's own identity stays (above)

@@ -1,8 +1,8 @@
 """Speculative decoding on the real model (SmolLM2-135M-Instruct, f32): 32 input-grounded chat
 prompts (repeat, correct or shout a sentence of the project's English passages) give identical
-greedy ids with n-gram drafts verified (k = 4) at batch 1 and at batch 8 as without speculation
-at batch 8; the drafts are accepted often enough to matter; a control that accepts every draft
-changes the ids.
+greedy ids with n-gram drafts verified (k = 4) at batch 8 and (the first 16) at batch 1 as without
+speculation at batch 8; the drafts are accepted often enough to matter; a control that accepts
+every draft changes the ids.
 
 f32: the verify call runs a row's k + 1 tokens through the matmul kernels of k + 1 rows, plain
 decoding one row through the one-row kernel; in f32 both sum in the same order up to the last
@@ -90,9 +90,11 @@ def reference(model, requests):
 
 @pytest.mark.parametrize("slots", [1, 8])
 def test_speculation_keeps_the_greedy_ids(model, requests, reference, slots):
-  got, counts = _serve(model, requests, slots, 4)
-  assert got == reference
-  assert counts.drafts >= 32 and counts.accepted_tokens >= 0.3 * counts.draft_tokens, counts
+  # Batch 1 serves the first 16 (four of each task): one at a time, it costs the most suite time.
+  reqs = requests[:16] if slots == 1 else requests
+  got, counts = _serve(model, reqs, slots, 4)
+  assert got == {r.request_id: reference[r.request_id] for r in reqs}
+  assert counts.drafts >= len(reqs) and counts.accepted_tokens >= 0.3 * counts.draft_tokens, counts
 
 
 def test_control_accepting_every_draft_changes_the_ids(model, requests, reference, monkeypatch):
